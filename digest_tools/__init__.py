@@ -1,0 +1,1 @@
+"""Making and checking digests: ``quiver digest create|show|verify|diff``."""

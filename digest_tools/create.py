@@ -1,0 +1,42 @@
+"""``quiver digest create``: walk a source, hash every item, write a digest."""
+from __future__ import annotations
+
+import logging
+
+from digest_tools.hashing import hash_many, progress
+from quiverfs import digest as digest_format
+from quiverfs.backends import Backend, StorageOptions, open_backend
+from quiverfs.errors import ExitCode, QuietError
+
+log = logging.getLogger(__name__)
+
+
+def create_digest(src: str, name: str | None, workers: int, label_level: int = 1,
+                  options: StorageOptions | None = None) -> bytes:
+    """Return the digest file bytes for every object under ``src``."""
+    backend = open_backend(src, options)
+    try:
+        return _create(backend, name, workers, label_level)
+    finally:
+        backend.close()
+
+
+def _create(backend: Backend, name: str | None, workers: int, label_level: int) -> bytes:
+    objects = sorted(backend.list(), key=lambda o: o.key)
+    if not objects:
+        raise QuietError(f"{backend.uri} holds no files: nothing to digest", ExitCode.BAD_INPUT)
+    total = sum(o.size for o in objects)
+    log.info("hashing %d items (%d bytes) from %s with %d workers",
+             len(objects), total, backend.uri, workers)
+    items: list[digest_format.NewItem] = []
+    for obj, result, size in hash_many(backend, objects, workers,
+                                       progress(total, "hashing")):
+        if isinstance(result, QuietError):
+            raise result
+        if size != obj.size:
+            raise QuietError(f"{backend.object_uri(obj.key)} changed size while being read "
+                             f"({obj.size} -> {size}): digest a stable copy", ExitCode.BAD_INPUT)
+        items.append(digest_format.NewItem(obj.key, result, size))
+    if name is None:
+        name = backend.uri.rstrip("/").rsplit("/", 1)[-1] or "dataset"
+    return digest_format.encode(name, backend.uri, items, label_level)

@@ -1,0 +1,90 @@
+"""The local SSD store: content keyed by SHA-256 in a size-bounded diskcache.
+
+Every value is checked against its hash before it is stored, and carries a
+CRC32C tag (hardware accelerated) that is checked on every read, so a file
+corrupted on disk is dropped and fetched again instead of served.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import sqlite3
+
+import diskcache
+import google_crc32c
+
+log = logging.getLogger(__name__)
+
+# diskcache settings (units in the comments).
+CULL_LIMIT = 64  # items evicted at most per insert, enough to keep under the bound
+DISK_MIN_FILE_SIZE = 32 << 10  # bytes: larger values are files, smaller ones sit in SQLite
+SQLITE_MMAP_SIZE = 256 << 20  # bytes of the index mapped into memory
+TIMEOUT = 60  # seconds a writer waits for SQLite's lock
+
+
+class IntegrityError(Exception):
+    """Content whose SHA-256 is not the one it was asked for."""
+
+
+class ContentStore:
+    """Bytes by SHA-256, bounded by ``size_limit`` bytes, evicting least-recently-used."""
+
+    def __init__(self, directory: str, size_limit: int) -> None:
+        self.cache = diskcache.Cache(
+            directory, size_limit=size_limit, eviction_policy="least-recently-used",
+            cull_limit=CULL_LIMIT, disk_min_file_size=DISK_MIN_FILE_SIZE,
+            sqlite_mmap_size=SQLITE_MMAP_SIZE, timeout=TIMEOUT, statistics=False)
+        if self.cache.size_limit != size_limit:
+            # diskcache keeps settings from an earlier run; the command line wins.
+            self.cache.reset("size_limit", size_limit)
+        self.corrupt_dropped = 0
+
+    @property
+    def size_limit(self) -> int:
+        return int(self.cache.size_limit)
+
+    def get(self, digest: bytes) -> bytes | None:
+        """The content for ``digest``, or None if absent (or found corrupted and dropped)."""
+        try:
+            value, tag = self.cache.get(digest, default=None, tag=True, retry=True)
+        except (OSError, sqlite3.Error) as exc:
+            log.warning("cache entry %s unreadable (%s): dropping it", digest.hex(), exc)
+            self.discard(digest)
+            return None
+        if value is None:
+            return None
+        if not isinstance(value, bytes) or tag != google_crc32c.value(value):
+            log.warning("cache entry %s failed its checksum: dropping it", digest.hex())
+            self.corrupt_dropped += 1
+            self.discard(digest)
+            return None
+        return value
+
+    def put(self, digest: bytes, data: bytes) -> None:
+        """Store ``data`` under ``digest`` after checking that it hashes to it."""
+        if hashlib.sha256(data).digest() != digest:
+            raise IntegrityError(f"content does not hash to {digest.hex()}")
+        self.cache.set(digest, data, tag=google_crc32c.value(data), retry=True)
+
+    def __contains__(self, digest: bytes) -> bool:
+        return digest in self.cache
+
+    def discard(self, digest: bytes) -> None:
+        self.cache.delete(digest, retry=True)
+
+    def clear(self) -> None:
+        self.cache.clear(retry=True)
+
+    def volume(self) -> int:
+        """Bytes used on disk (values plus the index)."""
+        return int(self.cache.volume())
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+    def check(self) -> list:
+        """diskcache's own consistency check; returns the warnings it found."""
+        return self.cache.check(fix=False)
+
+    def close(self) -> None:
+        self.cache.close()

@@ -1,0 +1,167 @@
+"""``gs://bucket/prefix`` backend over the official google-cloud-storage client."""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from typing import BinaryIO
+
+import requests
+from google.api_core import exceptions as gexc
+from google.api_core.retry import Retry
+from google.auth import exceptions as auth_exc
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import storage
+from google.cloud.storage.retry import DEFAULT_RETRY
+
+from quiverfs.backends.base import Backend, ObjectInfo, StorageOptions, check_key
+from quiverfs.errors import ExitCode, QuietError
+
+log = logging.getLogger(__name__)
+
+# Seconds: connect and read timeouts of one HTTP request, and the whole retry budget.
+CONNECT_TIMEOUT = 10.0
+READ_TIMEOUT = 60.0
+RETRY_DEADLINE = 120.0
+STREAM_CHUNK = 8 << 20
+
+
+def split_gs_uri(uri: str) -> tuple[str, str]:
+    """``gs://bucket/a/b`` -> (``bucket``, ``a/b``)."""
+    rest = uri[len("gs://"):]
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise QuietError(f"{uri!r} names no bucket: use gs://BUCKET[/PREFIX]", ExitCode.USAGE)
+    return bucket, prefix.strip("/")
+
+
+class GCSBackend(Backend):
+    """Objects under ``gs://bucket/prefix``; one client per thread (clients are not shared)."""
+
+    def __init__(self, uri: str, options: StorageOptions | None = None,
+                 retry_deadline: float = RETRY_DEADLINE) -> None:
+        self.bucket_name, self.prefix = split_gs_uri(uri)
+        self.uri = f"gs://{self.bucket_name}" + (f"/{self.prefix}" if self.prefix else "")
+        self.options = options or StorageOptions()
+        self.retry: Retry = DEFAULT_RETRY.with_deadline(retry_deadline)
+        self.timeout = (CONNECT_TIMEOUT, READ_TIMEOUT)
+        self._local = threading.local()
+        self._clients: list[storage.Client] = []
+        self._lock = threading.Lock()
+
+    def _client(self) -> storage.Client:
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = self._make_client()
+            self._local.client = client
+            with self._lock:
+                self._clients.append(client)
+        return client
+
+    def _make_client(self) -> storage.Client:
+        opts = self.options
+        client_options = {"api_endpoint": opts.emulator_host} if opts.emulator_host else None
+        try:
+            if opts.credentials_info is not None:
+                return storage.Client.from_service_account_info(
+                    opts.credentials_info, client_options=client_options)
+            if opts.anonymous or opts.emulator_host:
+                return storage.Client(project="quiver", credentials=AnonymousCredentials(),
+                                      client_options=client_options)
+            return storage.Client(client_options=client_options)
+        except auth_exc.DefaultCredentialsError:
+            raise QuietError(
+                f"no Google Cloud credentials for {self.uri}: set GOOGLE_APPLICATION_CREDENTIALS, "
+                "pass --credentials FILE, or --anonymous for a public bucket",
+                ExitCode.PERMISSION) from None
+        except (ValueError, KeyError) as exc:
+            raise QuietError(f"invalid service-account credentials: {exc}",
+                             ExitCode.PERMISSION) from None
+
+    def _name(self, key: str) -> str:
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _error(self, exc: Exception, key: str | None) -> QuietError:
+        where = self.object_uri(key) if key else self.uri
+        if isinstance(exc, gexc.NotFound):
+            if key is not None and self._bucket_exists():
+                return QuietError(f"object {where} does not exist", ExitCode.NOT_FOUND)
+            return QuietError(f"bucket gs://{self.bucket_name} does not exist: check the name",
+                              ExitCode.NOT_FOUND)
+        if isinstance(exc, (gexc.Forbidden, gexc.Unauthorized)):
+            return QuietError(f"access to {where} denied: check the credentials' permissions",
+                              ExitCode.PERMISSION)
+        if isinstance(exc, QuietError):
+            return exc
+        return QuietError(f"cannot reach {where} after retries: {type(exc).__name__}: {exc}",
+                          ExitCode.BACKEND)
+
+    def _bucket_exists(self) -> bool:
+        try:
+            return self._client().bucket(self.bucket_name).exists(
+                timeout=self.timeout, retry=self.retry)
+        except gexc.GoogleAPIError:
+            return False
+
+    def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        blob = self._client().bucket(self.bucket_name).blob(self._name(key))
+        end = None if length is None else offset + length - 1
+        if length == 0:
+            return b""
+        try:
+            return blob.download_as_bytes(start=offset or None, end=end, checksum=None,
+                                          timeout=self.timeout, retry=self.retry)
+        except (gexc.GoogleAPIError, requests.RequestException, auth_exc.GoogleAuthError) as exc:
+            raise self._error(exc, key) from None
+
+    def stream_into(self, key: str, sink: BinaryIO) -> int:
+        blob = self._client().bucket(self.bucket_name).blob(self._name(key),
+                                                             chunk_size=STREAM_CHUNK)
+        counter = _CountingSink(sink)
+        try:
+            blob.download_to_file(counter, checksum=None, timeout=self.timeout,
+                                  retry=self.retry)
+        except (gexc.GoogleAPIError, requests.RequestException, auth_exc.GoogleAuthError) as exc:
+            raise self._error(exc, key) from None
+        return counter.count
+
+    def list(self) -> Iterator[ObjectInfo]:
+        prefix = f"{self.prefix}/" if self.prefix else ""
+        try:
+            for blob in self._client().list_blobs(self.bucket_name, prefix=prefix or None,
+                                                  timeout=self.timeout, retry=self.retry):
+                if blob.name.endswith("/"):
+                    continue  # a "directory" placeholder object
+                yield ObjectInfo(blob.name[len(prefix):], int(blob.size or 0))
+        except (gexc.GoogleAPIError, requests.RequestException, auth_exc.GoogleAuthError) as exc:
+            raise self._error(exc, None) from None
+
+    def stat(self, key: str) -> ObjectInfo:
+        try:
+            blob = self._client().bucket(self.bucket_name).get_blob(
+                self._name(key), timeout=self.timeout, retry=self.retry)
+        except (gexc.GoogleAPIError, requests.RequestException, auth_exc.GoogleAuthError) as exc:
+            raise self._error(exc, key) from None
+        if blob is None:
+            raise self._error(gexc.NotFound("missing"), key)
+        return ObjectInfo(key, int(blob.size or 0))
+
+    def close(self) -> None:
+        with self._lock:
+            for client in self._clients:
+                client.close()
+            self._clients.clear()
+
+
+class _CountingSink:
+    """A write-only file object that counts bytes on their way to another sink."""
+
+    def __init__(self, sink: BinaryIO) -> None:
+        self.sink = sink
+        self.count = 0
+
+    def write(self, data: bytes) -> int:
+        self.sink.write(data)
+        self.count += len(data)
+        return len(data)

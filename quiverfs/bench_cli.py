@@ -1,0 +1,68 @@
+"""``quiver bench``: benchmarks that write a JSON report with a ``summary`` object."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+from quiverfs.errors import ExitCode, QuietError
+
+# name -> ("module:function", help). Each function takes (quick: bool, workdir: str)
+# and returns a dict holding at least "summary".
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "digest": ("digest_tools.bench:run",
+               "digest load time and memory at 1.3 M entries, hashing throughput"),
+}
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="run a benchmark and write JSON",
+                       description="Run a benchmark side by side with its baseline and write "
+                       "a JSON report whose 'summary' holds the headline numbers.")
+    p.add_argument("name", choices=sorted(BENCHMARKS) + ["all"],
+                   help="; ".join(f"{k}: {v[1]}" for k, v in sorted(BENCHMARKS.items())))
+    p.add_argument("--json", metavar="OUT", required=True, help="where to write the report")
+    p.add_argument("--quick", action="store_true", help="a small version that runs in about "
+                   "a minute")
+    p.add_argument("--workdir", help="scratch directory (default: a temporary one)")
+    p.set_defaults(func=cmd_bench)
+
+
+def machine() -> dict:
+    """What the numbers were measured on."""
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"cpus": os.cpu_count(), "memory_gb": round(mem / 2**30, 1),
+            "platform": platform.platform(), "python": platform.python_version()}
+
+
+def run_one(name: str, quick: bool, workdir: str | None) -> dict:
+    target, _ = BENCHMARKS[name]
+    module, func = target.split(":")
+    fn = importlib.import_module(module).__dict__[func]
+    with tempfile.TemporaryDirectory(prefix=f"quiver-bench-{name}-", dir=workdir) as tmp:
+        started = time.time()
+        report = fn(quick=quick, workdir=tmp)
+    report.update({"benchmark": name, "quick": quick, "machine": machine(),
+                   "seconds": round(time.time() - started, 1),
+                   "command": "quiver " + " ".join(sys.argv[1:])})
+    return report
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.workdir and not os.path.isdir(args.workdir):
+        raise QuietError(f"--workdir {args.workdir} is not a directory", ExitCode.NOT_FOUND)
+    names = sorted(BENCHMARKS) if args.name == "all" else [args.name]
+    reports = {n: run_one(n, args.quick, args.workdir) for n in names}
+    out = reports[names[0]] if len(names) == 1 else {"summary": {
+        n: r["summary"] for n, r in reports.items()}, "reports": reports}
+    tmp = args.json + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(out, f, indent=2)
+    os.replace(tmp, args.json)
+    print(json.dumps(out["summary"], indent=2))
+    return ExitCode.OK
