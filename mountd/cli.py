@@ -1,8 +1,184 @@
-"""The daemon-side subcommands: mountd, mount, umount, status."""
+"""The daemon-side subcommands: mountd, mount, umount, status, prefetch."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from quiverfs import control_client
+from quiverfs import digest as digest_format
+from quiverfs.errors import ExitCode, QuietError
+from quiverfs.sizes import human, parse_size
+
+STARTUP_TIMEOUT = 120.0  # seconds a backgrounded mountd may take to answer
+
+
+def _root_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--root", default=os.environ.get("QUIVER_ROOT", control_client.DEFAULT_ROOT),
+                   help="mount root of the mountd to talk to (default: $QUIVER_ROOT or "
+                   "%(default)s)")
+    p.add_argument("--control-socket", help="its control socket (default: derived from --root)")
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    return None
+    from digest_tools.cli import add_storage_options
+
+    d = sub.add_parser("mountd", help="run the per-VM mount daemon",
+                       description="Mount a read-only Quiver filesystem at ROOT, backed by a "
+                       "content-addressed cache in CACHE_DIR. Datasets appear at ROOT/NAME "
+                       "after 'quiver mount'. Runs in the background unless --foreground.")
+    _root_arg(d)
+    d.add_argument("--cache-dir", required=True, help="SSD directory for the cache and state")
+    d.add_argument("--cache-size", required=True, help="cache bound, e.g. 200G")
+    d.add_argument("--foreground", action="store_true", help="stay in the foreground")
+    d.add_argument("--log-file", help="log file when in the background "
+                   "(default: CACHE_DIR/mountd.log)")
+    d.add_argument("--threads", type=int, default=16, help="blocking I/O workers (default 16)")
+    d.set_defaults(func=cmd_mountd, daemon=True)
+
+    m = sub.add_parser("mount", help="register a digest: its tree appears at ROOT/NAME",
+                       description="Register DIGEST with the running mountd. Only you (and "
+                       "root) can list or read ROOT/NAME.")
+    m.add_argument("digest", help="digest file made by 'quiver digest create'")
+    m.add_argument("--name", help="directory name under ROOT (default: the digest's name)")
+    m.add_argument("--prefetch", action="store_true", help="warm the cache in the background")
+    _root_arg(m)
+    add_storage_options(m)
+    m.set_defaults(func=cmd_mount)
+
+    u = sub.add_parser("umount", help="remove ROOT/NAME (the cache keeps its content)")
+    u.add_argument("name", help="dataset name")
+    _root_arg(u)
+    u.set_defaults(func=cmd_umount)
+
+    s = sub.add_parser("status", help="datasets, cache use, hits/misses and bytes per tier")
+    s.add_argument("--json", action="store_true", help="print JSON")
+    _root_arg(s)
+    s.set_defaults(func=cmd_status)
+
+    f = sub.add_parser("prefetch", help="warm the cache with a whole dataset, in the background")
+    f.add_argument("name", help="dataset name")
+    _root_arg(f)
+    f.set_defaults(func=cmd_prefetch)
+
+
+def _socket(args: argparse.Namespace) -> str:
+    return args.control_socket or control_client.default_socket(args.root)
+
+
+def _call(args: argparse.Namespace, request: dict) -> dict:
+    return control_client.call(_socket(args), request, root=args.root)
+
+
+def cmd_mountd(args: argparse.Namespace) -> int:
+    from mountd.daemon import MountdConfig, prepare_root, run_mountd
+
+    root = os.path.abspath(args.root)
+    cfg = MountdConfig(root=root, cache_dir=os.path.abspath(args.cache_dir),
+                       cache_size=parse_size(args.cache_size, "--cache-size"),
+                       control_socket=args.control_socket or control_client.default_socket(root),
+                       threads=args.threads)
+    if cfg.cache_size <= 0:
+        raise QuietError("--cache-size must be positive", ExitCode.USAGE)
+    if args.threads < 1:
+        raise QuietError("--threads must be at least 1", ExitCode.USAGE)
+    try:
+        os.makedirs(cfg.cache_dir, exist_ok=True)
+    except OSError as exc:
+        raise QuietError(f"cannot create --cache-dir {cfg.cache_dir}: {exc.strerror}",
+                         ExitCode.PERMISSION) from None
+    prepare_root(root)
+    if args.foreground:
+        run_mountd(cfg)
+        return ExitCode.OK
+    return _spawn_background(args, cfg.control_socket,
+                             args.log_file or os.path.join(cfg.cache_dir, "mountd.log"))
+
+
+def _spawn_background(args: argparse.Namespace, socket_path: str, log_file: str) -> int:
+    """Start ``quiver mountd --foreground`` detached; return once it answers."""
+    argv = [sys.executable, "-m", "quiverfs.cli"] + [a for a in sys.argv[1:]] + ["--foreground"]
+    with open(log_file, "ab") as log:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                start_new_session=True)
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise QuietError(f"mountd exited with status {proc.returncode}: "
+                             f"{_last_line(log_file)}", ExitCode(proc.returncode)
+                             if proc.returncode in ExitCode._value2member_map_ else ExitCode.DAEMON)
+        try:
+            control_client.call(socket_path, {"op": "status"}, timeout=5)
+        except QuietError:
+            time.sleep(0.1)
+            continue
+        print(f"mountd {proc.pid} serving {os.path.abspath(args.root)} (log: {log_file})")
+        return ExitCode.OK
+    proc.terminate()
+    raise QuietError(f"mountd did not start within {STARTUP_TIMEOUT:.0f} s; see {log_file}",
+                     ExitCode.DAEMON)
+
+
+def _last_line(path: str) -> str:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [line.strip() for line in f if line.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    from digest_tools.cli import storage_options
+
+    digest = digest_format.load(args.digest)
+    with open(args.digest, "rb") as f:
+        data = f.read()
+    opts = storage_options(args)
+    reply = _call(args, {"op": "mount", "name": args.name or digest.name, "digest": data,
+                         "credentials": opts.credentials_info,
+                         "emulator_host": opts.emulator_host, "anonymous": opts.anonymous,
+                         "prefetch": args.prefetch})
+    print(f"{reply['path']}: {reply['items']} items, {human(reply['bytes'])}")
+    return ExitCode.OK
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    _call(args, {"op": "umount", "name": args.name})
+    return ExitCode.OK
+
+
+def cmd_prefetch(args: argparse.Namespace) -> int:
+    reply = _call(args, {"op": "prefetch", "name": args.name})
+    print(f"prefetching {reply['items']} items of {reply['name']} "
+          "(progress: 'quiver status')")
+    return ExitCode.OK
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    reply = _call(args, {"op": "status"})
+    reply.pop("ok", None)
+    if args.json:
+        json.dump(reply, sys.stdout, indent=2)
+        print()
+        return ExitCode.OK
+    cache = reply["cache"]
+    c = reply["counters"]
+    print(f"root {reply['root']} (mountd pid {reply['pid']})")
+    print(f"cache: {human(cache['used_bytes'])} of {human(cache['size_limit'])} used, "
+          f"{cache['items']} items")
+    print(f"reads: {c.get('local_hits', 0)} local hits ({human(c.get('local_bytes', 0))}), "
+          f"{c.get('misses', 0)} misses, {c.get('bucket_fetches', 0)} bucket fetches "
+          f"({human(c.get('bucket_bytes', 0))}), {c.get('integrity_failures', 0)} integrity "
+          f"failures, {c.get('bucket_errors', 0)} storage errors")
+    for ds in reply["datasets"]:
+        line = (f"  {ds['name']:<20} {ds['items']:>9} items {human(ds['bytes']):>10}  "
+                f"hits {ds['counters'].get('local_hits', 0)}  "
+                f"misses {ds['counters'].get('misses', 0)}  {ds['source']}")
+        pf = ds.get("prefetch")
+        if pf:
+            state = "done" if pf["finished"] else "running"
+            line += (f"  prefetch {state} {pf['done_items']}/{pf['total_items']}"
+                     + (f" ({pf['failed']} failed)" if pf["failed"] else ""))
+        print(line)
+    return ExitCode.OK

@@ -1,0 +1,112 @@
+"""The local control socket: msgpack requests from ``quiver mount|umount|status``.
+
+The caller's uid, gid and groups come from SO_PEERCRED, so a registration belongs to
+the user who made it. A bad request gets an error reply; the server stays up.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import struct
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from mountd.access_check import peer_groups
+from quiverfs import wire
+from quiverfs.errors import ExitCode, QuietError
+
+log = logging.getLogger(__name__)
+
+_UCRED = struct.Struct("3i")
+
+
+@dataclasses.dataclass(frozen=True)
+class Peer:
+    """Who is on the other end of a control connection."""
+
+    pid: int
+    uid: int
+    gid: int
+    groups: frozenset[int]
+
+
+Handler = Callable[[Peer, dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+def peer_of(sock: trio.socket.SocketType) -> Peer:
+    pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                  _UCRED.size))
+    return Peer(pid, uid, gid, peer_groups(pid, gid))
+
+
+class ControlServer:
+    """Serves one request per frame on a unix socket, dispatching by ``op``."""
+
+    def __init__(self, path: str, handlers: dict[str, Handler]) -> None:
+        self.path = path
+        self.handlers = handlers
+
+    async def serve(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+        os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        await sock.bind(self.path)
+        os.chmod(self.path, 0o666)  # any local user may register their own datasets
+        sock.listen(64)
+        try:
+            task_status.started()
+            await trio.serve_listeners(self._connection, [trio.SocketListener(sock)])
+        finally:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    async def _connection(self, stream: trio.SocketStream) -> None:
+        async with stream:
+            peer = peer_of(stream.socket)
+            while True:
+                try:
+                    body = await wire.recv_frame(stream)
+                except EOFError:
+                    return
+                except wire.FrameError as exc:
+                    await self._reply_error(stream, str(exc), ExitCode.USAGE)
+                    return
+                except trio.BrokenResourceError:
+                    return
+                reply = await self._dispatch(peer, body)
+                try:
+                    await wire.send_msg(stream, reply)
+                except trio.BrokenResourceError:
+                    return
+
+    async def _dispatch(self, peer: Peer, body: bytes) -> dict[str, Any]:
+        try:
+            request = wire.unpack(body)
+            if not isinstance(request, dict) or request.get("op") not in self.handlers:
+                raise QuietError(f"unknown request (ops: {', '.join(sorted(self.handlers))})",
+                                 ExitCode.USAGE)
+            reply = await self.handlers[request["op"]](peer, request)
+            return {"ok": True, **reply}
+        except wire.FrameError as exc:
+            return {"ok": False, "error": str(exc), "code": int(ExitCode.USAGE)}
+        except QuietError as exc:
+            return {"ok": False, "error": exc.message, "code": int(exc.exitcode)}
+        except (KeyError, TypeError, ValueError) as exc:
+            return {"ok": False, "error": f"malformed request: {type(exc).__name__}: {exc}",
+                    "code": int(ExitCode.USAGE)}
+
+    @staticmethod
+    async def _reply_error(stream: trio.SocketStream, message: str, code: ExitCode) -> None:
+        try:
+            await wire.send_msg(stream, {"ok": False, "error": message, "code": int(code)})
+        except trio.BrokenResourceError:
+            pass

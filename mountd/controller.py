@@ -1,0 +1,207 @@
+"""What the control socket can ask of mountd: mount, umount, status, prefetch."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import pyfuse3
+import trio
+
+from mountd.access_check import AccessChecker
+from mountd.control_server import Peer
+from mountd.dataset import MountedDataset, PrefetchProgress
+from mountd.dataset_tree import DatasetTree
+from mountd.item_reader import ItemReader, ReadFailed
+from mountd.mount_table import MountTable
+from mountd.registry import Registration, Registry, check_name, new_registration
+from quiverfs.backends import StorageOptions
+from quiverfs.digest import Digest
+from quiverfs.errors import ExitCode, QuietError
+
+log = logging.getLogger(__name__)
+
+PREFETCH_BATCH = 256  # entries checked against the store per thread call
+
+
+class Controller:
+    """Owns the mount table's membership; every change is persisted in the registry."""
+
+    def __init__(self, root: str, table: MountTable, registry: Registry, reader: ItemReader,
+                 prefetch_concurrency: int) -> None:
+        self.root = root
+        self.table = table
+        self.registry = registry
+        self.reader = reader
+        self.prefetch_concurrency = prefetch_concurrency
+        self._lock = trio.Lock()
+        self._nursery: trio.Nursery | None = None
+        self._prefetch_scopes: dict[str, trio.CancelScope] = {}
+
+    def handlers(self) -> dict[str, Any]:
+        return {"mount": self.mount, "umount": self.umount, "status": self.status,
+                "prefetch": self.prefetch}
+
+    async def run(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+        """Hold the nursery that background prefetches run in."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    # -- building datasets ------------------------------------------------------------
+    def _build(self, reg: Registration, digest: Digest) -> MountedDataset:
+        tree = DatasetTree(digest)
+        backend = self.registry.open_backend(reg, digest)
+        return MountedDataset(reg=reg, digest=digest, tree=tree, backend=backend,
+                              inode_base=self.table.allocate_base(tree.n_nodes))
+
+    def restore(self) -> None:
+        """Re-register the datasets persisted by an earlier run (before mounting)."""
+        kept = []
+        for reg in self.registry.load_records():
+            try:
+                ds = self._build(reg, self.registry.load_digest(reg.identity))
+            except QuietError as exc:
+                log.error("dropping dataset %s: %s", reg.name, exc.message)
+                continue
+            self.table.add(ds)
+            kept.append(reg)
+            log.info("restored dataset %s (%d items)", reg.name, len(ds.digest))
+        self.registry.save_records(kept)
+
+    @staticmethod
+    def _check_local_access(digest: Digest, peer: Peer) -> None:
+        if not digest.source.startswith("file://") or peer.uid == 0:
+            return
+        root = digest.source[len("file://"):]
+        checker = AccessChecker(peer.uid, peer.groups)
+        for i in range(len(digest)):
+            path = os.path.join(root, digest.key(i))
+            if not checker.can_read(path):
+                raise QuietError(f"uid {peer.uid} cannot read {path}: a digest can only name "
+                                 "files its owner can read", ExitCode.PERMISSION)
+
+    # -- requests ---------------------------------------------------------------------
+    async def mount(self, peer: Peer, req: dict[str, Any]) -> dict[str, Any]:
+        name = check_name(str(req["name"]))
+        data = req["digest"]
+        if not isinstance(data, bytes):
+            raise QuietError("the digest must be sent as bytes", ExitCode.USAGE)
+        options = StorageOptions(credentials_info=req.get("credentials"),
+                                 emulator_host=req.get("emulator_host"),
+                                 anonymous=bool(req.get("anonymous", False)))
+        async with self._lock:
+            self._check_free(name)
+            digest = await trio.to_thread.run_sync(self.registry.store_digest, data)
+            await trio.to_thread.run_sync(self._check_local_access, digest, peer)
+            reg = new_registration(name, digest.identity, peer.uid, peer.gid, options)
+            self.registry.store_credentials(name, options.credentials_info)
+            ds = await trio.to_thread.run_sync(self._build, reg, digest)
+            self.table.add(ds)
+            self._save()
+        log.info("uid %d mounted %s: %d items from %s", peer.uid, name, len(digest),
+                 digest.source)
+        if req.get("prefetch"):
+            self._start_prefetch(ds)
+        return {"path": os.path.join(self.root, name), "items": len(digest),
+                "bytes": digest.total_bytes}
+
+    def _check_free(self, name: str) -> None:
+        if name in self.table.by_name:
+            raise QuietError(f"a dataset named {name!r} is already mounted at "
+                             f"{os.path.join(self.root, name)}: pick another --name or "
+                             f"'quiver umount {name}' first", ExitCode.BAD_INPUT)
+
+    def _owned(self, peer: Peer, name: str) -> MountedDataset:
+        ds = self.table.by_name.get(name)
+        if ds is None or (peer.uid != 0 and ds.reg.uid != peer.uid):
+            raise QuietError(f"no dataset named {name!r} is mounted at {self.root} "
+                             "('quiver status' lists them)", ExitCode.NOT_FOUND)
+        return ds
+
+    async def umount(self, peer: Peer, req: dict[str, Any]) -> dict[str, Any]:
+        name = str(req["name"])
+        async with self._lock:
+            self._owned(peer, name)
+            scope = self._prefetch_scopes.pop(name, None)
+            if scope is not None:
+                scope.cancel()
+            ds = self.table.remove(name)
+            self._save()
+            self.registry.forget(ds.reg, {d.reg.identity for d in self.table.by_name.values()})
+        pyfuse3.invalidate_entry_async(pyfuse3.ROOT_INODE, name.encode(), ignore_enoent=True)
+        await trio.to_thread.run_sync(ds.backend.close)
+        log.info("uid %d unmounted %s", peer.uid, name)
+        return {"name": name}
+
+    def _save(self) -> None:
+        self.registry.save_records([ds.reg for ds in self.table.by_name.values()])
+
+    async def status(self, peer: Peer, req: dict[str, Any]) -> dict[str, Any]:
+        store = self.reader.store
+        volume, items = await trio.to_thread.run_sync(
+            lambda: (store.volume(), len(store)), limiter=self.reader.limiter)
+        datasets = []
+        for ds in self.table.visible_to(peer.uid):
+            entry = {"name": ds.name, "path": os.path.join(self.root, ds.name),
+                     "uid": ds.reg.uid, "source": ds.digest.source, "items": len(ds.digest),
+                     "bytes": ds.digest.total_bytes, "identity": ds.reg.identity,
+                     "counters": dict(ds.counters)}
+            if ds.prefetch is not None:
+                entry["prefetch"] = vars(ds.prefetch).copy()
+            datasets.append(entry)
+        return {"root": self.root, "pid": os.getpid(),
+                "cache": {"size_limit": store.size_limit, "used_bytes": volume, "items": items,
+                          "corrupt_dropped": store.corrupt_dropped},
+                "counters": dict(self.reader.counters), "datasets": datasets}
+
+    async def prefetch(self, peer: Peer, req: dict[str, Any]) -> dict[str, Any]:
+        ds = self._owned(peer, str(req["name"]))
+        self._start_prefetch(ds)
+        return {"name": ds.name, "items": len(ds.digest)}
+
+    # -- prefetch ---------------------------------------------------------------------
+    def _start_prefetch(self, ds: MountedDataset) -> None:
+        if ds.name in self._prefetch_scopes or self._nursery is None:
+            return
+        scope = trio.CancelScope()
+        self._prefetch_scopes[ds.name] = scope
+        ds.prefetch = PrefetchProgress(len(ds.digest), ds.digest.total_bytes)
+        self._nursery.start_soon(self._prefetch, ds, ds.prefetch, scope,
+                                 name=f"prefetch {ds.name}")
+
+    async def _prefetch(self, ds: MountedDataset, progress: PrefetchProgress,
+                        scope: trio.CancelScope) -> None:
+        """Warm the store with every entry of ``ds``, a bounded number at a time."""
+        slots = trio.Semaphore(self.prefetch_concurrency)
+
+        async def one(index: int) -> None:
+            try:
+                await self.reader.fetch(ds, index)
+            except ReadFailed:
+                progress.failed += 1
+            else:
+                progress.done_items += 1
+                progress.done_bytes += ds.digest.sizes[index]
+            finally:
+                slots.release()
+
+        with scope:
+            async with trio.open_nursery() as nursery:
+                for start in range(0, len(ds.digest), PREFETCH_BATCH):
+                    batch = range(start, min(start + PREFETCH_BATCH, len(ds.digest)))
+                    present = await trio.to_thread.run_sync(
+                        lambda: [ds.digest.hash(i) in self.reader.store for i in batch],
+                        limiter=self.reader.limiter)
+                    for index, cached in zip(batch, present):
+                        if cached:
+                            progress.done_items += 1
+                            progress.done_bytes += ds.digest.sizes[index]
+                            continue
+                        await slots.acquire()
+                        nursery.start_soon(one, index)
+            progress.finished = True
+            log.info("prefetch of %s finished: %d items, %d failed", ds.name,
+                     progress.done_items, progress.failed)
+        self._prefetch_scopes.pop(ds.name, None)

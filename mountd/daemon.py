@@ -1,0 +1,126 @@
+"""mountd's lifecycle: check the root, mount, serve, unmount cleanly on a signal."""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import faulthandler
+import logging
+import os
+import signal
+import subprocess
+
+import pyfuse3
+import trio
+
+from mountd.content_store import ContentStore
+from mountd.control_server import ControlServer
+from mountd.controller import Controller
+from mountd.fs import QuiverFS
+from mountd.item_reader import ItemReader
+from mountd.mount_table import MountTable
+from mountd.registry import Registry
+from quiverfs import sd_notify
+from quiverfs.errors import ExitCode, QuietError
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class MountdConfig:
+    """Settings of one mountd (command line or config file)."""
+
+    root: str
+    cache_dir: str
+    cache_size: int
+    control_socket: str
+    threads: int = 16  # blocking workers: diskcache, storage reads, hashing
+    fuse_tasks: int = 64  # FUSE requests handled at once
+    prefetch_concurrency: int = 16
+
+
+def prepare_root(root: str) -> None:
+    """Make sure ``root`` is a directory we can mount on, clearing a crashed mount."""
+    try:
+        os.stat(root)
+    except FileNotFoundError:
+        raise QuietError(f"mount root {root} does not exist: create it first "
+                         f"(mkdir -p {root})", ExitCode.MOUNT) from None
+    except OSError as exc:
+        if exc.errno != errno.ENOTCONN:
+            raise QuietError(f"mount root {root}: {exc.strerror}", ExitCode.MOUNT) from None
+        log.warning("%s is a stale mount (transport endpoint not connected): unmounting it",
+                    root)
+        subprocess.run(["fusermount3", "-u", "-z", root], check=False,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if not os.path.isdir(root):
+        raise QuietError(f"mount root {root} is not a directory", ExitCode.MOUNT)
+    if _is_fuse_mount(root):
+        raise QuietError(f"{root} is already mounted by a running FUSE daemon: stop it "
+                         f"(or 'fusermount3 -u {root}') first", ExitCode.MOUNT)
+
+
+def _is_fuse_mount(root: str) -> bool:
+    with open("/proc/self/mounts", encoding="utf-8") as f:
+        for line in f:
+            fields = line.split()
+            target = fields[1].replace("\\040", " ")
+            if target == root and fields[2].startswith("fuse"):
+                return True
+    return False
+
+
+class Mountd:
+    """One mount root, one content store, one control socket."""
+
+    def __init__(self, cfg: MountdConfig) -> None:
+        self.cfg = cfg
+        self.root = os.path.abspath(cfg.root)
+        self.store = ContentStore(os.path.join(cfg.cache_dir, "store"), cfg.cache_size)
+        self.registry = Registry(os.path.join(cfg.cache_dir, "state"))
+        self.table = MountTable()
+        self.limiter = trio.CapacityLimiter(cfg.threads)
+        self.reader = ItemReader(self.store, self.limiter)
+        self.controller = Controller(self.root, self.table, self.registry, self.reader,
+                                     cfg.prefetch_concurrency)
+        self.fs = QuiverFS(self.table, self.reader)
+        self._terminated = False
+
+    def run(self) -> None:
+        prepare_root(self.root)
+        self.controller.restore()
+        options = set(pyfuse3.default_options)
+        options |= {"fsname=quiver", "subtype=quiver", "ro", "allow_other"}
+        pyfuse3.init(self.fs, self.root, options)
+        log.info("mounted %s (cache %s, %d bytes)", self.root, self.cfg.cache_dir,
+                 self.cfg.cache_size)
+        try:
+            trio.run(self._serve)
+        finally:
+            pyfuse3.close(unmount=True)
+            self.store.close()
+            log.info("unmounted %s", self.root)
+
+    async def _serve(self) -> None:
+        server = ControlServer(self.cfg.control_socket, self.controller.handlers())
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.controller.run)
+            await nursery.start(server.serve)
+            nursery.start_soon(self._on_signals)
+            sd_notify.notify("READY=1")
+            await pyfuse3.main(min_tasks=1, max_tasks=self.cfg.fuse_tasks)
+            nursery.cancel_scope.cancel()
+        if not self._terminated:
+            raise QuietError(f"the FUSE session at {self.root} ended unexpectedly "
+                             "(unmounted from outside?)", ExitCode.MOUNT)
+
+    async def _on_signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+            async for signum in sigs:
+                log.info("%s: unmounting", signal.Signals(signum).name)
+                self._terminated = True
+                pyfuse3.terminate()
+
+
+def run_mountd(cfg: MountdConfig) -> None:
+    faulthandler.register(signal.SIGUSR1)
+    Mountd(cfg).run()

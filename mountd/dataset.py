@@ -1,0 +1,42 @@
+"""A mounted dataset: its registration, digest, tree, backend and counters."""
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+from mountd.dataset_tree import DatasetTree
+from mountd.registry import Registration
+from quiverfs.backends import Backend
+from quiverfs.digest import Digest
+
+
+@dataclasses.dataclass
+class PrefetchProgress:
+    """How far a dataset's prefetch has got."""
+
+    total_items: int
+    total_bytes: int
+    done_items: int = 0
+    done_bytes: int = 0
+    failed: int = 0
+    finished: bool = False
+
+
+@dataclasses.dataclass(eq=False)
+class MountedDataset:
+    """Everything mountd holds for one ROOT/NAME."""
+
+    reg: Registration
+    digest: Digest
+    tree: DatasetTree
+    backend: Backend
+    inode_base: int
+    counters: Counter[str] = dataclasses.field(default_factory=Counter)
+    prefetch: PrefetchProgress | None = None
+
+    @property
+    def name(self) -> str:
+        return self.reg.name
+
+    def owns_inode(self, inode: int) -> bool:
+        return self.inode_base <= inode < self.inode_base + self.tree.n_nodes

@@ -1,0 +1,191 @@
+"""The FUSE operations: thin async handlers over the mount table and the item reader."""
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+import stat
+import time
+
+import pyfuse3
+import trio
+
+from mountd.dataset import MountedDataset
+from mountd.item_reader import ItemReader, ReadFailed
+from mountd.mount_table import MountTable
+
+log = logging.getLogger(__name__)
+
+# Seconds the kernel may cache names and attributes. Content under a dataset never
+# changes; dataset names in the root can come and go, so they expire quickly.
+DATASET_TIMEOUT = 3600.0
+ROOT_ENTRY_TIMEOUT = 1.0
+XATTR_HASH = b"user.quiver.sha256"
+
+
+class QuiverFS(pyfuse3.Operations):
+    """A read-only tree per dataset at ROOT/NAME; file content comes from ItemReader."""
+
+    supports_dot_lookup = True
+    enable_writeback_cache = False
+    enable_acl = False
+
+    def __init__(self, table: MountTable, reader: ItemReader) -> None:
+        super().__init__()
+        self.table = table
+        self.reader = reader
+        self._fh = itertools.count(1)
+        self._dir_handles: dict[int, list[tuple[bytes, int]]] = {}
+        self._files: dict[int, bytes] = {}
+        self.started_ns = time.time_ns()
+
+    # -- attributes -------------------------------------------------------------------
+    def _root_attr(self) -> pyfuse3.EntryAttributes:
+        attr = pyfuse3.EntryAttributes()
+        attr.st_ino = pyfuse3.ROOT_INODE
+        attr.st_mode = stat.S_IFDIR | 0o755
+        attr.st_nlink = 2
+        attr.st_uid = attr.st_gid = 0
+        attr.st_atime_ns = attr.st_mtime_ns = attr.st_ctime_ns = self.started_ns
+        attr.attr_timeout = attr.entry_timeout = ROOT_ENTRY_TIMEOUT
+        return attr
+
+    @staticmethod
+    def _node_attr(ds: MountedDataset, node: int) -> pyfuse3.EntryAttributes:
+        attr = pyfuse3.EntryAttributes()
+        attr.st_ino = ds.inode_base + node
+        attr.st_uid = ds.reg.uid
+        attr.st_gid = ds.reg.gid
+        ns = int(ds.reg.registered_at * 1e9)
+        attr.st_atime_ns = attr.st_mtime_ns = attr.st_ctime_ns = ns
+        attr.st_blksize = 1 << 17
+        if ds.tree.is_dir(node):
+            attr.st_mode = stat.S_IFDIR | (0o700 if node == 0 else 0o555)
+            attr.st_nlink = 2
+        else:
+            size = ds.digest.sizes[ds.tree.entry_index(node)]
+            attr.st_mode = stat.S_IFREG | 0o444
+            attr.st_nlink = 1
+            attr.st_size = size
+            attr.st_blocks = (size + 511) // 512
+        timeout = ROOT_ENTRY_TIMEOUT if node == 0 else DATASET_TIMEOUT
+        attr.attr_timeout = attr.entry_timeout = timeout
+        return attr
+
+    def _resolve(self, inode: int) -> tuple[MountedDataset, int]:
+        found = self.table.resolve(inode)
+        if found is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return found
+
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None
+                      ) -> pyfuse3.EntryAttributes:
+        if self.table.is_root(inode):
+            return self._root_attr()
+        ds, node = self._resolve(inode)
+        return self._node_attr(ds, node)
+
+    async def lookup(self, parent_inode: int, name: bytes,
+                     ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
+        text = os.fsdecode(name)
+        if self.table.is_root(parent_inode):
+            if text in (".", ".."):
+                return self._root_attr()
+            ds = self.table.by_name.get(text)
+            if ds is None:
+                raise pyfuse3.FUSEError(errno.ENOENT)
+            return self._node_attr(ds, 0)
+        ds, node = self._resolve(parent_inode)
+        if text == ".":
+            return self._node_attr(ds, node)
+        if text == "..":
+            return self._root_attr() if node == 0 else self._node_attr(ds, ds.tree.parent(node))
+        if not ds.tree.is_dir(node):
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        child = ds.tree.lookup(node, text)
+        if child is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return self._node_attr(ds, child)
+
+    # -- directories ------------------------------------------------------------------
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        if self.table.is_root(inode):
+            entries = [(ds.name.encode(), ds.inode_base) for ds in self.table.visible_to(ctx.uid)]
+        else:
+            ds, node = self._resolve(inode)
+            if not ds.tree.is_dir(node):
+                raise pyfuse3.FUSEError(errno.ENOTDIR)
+            entries = [(name.encode(), ds.inode_base + child)
+                       for name, child in ds.tree.sorted_children[node]]
+        fh = next(self._fh)
+        self._dir_handles[fh] = entries
+        return fh
+
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        entries = self._dir_handles[fh]
+        for pos in range(start_id, len(entries)):
+            name, inode = entries[pos]
+            try:
+                attr = await self.getattr(inode)
+            except pyfuse3.FUSEError:
+                continue  # unmounted since opendir
+            if not pyfuse3.readdir_reply(token, name, attr, pos + 1):
+                return
+
+    async def releasedir(self, fh: int) -> None:
+        self._dir_handles.pop(fh, None)
+
+    # -- files ------------------------------------------------------------------------
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        if flags & os.O_ACCMODE != os.O_RDONLY:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        ds, node = self._resolve(inode)
+        if ds.tree.is_dir(node):
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        index = ds.tree.entry_index(node)
+        try:
+            data = await self.reader.read(ds, index)
+        except ReadFailed:
+            raise pyfuse3.FUSEError(errno.EIO) from None
+        fh = next(self._fh)
+        self._files[fh] = data
+        # Content per inode never changes, so the kernel may keep its pages.
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)
+
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        return self._files[fh][off:off + size]
+
+    async def release(self, fh: int) -> None:
+        self._files.pop(fh, None)
+
+    async def flush(self, fh: int) -> None:
+        return None
+
+    # -- metadata ---------------------------------------------------------------------
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        if name != XATTR_HASH or self.table.is_root(inode):
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        ds, node = self._resolve(inode)
+        if ds.tree.is_dir(node):
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        return ds.digest.hash(ds.tree.entry_index(node)).hex().encode()
+
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        found = None if self.table.is_root(inode) else self.table.resolve(inode)
+        if found is None or found[0].tree.is_dir(found[1]):
+            return []
+        return [XATTR_HASH]
+
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        store = self.reader.store
+        volume = await trio.to_thread.run_sync(store.volume, limiter=self.reader.limiter)
+        data = pyfuse3.StatvfsData()
+        data.f_bsize = data.f_frsize = 4096
+        data.f_blocks = store.size_limit // 4096
+        data.f_bfree = data.f_bavail = max(0, store.size_limit - volume) // 4096
+        n_nodes = sum(ds.tree.n_nodes for ds in self.table.by_name.values())
+        data.f_files = n_nodes + 1
+        data.f_ffree = data.f_favail = 0
+        data.f_namemax = 255
+        return data

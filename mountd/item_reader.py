@@ -1,0 +1,102 @@
+"""The read path: local store, then the item's storage location; single-flight misses.
+
+Runs on the trio loop; every blocking call (diskcache, backend, hashing) goes to a
+worker thread bounded by one CapacityLimiter.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter
+
+import trio
+
+from mountd.content_store import ContentStore, IntegrityError
+from mountd.dataset import MountedDataset
+from quiverfs.errors import QuietError
+
+log = logging.getLogger(__name__)
+
+
+class ReadFailed(Exception):
+    """An item could not be served (storage error or integrity failure); maps to EIO."""
+
+
+class IntegrityFailed(ReadFailed):
+    """The fetched bytes do not hash to the digest's SHA-256."""
+
+
+@dataclasses.dataclass
+class _Flight:
+    done: trio.Event = dataclasses.field(default_factory=trio.Event)
+    data: bytes | None = None
+    error: Exception | None = None
+
+
+class ItemReader:
+    """Serves item bytes by (dataset, entry); counts hits, misses and bytes per tier."""
+
+    def __init__(self, store: ContentStore, limiter: trio.CapacityLimiter) -> None:
+        self.store = store
+        self.limiter = limiter
+        self._inflight: dict[bytes, _Flight] = {}
+        self.counters: Counter[str] = Counter()
+
+    def _count(self, ds: MountedDataset, key: str, n: int = 1) -> None:
+        self.counters[key] += n
+        ds.counters[key] += n
+
+    async def read(self, ds: MountedDataset, index: int) -> bytes:
+        """The verified content of entry ``index`` of ``ds``."""
+        digest = ds.digest.hash(index)
+        data = await trio.to_thread.run_sync(self.store.get, digest, limiter=self.limiter)
+        if data is not None:
+            self._count(ds, "local_hits")
+            self._count(ds, "local_bytes", len(data))
+            return data
+        self._count(ds, "misses")
+        return await self.fetch(ds, index)
+
+    async def fetch(self, ds: MountedDataset, index: int) -> bytes:
+        """Fetch entry ``index`` from storage into the store; concurrent callers share one fetch."""
+        digest = ds.digest.hash(index)
+        flight = self._inflight.get(digest)
+        if flight is not None:
+            self._count(ds, "coalesced")
+            await flight.done.wait()
+            if flight.data is None:
+                raise ReadFailed(str(flight.error))
+            return flight.data
+        flight = self._inflight[digest] = _Flight()
+        try:
+            data = await trio.to_thread.run_sync(self._fetch_blocking, ds, index,
+                                                 limiter=self.limiter)
+        except ReadFailed as exc:
+            flight.error = exc
+            self._count(ds, "integrity_failures" if isinstance(exc, IntegrityFailed)
+                        else "bucket_errors")
+            raise
+        finally:
+            del self._inflight[digest]
+            flight.done.set()
+        self._count(ds, "bucket_fetches")
+        self._count(ds, "bucket_bytes", len(data))
+        flight.data = data
+        return data
+
+    def _fetch_blocking(self, ds: MountedDataset, index: int) -> bytes:
+        loc = ds.digest.location(index)
+        try:
+            data = ds.backend.read(ds.digest.key(index), loc.offset, loc.length)
+        except QuietError as exc:
+            log.error("dataset %s: cannot fetch %s from %s: %s", ds.name,
+                      ds.digest.path(index), loc.uri, exc)
+            raise ReadFailed(exc.message) from None
+        try:
+            self.store.put(ds.digest.hash(index), data)
+        except IntegrityError:
+            log.error("dataset %s: %s at %s (offset %d, %d bytes) does not match its digest "
+                      "hash %s: not cached, not served", ds.name, ds.digest.path(index),
+                      loc.uri, loc.offset, loc.length, ds.digest.hash(index).hex())
+            raise IntegrityFailed("content does not match the digest") from None
+        return data

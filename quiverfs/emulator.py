@@ -1,0 +1,155 @@
+"""A local GCS emulator (``gcp-storage-emulator``) for tests, demos and benchmarks.
+
+The emulator runs as a subprocess on a free 127.0.0.1 port with in-memory storage;
+``running_emulator()`` waits until it answers and always reaps it.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import importlib.util
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import storage
+
+from quiverfs.errors import ExitCode, QuietError
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT = 30.0  # seconds until a started emulator must answer
+POLL_INTERVAL = 0.05  # seconds between readiness probes
+STOP_TIMEOUT = 5.0  # seconds to wait after SIGTERM before SIGKILL
+START_ATTEMPTS = 3  # a free port can be taken between choosing and binding it
+
+
+def emulator_available() -> bool:
+    """Whether the ``gcp_storage_emulator`` package is importable by this interpreter."""
+    return importlib.util.find_spec("gcp_storage_emulator") is not None
+
+
+def gcs_client(host: str) -> storage.Client:
+    """An anonymous google-cloud-storage client talking to the emulator at ``host``."""
+    return storage.Client(project="quiver", credentials=AnonymousCredentials(),
+                          client_options={"api_endpoint": host})
+
+
+@dataclasses.dataclass
+class Emulator:
+    """A running emulator: its endpoint (``http://127.0.0.1:PORT``) and process."""
+
+    host: str
+    process: subprocess.Popen
+
+    def create_bucket(self, name: str) -> None:
+        """Create an empty bucket ``name``."""
+        client = gcs_client(self.host)
+        try:
+            client.create_bucket(name)
+        finally:
+            client.close()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _answers(host: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{host}/storage/v1/b?project=quiver", timeout=1.0) as r:
+            return r.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _start(log_file: int) -> Emulator | None:
+    """Start one emulator; None if it died or never answered (e.g. its port was taken)."""
+    host = f"http://127.0.0.1:{_free_port()}"
+    port = host.rsplit(":", 1)[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1",
+         "--port", port, "--in-memory", "--quiet"],
+        stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file)
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline and process.poll() is None:
+        if _answers(host):
+            log.debug("GCS emulator pid %d answers at %s", process.pid, host)
+            return Emulator(host, process)
+        time.sleep(POLL_INTERVAL)
+    _stop(process)
+    return None
+
+
+@contextlib.contextmanager
+def running_emulator() -> Iterator[Emulator]:
+    """Start an in-memory GCS emulator, yield it, and always stop and reap it."""
+    if not emulator_available():
+        raise QuietError("gcp-storage-emulator is not installed: pip install "
+                         "gcp-storage-emulator", ExitCode.NOT_FOUND)
+    with tempfile.TemporaryFile(prefix="quiver-gcs-emulator-") as log_file:
+        for _ in range(START_ATTEMPTS):
+            emulator = _start(log_file.fileno())
+            if emulator is not None:
+                break
+        else:
+            log_file.seek(0)
+            tail = log_file.read()[-2000:].decode(errors="replace").strip()
+            raise QuietError(f"the GCS emulator did not start: {tail or 'no output'}",
+                             ExitCode.BACKEND)
+        try:
+            yield emulator
+        finally:
+            _stop(emulator.process)
+
+
+def upload_tree(host: str, bucket: str, prefix: str, local_dir: str, workers: int = 8) -> int:
+    """Upload every file under ``local_dir`` to ``gs://bucket/prefix/REL``; return the count.
+
+    Each worker thread has its own client (clients are not shared between threads).
+    """
+    root = os.path.abspath(local_dir)
+    files = [os.path.join(d, f) for d, _, names in os.walk(root) for f in names]
+    local = threading.local()
+    clients: list[storage.Client] = []
+    lock = threading.Lock()
+
+    def upload(path: str) -> None:
+        client = getattr(local, "client", None)
+        if client is None:
+            client = local.client = gcs_client(host)
+            with lock:
+                clients.append(client)
+        rel = os.path.relpath(path, root).replace(os.sep, "/")
+        name = f"{prefix.strip('/')}/{rel}" if prefix.strip("/") else rel
+        client.bucket(bucket).blob(name).upload_from_filename(path)
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+            list(pool.map(upload, files))
+    finally:
+        for client in clients:
+            client.close()
+    return len(files)
