@@ -40,23 +40,24 @@ class MountdConfig:
 
 def prepare_root(root: str) -> None:
     """Make sure ``root`` is a directory we can mount on, clearing a crashed mount."""
-    try:
-        os.stat(root)
-    except FileNotFoundError:
+    if _is_fuse_mount(root):
+        try:
+            os.statvfs(root)  # always answered by the daemon, never from kernel caches
+        except OSError as exc:
+            if exc.errno != errno.ENOTCONN:
+                raise QuietError(f"mount root {root}: {exc.strerror}", ExitCode.MOUNT) from None
+            log.warning("%s is a stale mount (transport endpoint not connected): "
+                        "unmounting it", root)
+            subprocess.run(["fusermount3", "-u", "-z", root], check=False,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        else:
+            raise QuietError(f"{root} is already mounted by a running FUSE daemon: stop it "
+                             f"(or 'fusermount3 -u {root}') first", ExitCode.MOUNT)
+    if not os.path.exists(root):
         raise QuietError(f"mount root {root} does not exist: create it first "
-                         f"(mkdir -p {root})", ExitCode.MOUNT) from None
-    except OSError as exc:
-        if exc.errno != errno.ENOTCONN:
-            raise QuietError(f"mount root {root}: {exc.strerror}", ExitCode.MOUNT) from None
-        log.warning("%s is a stale mount (transport endpoint not connected): unmounting it",
-                    root)
-        subprocess.run(["fusermount3", "-u", "-z", root], check=False,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                         f"(mkdir -p {root})", ExitCode.MOUNT)
     if not os.path.isdir(root):
         raise QuietError(f"mount root {root} is not a directory", ExitCode.MOUNT)
-    if _is_fuse_mount(root):
-        raise QuietError(f"{root} is already mounted by a running FUSE daemon: stop it "
-                         f"(or 'fusermount3 -u {root}') first", ExitCode.MOUNT)
 
 
 def _is_fuse_mount(root: str) -> bool:

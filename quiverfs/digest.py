@@ -221,8 +221,10 @@ def decode(data: bytes, where: str = "digest") -> Digest:
     def bad(problem: str) -> QuietError:
         return QuietError(f"{where}: {problem}", ExitCode.BAD_DIGEST)
 
-    if len(data) < _PREAMBLE.size or not data.startswith(MAGIC):
+    if not data or data[:len(MAGIC)] != MAGIC[:len(data)]:
         raise bad("not a Quiver digest (make one with 'quiver digest create')")
+    if len(data) < _PREAMBLE.size:
+        raise bad("truncated: recreate it")
     magic, version, header_len, checksum = _PREAMBLE.unpack_from(data)
     if version > FORMAT_VERSION:
         raise bad(f"digest format version {version} is newer than this Quiver supports "
@@ -290,6 +292,9 @@ def write_atomic(path: str, data: bytes) -> None:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         os.unlink(tmp)
+        if isinstance(exc, IsADirectoryError):
+            raise QuietError(f"cannot write {path}: it is a directory; give a file name",
+                             ExitCode.USAGE) from None
         raise

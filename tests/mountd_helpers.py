@@ -1,0 +1,68 @@
+"""Helpers for tests that run real mountd processes."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+from digest_tools.create import create_digest
+from quiverfs import control_client
+from quiverfs.backends import StorageOptions
+from quiverfs.errors import QuietError
+from quiverfs.mountd_process import MountdProcess
+
+
+def make_digest(src: str, name: str, emulator_host: str | None = None) -> bytes:
+    return create_digest(src, name, workers=2, options=StorageOptions(emulator_host=emulator_host))
+
+
+def mount(m: MountdProcess, data: bytes, name: str, emulator_host: str | None = None,
+          **extra: object) -> dict:
+    return m.call({"op": "mount", "name": name, "digest": data,
+                   "emulator_host": emulator_host, **extra})
+
+
+def tree_hashes(root: str) -> dict[str, str]:
+    """relative path -> sha256 hex of every file under root."""
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            path = os.path.join(dirpath, f)
+            with open(path, "rb") as fh:
+                out[os.path.relpath(path, root)] = hashlib.sha256(fh.read()).hexdigest()
+    return out
+
+
+def dataset_counters(m: MountdProcess, name: str) -> dict:
+    for ds in m.status()["datasets"]:
+        if ds["name"] == name:
+            return ds["counters"]
+    raise KeyError(name)
+
+
+def call_as(uid: int, gid: int, socket_path: str, request: dict) -> dict:
+    """Send a control request from a forked child running as ``uid``/``gid``."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: drop privileges, call, report, exit without cleanup
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            try:
+                reply = control_client.call(socket_path, request)
+                out = {"ok": True, "reply": {k: v for k, v in reply.items()
+                                             if isinstance(v, (str, int, float, bool))}}
+            except QuietError as exc:
+                out = {"ok": False, "error": exc.message, "code": int(exc.exitcode)}
+            os.write(w, json.dumps(out).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    chunks = []
+    while chunk := os.read(r, 65536):
+        chunks.append(chunk)
+    os.close(r)
+    os.waitpid(pid, 0)
+    return json.loads(b"".join(chunks))
