@@ -3,12 +3,19 @@
 Every value is checked against its hash before it is stored, and carries a
 CRC32C tag (hardware accelerated) that is checked on every read, so a file
 corrupted on disk is dropped and fetched again instead of served.
+
+Eviction is least-recently-used. With diskcache's LRU policy every hit is a SQLite
+write transaction, which caps hits at about a thousand a second; so hits go through a
+second handle whose policy (in memory only) takes diskcache's lock-free read path, and
+the hits' recency is written in one transaction per ``record_hits()`` call (mountd
+calls it every second).
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 import sqlite3
+import threading
 
 import diskcache
 import google_crc32c
@@ -37,7 +44,14 @@ class ContentStore:
         if self.cache.size_limit != size_limit:
             # diskcache keeps settings from an earlier run; the command line wins.
             self.cache.reset("size_limit", size_limit)
+        self._reader = diskcache.Cache(directory, timeout=TIMEOUT)
+        self._reader.reset("eviction_policy", "least-recently-stored", update=False)
         self.corrupt_dropped = 0
+        # Writers take turns here: cheaper than colliding in SQLite, whose busy handler
+        # sleeps for milliseconds.
+        self._write_lock = threading.Lock()
+        self._hits_lock = threading.Lock()
+        self._hits: set[bytes] = set()
 
     @property
     def size_limit(self) -> int:
@@ -46,7 +60,7 @@ class ContentStore:
     def get(self, digest: bytes) -> bytes | None:
         """The content for ``digest``, or None if absent (or found corrupted and dropped)."""
         try:
-            value, tag = self.cache.get(digest, default=None, tag=True, retry=True)
+            value, tag = self._reader.get(digest, default=None, tag=True, retry=True)
         except (OSError, sqlite3.Error) as exc:
             log.warning("cache entry %s unreadable (%s): dropping it", digest.hex(), exc)
             self.discard(digest)
@@ -58,22 +72,41 @@ class ContentStore:
             self.corrupt_dropped += 1
             self.discard(digest)
             return None
+        with self._hits_lock:
+            self._hits.add(digest)
         return value
+
+    def record_hits(self) -> int:
+        """Write the recency of the hits since the last call, in one transaction."""
+        with self._hits_lock:
+            hits, self._hits = self._hits, set()
+        if hits:
+            with self._write_lock, self.cache.transact(retry=True):
+                for digest in hits:
+                    # an LRU get; read=True opens large values rather than reading them
+                    handle = self.cache.get(digest, read=True, retry=True)
+                    if hasattr(handle, "close"):
+                        handle.close()
+        return len(hits)
 
     def put(self, digest: bytes, data: bytes) -> None:
         """Store ``data`` under ``digest`` after checking that it hashes to it."""
         if hashlib.sha256(data).digest() != digest:
             raise IntegrityError(f"content does not hash to {digest.hex()}")
-        self.cache.set(digest, data, tag=google_crc32c.value(data), retry=True)
+        tag = google_crc32c.value(data)
+        with self._write_lock:
+            self.cache.set(digest, data, tag=tag, retry=True)
 
     def __contains__(self, digest: bytes) -> bool:
         return digest in self.cache
 
     def discard(self, digest: bytes) -> None:
-        self.cache.delete(digest, retry=True)
+        with self._write_lock:
+            self.cache.delete(digest, retry=True)
 
     def clear(self) -> None:
-        self.cache.clear(retry=True)
+        with self._write_lock:
+            self.cache.clear(retry=True)
 
     def volume(self) -> int:
         """Bytes used on disk (values plus the index)."""
@@ -87,4 +120,6 @@ class ContentStore:
         return self.cache.check(fix=False)
 
     def close(self) -> None:
+        self.record_hits()
+        self._reader.close()
         self.cache.close()

@@ -24,6 +24,8 @@ from quiverfs.errors import ExitCode, QuietError
 
 log = logging.getLogger(__name__)
 
+HIT_RECORD_INTERVAL = 1.0  # seconds between writes of LRU recency to the store
+
 
 @dataclasses.dataclass
 class MountdConfig:
@@ -107,12 +109,18 @@ class Mountd:
             await nursery.start(self.controller.run)
             await nursery.start(server.serve)
             nursery.start_soon(self._on_signals)
+            nursery.start_soon(self._record_hits)
             sd_notify.notify("READY=1")
             await pyfuse3.main(min_tasks=1, max_tasks=self.cfg.fuse_tasks)
             nursery.cancel_scope.cancel()
         if not self._terminated:
             raise QuietError(f"the FUSE session at {self.root} ended unexpectedly "
                              "(unmounted from outside?)", ExitCode.MOUNT)
+
+    async def _record_hits(self) -> None:
+        while True:
+            await trio.sleep(HIT_RECORD_INTERVAL)
+            await trio.to_thread.run_sync(self.store.record_hits, limiter=self.limiter)
 
     async def _on_signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:

@@ -24,6 +24,18 @@ ROOT_ENTRY_TIMEOUT = 1.0
 XATTR_HASH = b"user.quiver.sha256"
 
 
+class _OpenFile:
+    """An open file: which item, and its bytes once the first read fetched them."""
+
+    __slots__ = ("ds", "index", "data", "failed")
+
+    def __init__(self, ds: MountedDataset, index: int) -> None:
+        self.ds = ds
+        self.index = index
+        self.data: bytes | None = None
+        self.failed = False
+
+
 class QuiverFS(pyfuse3.Operations):
     """A read-only tree per dataset at ROOT/NAME; file content comes from ItemReader."""
 
@@ -37,7 +49,7 @@ class QuiverFS(pyfuse3.Operations):
         self.reader = reader
         self._fh = itertools.count(1)
         self._dir_handles: dict[int, list[tuple[bytes, int]]] = {}
-        self._files: dict[int, bytes] = {}
+        self._files: dict[int, _OpenFile] = {}
         self.started_ns = time.time_ns()
 
     # -- attributes -------------------------------------------------------------------
@@ -143,24 +155,26 @@ class QuiverFS(pyfuse3.Operations):
         ds, node = self._resolve(inode)
         if ds.tree.is_dir(node):
             raise pyfuse3.FUSEError(errno.EISDIR)
-        index = ds.tree.entry_index(node)
-        try:
-            data = await self.reader.read(ds, index)
-        except ReadFailed:
-            raise pyfuse3.FUSEError(errno.EIO) from None
         fh = next(self._fh)
-        self._files[fh] = data
-        # Content per inode never changes, so the kernel may keep its pages.
+        self._files[fh] = _OpenFile(ds, ds.tree.entry_index(node))
+        # Content per inode never changes, so the kernel may keep its pages; a re-read
+        # it serves from its page cache costs mountd an open and a release, nothing more.
         return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
-        return self._files[fh][off:off + size]
+        f = self._files[fh]
+        if f.data is None:
+            if f.failed:  # one fetch attempt per open, however often the kernel retries
+                raise pyfuse3.FUSEError(errno.EIO)
+            try:
+                f.data = await self.reader.read(f.ds, f.index)
+            except ReadFailed:
+                f.failed = True
+                raise pyfuse3.FUSEError(errno.EIO) from None
+        return f.data[off:off + size]
 
     async def release(self, fh: int) -> None:
         self._files.pop(fh, None)
-
-    async def flush(self, fh: int) -> None:
-        return None
 
     # -- metadata ---------------------------------------------------------------------
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:

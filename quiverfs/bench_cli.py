@@ -17,6 +17,8 @@ from quiverfs.errors import ExitCode, QuietError
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "digest": ("digest_tools.bench:run",
                "digest load time and memory at 1.3 M entries, hashing throughput"),
+    "read": ("mountd.bench_read:run",
+             "exact reads through the mount vs local files (warm) and the bucket (cold)"),
 }
 
 
