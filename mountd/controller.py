@@ -13,6 +13,7 @@ from mountd.control_server import Peer
 from mountd.dataset import MountedDataset, PrefetchProgress
 from mountd.dataset_tree import DatasetTree
 from mountd.item_reader import ItemReader, ReadFailed
+from mountd.jobs import JobManager
 from mountd.mount_table import MountTable
 from mountd.registry import Registration, Registry, check_name, new_registration
 from quiverfs.backends import StorageOptions
@@ -28,11 +29,12 @@ class Controller:
     """Owns the mount table's membership; every change is persisted in the registry."""
 
     def __init__(self, root: str, table: MountTable, registry: Registry, reader: ItemReader,
-                 prefetch_concurrency: int) -> None:
+                 jobs: JobManager, prefetch_concurrency: int) -> None:
         self.root = root
         self.table = table
         self.registry = registry
         self.reader = reader
+        self.jobs = jobs
         self.prefetch_concurrency = prefetch_concurrency
         self._lock = trio.Lock()
         self._nursery: trio.Nursery | None = None
@@ -128,6 +130,7 @@ class Controller:
             if scope is not None:
                 scope.cancel()
             ds = self.table.remove(name)
+            self.jobs.dataset_removed(name)
             self._save()
             self.registry.forget(ds.reg, {d.reg.identity for d in self.table.by_name.values()})
         pyfuse3.invalidate_entry_async(pyfuse3.ROOT_INODE, name.encode(), ignore_enoent=True)
@@ -154,7 +157,8 @@ class Controller:
         return {"root": self.root, "pid": os.getpid(),
                 "cache": {"size_limit": store.size_limit, "used_bytes": volume, "items": items,
                           "corrupt_dropped": store.corrupt_dropped},
-                "counters": dict(self.reader.counters), "datasets": datasets}
+                "counters": dict(self.reader.counters), "datasets": datasets,
+                "jobs": self.jobs.status(peer.uid)}
 
     async def prefetch(self, peer: Peer, req: dict[str, Any]) -> dict[str, Any]:
         ds = self._owned(peer, str(req["name"]))

@@ -17,6 +17,8 @@ from mountd.control_server import ControlServer
 from mountd.controller import Controller
 from mountd.fs import QuiverFS
 from mountd.item_reader import ItemReader
+from mountd.job_files import ControlFiles
+from mountd.jobs import JobManager
 from mountd.mount_table import MountTable
 from mountd.registry import Registry
 from quiverfs import sd_notify
@@ -38,6 +40,8 @@ class MountdConfig:
     threads: int = 16  # blocking workers: diskcache, storage reads, hashing
     fuse_tasks: int = 64  # FUSE requests handled at once
     prefetch_concurrency: int = 16
+    chunk_bytes: int | None = None  # None: 10% of a dataset or 15 GiB, the smaller
+    force_evict_after: float = 120.0  # seconds a marked chunk may outlive its first release
 
 
 def prepare_root(root: str) -> None:
@@ -83,16 +87,18 @@ class Mountd:
         self.table = MountTable()
         self.limiter = trio.CapacityLimiter(cfg.threads)
         self.reader = ItemReader(self.store, self.limiter)
+        self.jobs = JobManager(self.table, self.reader, cfg.chunk_bytes, cfg.force_evict_after)
         self.controller = Controller(self.root, self.table, self.registry, self.reader,
-                                     cfg.prefetch_concurrency)
-        self.fs = QuiverFS(self.table, self.reader)
+                                     self.jobs, cfg.prefetch_concurrency)
+        self.fs = QuiverFS(self.table, self.reader, ControlFiles(self.jobs))
         self._terminated = False
 
     def run(self) -> None:
         prepare_root(self.root)
         self.controller.restore()
         options = set(pyfuse3.default_options)
-        options |= {"fsname=quiver", "subtype=quiver", "ro", "allow_other"}
+        # Not "ro": the control area ROOT/.quiver/jobs takes writes; datasets refuse them.
+        options |= {"fsname=quiver", "subtype=quiver", "allow_other"}
         pyfuse3.init(self.fs, self.root, options)
         log.info("mounted %s (cache %s, %d bytes)", self.root, self.cfg.cache_dir,
                  self.cfg.cache_size)
@@ -107,6 +113,7 @@ class Mountd:
         server = ControlServer(self.cfg.control_socket, self.controller.handlers())
         async with trio.open_nursery() as nursery:
             await nursery.start(self.controller.run)
+            await nursery.start(self.jobs.run)
             await nursery.start(server.serve)
             nursery.start_soon(self._on_signals)
             nursery.start_soon(self._record_hits)

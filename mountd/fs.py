@@ -13,6 +13,7 @@ import trio
 
 from mountd.dataset import MountedDataset
 from mountd.item_reader import ItemReader, ReadFailed
+from mountd.job_files import CONTROL_INODE, CONTROL_NAME, ControlFiles, ControlHandle
 from mountd.mount_table import MountTable
 
 log = logging.getLogger(__name__)
@@ -43,13 +44,14 @@ class QuiverFS(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, table: MountTable, reader: ItemReader) -> None:
+    def __init__(self, table: MountTable, reader: ItemReader, control: ControlFiles) -> None:
         super().__init__()
         self.table = table
         self.reader = reader
+        self.control = control
         self._fh = itertools.count(1)
         self._dir_handles: dict[int, list[tuple[bytes, int]]] = {}
-        self._files: dict[int, _OpenFile] = {}
+        self._files: dict[int, _OpenFile | ControlHandle] = {}
         self.started_ns = time.time_ns()
 
     # -- attributes -------------------------------------------------------------------
@@ -95,6 +97,8 @@ class QuiverFS(pyfuse3.Operations):
                       ) -> pyfuse3.EntryAttributes:
         if self.table.is_root(inode):
             return self._root_attr()
+        if self.control.owns(inode):
+            return self.control.getattr(inode)
         ds, node = self._resolve(inode)
         return self._node_attr(ds, node)
 
@@ -104,10 +108,14 @@ class QuiverFS(pyfuse3.Operations):
         if self.table.is_root(parent_inode):
             if text in (".", ".."):
                 return self._root_attr()
+            if text == CONTROL_NAME:
+                return self.control.getattr(CONTROL_INODE)
             ds = self.table.by_name.get(text)
             if ds is None:
                 raise pyfuse3.FUSEError(errno.ENOENT)
             return self._node_attr(ds, 0)
+        if self.control.owns(parent_inode):
+            return self.control.lookup(parent_inode, text)
         ds, node = self._resolve(parent_inode)
         if text == ".":
             return self._node_attr(ds, node)
@@ -123,7 +131,10 @@ class QuiverFS(pyfuse3.Operations):
     # -- directories ------------------------------------------------------------------
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         if self.table.is_root(inode):
-            entries = [(ds.name.encode(), ds.inode_base) for ds in self.table.visible_to(ctx.uid)]
+            entries = [(CONTROL_NAME.encode(), CONTROL_INODE)]
+            entries += [(ds.name.encode(), ds.inode_base) for ds in self.table.visible_to(ctx.uid)]
+        elif self.control.owns(inode):
+            entries = self.control.entries(inode, ctx.uid)
         else:
             ds, node = self._resolve(inode)
             if not ds.tree.is_dir(node):
@@ -150,6 +161,10 @@ class QuiverFS(pyfuse3.Operations):
 
     # -- files ------------------------------------------------------------------------
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        if self.control.owns(inode):
+            fh = next(self._fh)
+            self._files[fh] = self.control.open(inode, flags)
+            return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
         if flags & os.O_ACCMODE != os.O_RDONLY:
             raise pyfuse3.FUSEError(errno.EROFS)
         ds, node = self._resolve(inode)
@@ -163,6 +178,8 @@ class QuiverFS(pyfuse3.Operations):
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
         f = self._files[fh]
+        if isinstance(f, ControlHandle):
+            return await f.read(off, size)
         if f.data is None:
             if f.failed:  # one fetch attempt per open, however often the kernel retries
                 raise pyfuse3.FUSEError(errno.EIO)
@@ -175,6 +192,32 @@ class QuiverFS(pyfuse3.Operations):
 
     async def release(self, fh: int) -> None:
         self._files.pop(fh, None)
+
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        f = self._files[fh]
+        if not isinstance(f, ControlHandle):
+            raise pyfuse3.FUSEError(errno.EROFS)
+        return await f.write(off, buf)
+
+    # -- the control area is the only writable place ----------------------------------
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self.control.mkdir(parent_inode, os.fsdecode(name), ctx)
+
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self.control.rmdir(parent_inode, os.fsdecode(name), ctx)
+
+    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes,
+                      fields: pyfuse3.SetattrFields, fh: int | None,
+                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        if not self.control.owns(inode):
+            raise pyfuse3.FUSEError(errno.EROFS)
+        return self.control.getattr(inode)  # truncating a control file changes nothing
+
+    async def _read_only(self, *args: object) -> None:
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    create = mknod = unlink = rename = symlink = link = _read_only
 
     # -- metadata ---------------------------------------------------------------------
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:

@@ -4,12 +4,50 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable, Iterator
+
+import pytest
 
 from digest_tools.create import create_digest
 from quiverfs import control_client
 from quiverfs.backends import StorageOptions
 from quiverfs.errors import QuietError
-from quiverfs.mountd_process import MountdProcess
+from quiverfs.mountd_process import MountdProcess, is_mounted, unmount
+
+
+MountdFactory = Callable[..., MountdProcess]
+
+
+@pytest.fixture
+def mountd_factory(tmp_path) -> Iterator[MountdFactory]:
+    """Start real mountd processes; each is stopped, checked for a clean exit and unmounted."""
+    started: list[MountdProcess] = []
+
+    def start(name: str = "node", cache_size: str = "1G", workdir: str | None = None,
+              cache_dir: str | None = None) -> MountdProcess:
+        base = workdir or str(tmp_path)
+        root = os.path.join(base, f"{name}-mnt")
+        os.makedirs(root, exist_ok=True)
+        cache_dir = cache_dir or os.path.join(base, f"{name}-cache")
+        os.makedirs(cache_dir, exist_ok=True)
+        m = MountdProcess(root, cache_dir, cache_size, os.path.join(base, f"{name}.log"))
+        m.start()
+        started.append(m)
+        return m
+
+    yield start
+    failures = []
+    for m in reversed(started):  # a restarted mountd shares its root with the first one
+        killed = m.proc is not None and m.proc.returncode == -9
+        rc = m.stop()
+        if not killed and rc != 0:
+            failures.append(f"mountd exited {rc}: {m.log_tail()}")
+        if "Traceback" in m.log_tail(1000):
+            failures.append(f"traceback in mountd log: {m.log_tail(40)}")
+        unmount(m.root)
+        if is_mounted(m.root):
+            failures.append(f"{m.root} still mounted")
+    assert not failures, "\n".join(failures)
 
 
 def make_digest(src: str, name: str, emulator_host: str | None = None) -> bytes:

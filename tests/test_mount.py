@@ -9,7 +9,7 @@ import random
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import diskcache
 import pytest
@@ -18,46 +18,11 @@ import torchvision
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
-from quiverfs.mountd_process import MountdProcess, is_mounted, unmount
+from quiverfs.mountd_process import unmount
 from tests.mountd_helpers import (call_as, dataset_counters, make_digest, mount,
-                                  tree_hashes)
+                                  mountd_factory, tree_hashes)
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
-
-MountdFactory = Callable[..., MountdProcess]
-
-
-@pytest.fixture
-def mountd_factory(tmp_path) -> Iterator[MountdFactory]:
-    """Start real mountd processes; each is stopped, checked for a clean exit and unmounted."""
-    started: list[MountdProcess] = []
-
-    def start(name: str = "node", cache_size: str = "1G", workdir: str | None = None,
-              cache_dir: str | None = None) -> MountdProcess:
-        base = workdir or str(tmp_path)
-        root = os.path.join(base, f"{name}-mnt")
-        os.makedirs(root, exist_ok=True)
-        cache_dir = cache_dir or os.path.join(base, f"{name}-cache")
-        os.makedirs(cache_dir, exist_ok=True)
-        m = MountdProcess(root, cache_dir, cache_size, os.path.join(base, f"{name}.log"))
-        m.start()
-        started.append(m)
-        return m
-
-    yield start
-    failures = []
-    for m in reversed(started):  # a restarted mountd shares its root with the first one
-        killed = m.proc is not None and m.proc.returncode == -9
-        rc = m.stop()
-        if not killed and rc != 0:
-            failures.append(f"mountd exited {rc}: {m.log_tail()}")
-        if "Traceback" in m.log_tail(1000):
-            failures.append(f"traceback in mountd log: {m.log_tail(40)}")
-        unmount(m.root)
-        if is_mounted(m.root):
-            failures.append(f"{m.root} still mounted")
-    assert not failures, "\n".join(failures)
-
 
 def read_bytes(path: str) -> bytes:
     with open(path, "rb") as f:

@@ -1,0 +1,122 @@
+"""Coordinated chunks of one dataset (paper §5.1): double buffering, two-step eviction.
+
+At most two chunks are resident. While jobs consume the active chunk the next one
+loads; when it is loaded the active chunk is marked for eviction and becomes usable
+only by job-epochs that started before the mark. A marked chunk is evicted once no
+such job-epoch has items left in it, or by force ``force_after`` seconds after the
+first of them finished it. Then the next chunk starts loading.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+import numpy as np
+
+from quiverfs.chunk_plan import ChunkPlan
+
+
+class ChunkState(str, enum.Enum):
+    EVICTED = "evicted"
+    LOADING = "loading"
+    ACTIVE = "active"
+    MARKED = "marked"
+
+
+@dataclasses.dataclass
+class EpochRef:
+    """What the cycle needs to know of a job-epoch: when it began, what it has left."""
+
+    started_generation: int
+    remaining_chunks: np.ndarray  # per chunk: items of the rank's epoch not yet placed
+
+
+class ChunkCycle:
+    """The residency state machine of one dataset's chunks."""
+
+    def __init__(self, plan: ChunkPlan, force_after: float = 120.0) -> None:
+        self.plan = plan
+        self.force_after = force_after
+        self.states = [ChunkState.EVICTED] * plan.n_chunks
+        self.loading: int | None = None
+        self.active: int | None = None
+        self.marked: int | None = None
+        self.generation = 0  # bumped at every mark
+        self._marked_generation = 0
+        self._first_release: float | None = None
+        self._next = 0
+        self.timeline: list[tuple[float, int, str]] = []
+        self.max_resident = 0
+
+    def _set(self, chunk: int, state: ChunkState) -> None:
+        self.states[chunk] = state
+        self.timeline.append((time.time(), chunk, state.value))
+        self.max_resident = max(self.max_resident, self.resident_count())
+
+    def resident_count(self) -> int:
+        return sum(s is not ChunkState.EVICTED for s in self.states)
+
+    def start_loading(self) -> int | None:
+        """Begin loading the next chunk if fewer than two are resident."""
+        if self.loading is not None or self.resident_count() >= 2:
+            return None
+        if self.plan.n_chunks == 1 and self.active is not None:
+            return None
+        chunk = self._next
+        self._next = (self._next + 1) % self.plan.n_chunks
+        self.loading = chunk
+        self._set(chunk, ChunkState.LOADING)
+        return chunk
+
+    def loaded(self) -> int | None:
+        """The loading chunk is in: it becomes active; the old active one is marked.
+        Returns the chunk that was marked, if any."""
+        if self.loading is None:
+            return None
+        old = self.active
+        self.active, self.loading = self.loading, None
+        self._set(self.active, ChunkState.ACTIVE)
+        if old is None:
+            return None
+        self.marked = old
+        self.generation += 1
+        self._marked_generation = self.generation
+        self._first_release = None
+        self._set(old, ChunkState.MARKED)
+        return old
+
+    def usable(self, ref: EpochRef) -> list[int]:
+        """Chunks a job-epoch may take hits from."""
+        chunks = [c for c in (self.active, self.loading) if c is not None]
+        if self.marked is not None and ref.started_generation < self._marked_generation:
+            chunks.append(self.marked)
+        return chunks
+
+    def evictable(self, refs: list[EpochRef], now: float | None = None) -> int | None:
+        """The marked chunk, once released by every job-epoch that may use it, or once
+        ``force_after`` seconds passed since the first one released it."""
+        if self.marked is None:
+            return None
+        now = time.time() if now is None else now
+        holders = [r for r in refs if r.started_generation < self._marked_generation
+                   and r.remaining_chunks[self.marked] > 0]
+        released_some = len(holders) < len(refs) or not refs
+        if released_some and self._first_release is None:
+            self._first_release = now
+        if not holders:
+            return self.marked
+        if self._first_release is not None and now - self._first_release >= self.force_after:
+            return self.marked
+        return None
+
+    def evicted(self, chunk: int) -> None:
+        if chunk == self.marked:
+            self.marked = None
+        self._set(chunk, ChunkState.EVICTED)
+
+    def snapshot(self) -> dict:
+        return {"chunks": self.plan.n_chunks, "loading": self.loading,
+                "active": self.active, "marked": self.marked,
+                "max_resident": self.max_resident,
+                "states": [s.value for s in self.states]}

@@ -1,0 +1,214 @@
+"""The control area ``ROOT/.quiver/jobs``: how a training job talks to mountd.
+
+    mkdir ROOT/.quiver/jobs/JOB          register a job (the directory is yours, 0700)
+    JOB/config      write one JSON object (one write call): dataset, batch_size, seed,
+                    rank, world_size, prefix...; read it back with batches_per_epoch
+    JOB/eE-bI       read: the manifest (JSON) of mini-batch I of epoch E
+    JOB/report      write lines "EPOCH BATCH SECONDS": per-batch times (for probing)
+    JOB/error       read: why the last config write or batch read failed
+    JOB/stats       read: progress and hit counters (JSON)
+    rmdir ROOT/.quiver/jobs/JOB          unregister
+
+Inode numbers encode what a file is, so no per-file state lives in mountd.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import re
+import stat
+import time
+
+import pyfuse3
+
+from mountd.jobs import Job, JobError, JobManager
+
+log = logging.getLogger(__name__)
+
+CONTROL_INODE = 2  # ROOT/.quiver
+JOBS_INODE = 3  # ROOT/.quiver/jobs
+CONTROL_NAME = ".quiver"
+_JOB_BASE = 1 << 60  # + job number * 8 + file kind
+_BATCH_BASE = 1 << 61  # | job number << 36 | epoch << 20 | batch
+_KINDS = ("", "config", "report", "error", "stats")  # index = inode offset (0: the dir)
+_BATCH_NAME = re.compile(r"^e(\d{1,5})-b(\d{1,7})$")
+JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+TIMEOUT = 1.0  # seconds the kernel may cache control entries
+
+
+class ControlFiles:
+    """Inodes, attributes and I/O of the control area."""
+
+    def __init__(self, jobs: JobManager) -> None:
+        self.jobs = jobs
+        self._numbers: dict[str, int] = {}  # job id -> number
+        self._by_number: dict[int, Job] = {}
+        self._next = 1
+        self.started_ns = time.time_ns()
+
+    @staticmethod
+    def owns(inode: int) -> bool:
+        return inode in (CONTROL_INODE, JOBS_INODE) or inode >= _JOB_BASE
+
+    # -- naming -----------------------------------------------------------------------
+    def _job_of(self, inode: int) -> tuple[Job, str, int, int]:
+        """(job, kind, epoch, batch) for a job inode; kind "batch" for batch files."""
+        if inode >= _BATCH_BASE:
+            number, epoch, batch = ((inode >> 36) & 0xFFFFFF, (inode >> 20) & 0xFFFF,
+                                    inode & 0xFFFFF)
+            kind = "batch"
+        else:
+            number, offset = divmod(inode - _JOB_BASE, 8)
+            if offset >= len(_KINDS):
+                raise pyfuse3.FUSEError(errno.ENOENT)
+            kind, epoch, batch = _KINDS[offset] or "dir", 0, 0
+        job = self._by_number.get(number)
+        if job is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return job, kind, epoch, batch
+
+    def _job_inode(self, job: Job, kind: str = "") -> int:
+        return _JOB_BASE + self._numbers[job.id] * 8 + _KINDS.index(kind)
+
+    # -- attributes -------------------------------------------------------------------
+    def _attr(self, inode: int, mode: int, uid: int = 0, gid: int = 0,
+              size: int = 0) -> pyfuse3.EntryAttributes:
+        attr = pyfuse3.EntryAttributes()
+        attr.st_ino = inode
+        attr.st_mode = mode
+        attr.st_nlink = 2 if stat.S_ISDIR(mode) else 1
+        attr.st_uid, attr.st_gid, attr.st_size = uid, gid, size
+        attr.st_atime_ns = attr.st_mtime_ns = attr.st_ctime_ns = self.started_ns
+        attr.attr_timeout = attr.entry_timeout = TIMEOUT
+        return attr
+
+    def getattr(self, inode: int) -> pyfuse3.EntryAttributes:
+        if inode == CONTROL_INODE:
+            return self._attr(inode, stat.S_IFDIR | 0o555)
+        if inode == JOBS_INODE:
+            return self._attr(inode, stat.S_IFDIR | 0o1777)
+        job, kind, _, _ = self._job_of(inode)
+        if kind == "dir":
+            return self._attr(inode, stat.S_IFDIR | 0o700, job.uid, job.gid)
+        mode = 0o600 if kind in ("config", "report") else 0o400
+        return self._attr(inode, stat.S_IFREG | mode, job.uid, job.gid)
+
+    def lookup(self, parent: int, name: str) -> pyfuse3.EntryAttributes:
+        if parent == CONTROL_INODE and name == "jobs":
+            return self.getattr(JOBS_INODE)
+        if parent == JOBS_INODE:
+            job = self.jobs.jobs.get(name)
+            if job is None or name not in self._numbers:
+                raise pyfuse3.FUSEError(errno.ENOENT)
+            return self.getattr(self._job_inode(job))
+        job, kind, _, _ = self._job_of(parent)
+        if kind != "dir":
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        if name in _KINDS[1:]:
+            return self.getattr(self._job_inode(job, name))
+        m = _BATCH_NAME.match(name)
+        if m is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        inode = (_BATCH_BASE | self._numbers[job.id] << 36 | int(m.group(1)) << 20
+                 | int(m.group(2)))
+        return self.getattr(inode)
+
+    def entries(self, inode: int, uid: int) -> list[tuple[bytes, int]]:
+        if inode == CONTROL_INODE:
+            return [(b"jobs", JOBS_INODE)]
+        if inode == JOBS_INODE:
+            return [(job.id.encode(), self._job_inode(job)) for job in self.jobs.jobs.values()
+                    if uid in (0, job.uid) and job.id in self._numbers]
+        job, kind, _, _ = self._job_of(inode)
+        if kind != "dir":
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        return [(k.encode(), self._job_inode(job, k)) for k in _KINDS[1:]]
+
+    # -- directories ------------------------------------------------------------------
+    def mkdir(self, parent: int, name: str, ctx: pyfuse3.RequestContext
+              ) -> pyfuse3.EntryAttributes:
+        if parent != JOBS_INODE:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        if not JOB_NAME.match(name):
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        try:
+            job = self.jobs.create(name, ctx.uid, ctx.gid)
+        except JobError:
+            raise pyfuse3.FUSEError(errno.EEXIST) from None
+        self._numbers[name] = self._next
+        self._by_number[self._next] = job
+        self._next += 1
+        return self.getattr(self._job_inode(job))
+
+    def rmdir(self, parent: int, name: str, ctx: pyfuse3.RequestContext) -> None:
+        if parent != JOBS_INODE:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        job = self.jobs.jobs.get(name)
+        if job is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        if ctx.uid not in (0, job.uid):
+            raise pyfuse3.FUSEError(errno.EPERM)
+        self.jobs.remove(job)
+        del self._by_number[self._numbers.pop(name)]
+
+    # -- files ------------------------------------------------------------------------
+    def open(self, inode: int, flags: int) -> ControlHandle:
+        job, kind, epoch, batch = self._job_of(inode)
+        writing = flags & 0o3 != 0
+        if kind == "dir":
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        if writing and kind not in ("config", "report"):
+            raise pyfuse3.FUSEError(errno.EACCES)
+        return ControlHandle(self.jobs, job, kind, epoch, batch)
+
+
+class ControlHandle:
+    """An open control file. Reads produce the content once, on the first read."""
+
+    def __init__(self, jobs: JobManager, job: Job, kind: str, epoch: int, batch: int) -> None:
+        self.jobs = jobs
+        self.job = job
+        self.kind = kind
+        self.epoch = epoch
+        self.batch = batch
+        self.data: bytes | None = None
+
+    async def read(self, off: int, size: int) -> bytes:
+        if self.data is None:
+            self.data = await self._content()
+        return self.data[off:off + size]
+
+    async def _content(self) -> bytes:
+        job = self.job
+        if self.kind == "batch":
+            try:
+                return await self.jobs.manifest(job, self.epoch, self.batch)
+            except JobError as exc:
+                job.error = str(exc)
+                raise pyfuse3.FUSEError(errno.EINVAL) from None
+        if self.kind == "config":
+            return json.dumps(job.config_view()).encode()
+        if self.kind == "error":
+            return (job.error + "\n").encode() if job.error else b""
+        if self.kind == "stats":
+            return json.dumps(job.stats()).encode()
+        return b""
+
+    async def write(self, off: int, buf: bytes) -> int:
+        if self.kind == "config":
+            try:
+                await self.jobs.configure(self.job, buf)
+            except JobError:
+                raise pyfuse3.FUSEError(errno.EINVAL) from None
+            return len(buf)
+        for line in buf.decode("utf-8", "replace").splitlines():
+            parts = line.split()
+            try:
+                seconds = float(parts[2])
+            except (IndexError, ValueError):
+                continue  # a report line we do not understand is ignored, not fatal
+            if seconds >= 0:
+                self.job.batch_times.append(seconds)
+                self.job.counters["reported_batches"] += 1
+        return len(buf)

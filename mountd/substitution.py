@@ -1,0 +1,135 @@
+"""Substitutable sampling (paper §4.7, Algorithm 1): one rank's epoch, exactly once.
+
+The rank's shard is visited in a seeded random order. For each mini-batch the
+sampler scans ahead (10x the batch size by default, more when few items are cached)
+for items that are cached and not yet consumed, fills the batch with those hits and
+leaves the misses pending for a later pass. When the scan finds too few hits it
+picks a random subset of pending items for the caller to fetch (cooperative miss
+handling: other jobs then hit them). Every item of the shard is placed in exactly
+one batch of the epoch, whatever the cache does in between.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+DEFAULT_SCAN_FACTOR = 10
+SCAN_BLOCK = 256  # items whose cache state is asked for at once
+EWMA = 0.2  # weight of the newest scan in the hit-rate estimate
+
+
+def epoch_shard(universe: np.ndarray, seed: int, epoch: int, rank: int,
+                world_size: int) -> np.ndarray:
+    """The rank's items for an epoch, in visiting order: disjoint across ranks, their
+    union is the universe (like DistributedSampler without padding)."""
+    rng = np.random.default_rng([seed, epoch])
+    return universe[rng.permutation(len(universe))][rank::world_size]
+
+
+@dataclasses.dataclass
+class Batch:
+    """A planned mini-batch: cached items, and items the caller must fetch first."""
+
+    index: int
+    hits: list[int]
+    fetch: list[int]
+
+    @property
+    def items(self) -> list[int]:
+        return self.hits + self.fetch
+
+
+class EpochSampler:
+    """One rank's epoch: plans batches in order, each item exactly once."""
+
+    def __init__(self, order: np.ndarray, batch_size: int, seed: int,
+                 scan_factor: int = DEFAULT_SCAN_FACTOR) -> None:
+        if batch_size < 1:
+            raise ValueError("batch size must be at least 1")
+        self.order = order  # item indices in visiting order
+        self.batch_size = batch_size
+        self.scan_factor = scan_factor
+        self.n_batches = math.ceil(len(order) / batch_size)
+        self._consumed = np.zeros(len(order), dtype=bool)
+        self._pass = np.arange(len(order))  # positions of this pass, in order
+        self._cursor = 0
+        self._remaining = len(order)
+        self._rng = np.random.default_rng([seed, len(order), 7])
+        self._hit_rate = 1.0
+        self.planned = 0  # batches planned so far
+        self.hits = 0
+        self.fetched = 0
+
+    @property
+    def remaining(self) -> int:
+        return self._remaining
+
+    def remaining_items(self) -> np.ndarray:
+        """Items of the shard not yet placed in a batch."""
+        return self.order[~self._consumed]
+
+    def _scan_budget(self, need: int) -> int:
+        adaptive = math.ceil(1.5 * need / max(self._hit_rate, 0.01))
+        return min(self._remaining, max(self.scan_factor * self.batch_size, adaptive))
+
+    def _next_block(self, limit: int) -> tuple[np.ndarray, np.ndarray]:
+        """Up to ``limit`` pass indices from the cursor (never across passes) and their
+        unconsumed positions; starts a new pass over the pending items at the end."""
+        if self._cursor >= len(self._pass):
+            self._pass = np.flatnonzero(~self._consumed)
+            self._cursor = 0
+        idx = np.arange(self._cursor, min(len(self._pass), self._cursor + limit))
+        idx = idx[~self._consumed[self._pass[idx]]]
+        return idx, self._pass[idx]
+
+    def plan(self, is_cached: Callable[[np.ndarray], np.ndarray],
+             prefer: Callable[[np.ndarray], np.ndarray] | None = None) -> Batch:
+        """Plan the next batch. ``is_cached(items)`` says which items may be served as
+        hits; ``prefer(items)`` marks misses to fetch first (the chunk being loaded)."""
+        if self.planned >= self.n_batches:
+            raise IndexError("the epoch has no more batches")
+        need = min(self.batch_size, self._remaining)
+        budget = self._scan_budget(need)
+        hits: list[int] = []
+        scanned = 0
+        while len(hits) < need and scanned < budget:
+            idx, positions = self._next_block(min(SCAN_BLOCK, budget - scanned))
+            if not len(idx):
+                self._cursor = len(self._pass)  # this pass is used up
+                continue
+            cached = np.asarray(is_cached(self.order[positions]), dtype=bool)
+            hit_at = np.flatnonzero(cached)[:need - len(hits)]
+            if len(hit_at) == need - len(hits) and len(hit_at):
+                used = hit_at[-1] + 1  # stop right after the last hit taken
+            else:
+                used = len(idx)
+            self._cursor = int(idx[used - 1]) + 1
+            scanned += used
+            self._consumed[positions[hit_at]] = True
+            hits.extend(self.order[positions[hit_at]].tolist())
+        if scanned:
+            self._hit_rate = (1 - EWMA) * self._hit_rate + EWMA * (len(hits) / scanned)
+        fetch = self._choose_misses(need - len(hits), prefer)
+        self._remaining -= need
+        batch = Batch(self.planned, hits, fetch)
+        self.planned += 1
+        self.hits += len(hits)
+        self.fetched += len(fetch)
+        return batch
+
+    def _choose_misses(self, n: int, prefer: Callable[[np.ndarray], np.ndarray] | None
+                       ) -> list[int]:
+        """A random subset of pending items, preferred ones first; marked consumed."""
+        if n <= 0:
+            return []
+        pending = np.flatnonzero(~self._consumed)
+        self._rng.shuffle(pending)
+        if prefer is not None:
+            preferred = np.asarray(prefer(self.order[pending]), dtype=bool)
+            pending = np.concatenate([pending[preferred], pending[~preferred]])
+        chosen = pending[:n]
+        self._consumed[chosen] = True
+        return self.order[chosen].tolist()

@@ -1,0 +1,217 @@
+"""Substitutable reads: chunk plans, shards, Algorithm 1 through a real mount and the helper."""
+from __future__ import annotations
+
+import collections
+import hashlib
+import os
+import threading
+
+import diskcache
+import numpy as np
+import pytest
+import torch
+import torchvision
+
+from mountd.substitution import EpochSampler, epoch_shard
+from quiverfs import digest as digest_format
+from quiverfs.chunk_plan import make_plan
+from quiverfs.torch import QuiverBatchSampler
+from tests.mountd_helpers import make_digest, mount, mountd_factory  # noqa: F401
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
+
+
+def class_sorted_digest(n: int, classes: int) -> digest_format.Digest:
+    """A digest laid out like ImageFolder's: sorted by class, sizes rising within a class."""
+    items = [digest_format.NewItem(f"c{i * classes // n:03d}/{i:06d}.jpg",
+                                   hashlib.sha256(str(i).encode()).digest(), 1000 + i % 97)
+             for i in range(n)]
+    return digest_format.decode(digest_format.encode("t", "file:///x", items))
+
+
+def test_chunk_plan_is_deterministic_uniform_and_complete():
+    d = class_sorted_digest(5000, 50)
+    plan = make_plan(d)
+    assert plan.n_chunks == 10
+    assert sorted(np.concatenate(plan.members).tolist()) == list(range(5000))
+    labels = np.array([d.label_index[i] for i in range(len(d))])
+    for members in plan.members:  # every chunk holds (nearly) every class
+        assert len(set(labels[members].tolist())) >= 48
+    again = make_plan(class_sorted_digest(5000, 50))
+    assert all(np.array_equal(a, b) for a, b in zip(plan.members, again.members))
+
+
+def test_chunk_plan_sort_key_gives_stripe_units_of_similar_size():
+    d = class_sorted_digest(5000, 50)
+    sizes = np.frombuffer(d.sizes, dtype="<u8").astype(float)
+    plan = make_plan(d, sort_key="size")
+    unit = plan.members[0][:50]  # the first stripe unit of chunk 0
+    assert sizes[unit].std() < sizes.std() / 5
+    assert sizes[plan.members[0]].std() > sizes.std() / 2  # the chunk spans all sizes
+
+
+def test_rank_shards_are_disjoint_and_cover_the_dataset():
+    universe = np.arange(1001)
+    for epoch in range(3):
+        shards = [epoch_shard(universe, 5, epoch, r, 4) for r in range(4)]
+        flat = np.concatenate(shards)
+        assert len(flat) == 1001 and len(set(flat.tolist())) == 1001
+    assert not np.array_equal(epoch_shard(universe, 5, 0, 0, 4), epoch_shard(universe, 5, 1, 0, 4))
+
+
+def test_sampler_exactly_once_while_the_cache_changes():
+    order = epoch_shard(np.arange(5000), 3, 0, 0, 1)
+    rng = np.random.default_rng(9)
+    cached = set(rng.choice(5000, 500, replace=False).tolist())
+    sampler = EpochSampler(order, 64, seed=3)
+    seen: list[int] = []
+    for b in range(sampler.n_batches):
+        batch = sampler.plan(lambda items: np.array([i in cached for i in items]))
+        assert len(batch.items) == (64 if b < sampler.n_batches - 1 else 5000 - 64 * b)
+        seen += batch.items
+        cached.update(batch.fetch)
+        if b % 7 == 3:
+            cached.clear()  # emptied mid-epoch
+        else:
+            cached.update(rng.choice(5000, 100).tolist())
+    assert sorted(seen) == list(range(5000))
+
+
+@pytest.fixture
+def digits_mount(mountd_factory, digits_tree):
+    """A mountd with the digits dataset mounted at ROOT/digits (cache size via request)."""
+    def start(cache_size: str = "1G"):
+        m = mountd_factory(cache_size=cache_size)
+        mount(m, make_digest(digits_tree.root, "digits"), "digits")
+        return m
+    return start
+
+
+def epoch_paths(sampler: QuiverBatchSampler, epoch: int, between=None) -> list[str]:
+    sampler.set_epoch(epoch)
+    paths = []
+    for b in range(len(sampler)):
+        paths += sampler.manifest(b)["paths"]
+        if between is not None:
+            between(b)
+    return paths
+
+
+def test_unchanged_imagefolder_with_helper_and_four_workers(digits_mount):
+    m = digits_mount()
+    root = os.path.join(m.root, "digits")
+    dataset = torchvision.datasets.ImageFolder(root, transform=torchvision.transforms.ToTensor())
+    sampler = QuiverBatchSampler(root, 64, seed=1, dataset=dataset)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=4)
+    expected = collections.Counter(dataset.targets)
+    try:
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            labels: collections.Counter[int] = collections.Counter()
+            batches = 0
+            for images, targets in loader:
+                assert images.shape[1:] == (3, 8, 8)
+                labels.update(targets.tolist())
+                batches += 1
+            assert batches == len(sampler) == 29
+            assert labels == expected  # every item once: the label histogram is exact
+        job = m.status()["jobs"][0]
+        assert job["counters"]["hits"] + job["counters"]["fetched"] == 2 * 1797
+        assert job["counters"]["reported_batches"] > 0
+        assert job["chunks"]["max_resident"] <= 2
+    finally:
+        sampler.close()
+    assert m.status()["jobs"] == []
+
+
+def test_exactly_once_when_the_cache_is_cleared_mid_epoch(digits_mount, digits_tree):
+    m = digits_mount()
+    root = os.path.join(m.root, "digits")
+    sampler = QuiverBatchSampler(root, 32, seed=2)
+    everything = sorted(os.path.relpath(os.path.join(d, f), digits_tree.root)
+                        for d, _, fs in os.walk(digits_tree.root) for f in fs)
+
+    def clear(b: int) -> None:
+        if b in (5, 30):
+            with diskcache.Cache(os.path.join(m.cache_dir, "store")) as store:
+                store.clear()
+
+    try:
+        for epoch in range(2):
+            paths = epoch_paths(sampler, epoch, clear)
+            assert sorted(paths) == everything
+    finally:
+        sampler.close()
+
+
+def test_exactly_once_with_a_cache_smaller_than_one_chunk(digits_mount, digits_tree):
+    m = digits_mount(cache_size="8K")  # the digits are 215 KiB: a chunk is ~22 KiB
+    root = os.path.join(m.root, "digits")
+    sampler = QuiverBatchSampler(root, 50, seed=3)
+    try:
+        paths = epoch_paths(sampler, 0)
+    finally:
+        sampler.close()
+    assert len(paths) == 1797 and len(set(paths)) == 1797
+
+
+def test_two_ranks_get_disjoint_shards_through_the_mount(digits_mount):
+    m = digits_mount()
+    root = os.path.join(m.root, "digits")
+    ranks = [QuiverBatchSampler(root, 64, seed=4, rank=r, world_size=2) for r in range(2)]
+    try:
+        results: dict[int, list[str]] = {}
+        threads = [threading.Thread(target=lambda r=r: results.__setitem__(
+            r, epoch_paths(ranks[r], 0))) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        a, b = set(results[0]), set(results[1])
+        assert not a & b
+        assert len(a) + len(b) == 1797 == len(results[0]) + len(results[1])
+        assert abs(len(a) - len(b)) <= 1
+    finally:
+        for s in ranks:
+            s.close()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"batch_size": 0}, "batch_size must be at least 1"),
+    ({"rank": 2, "world_size": 2}, "rank 2 is not in 0..1"),
+])
+def test_bad_job_parameters_get_clear_errors(digits_mount, kwargs, message):
+    m = digits_mount()
+    args = {"batch_size": 8, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        QuiverBatchSampler(os.path.join(m.root, "digits"), args.pop("batch_size"), **args)
+    assert m.status()["jobs"] == []
+
+
+def test_unknown_dataset_is_a_clear_error(digits_mount):
+    m = digits_mount()
+    job = os.path.join(m.root, ".quiver", "jobs", "j1")
+    os.mkdir(job)
+    fd = os.open(os.path.join(job, "config"), os.O_WRONLY)
+    try:
+        with pytest.raises(OSError) as info:
+            os.write(fd, b'{"dataset": "nope", "batch_size": 4}')
+    finally:
+        os.close(fd)
+    assert info.value.errno == 22
+    with open(os.path.join(job, "error"), encoding="utf-8") as f:
+        assert "unknown dataset 'nope'" in f.read()
+    os.rmdir(job)
+    with pytest.raises(ValueError, match="not inside a Quiver mount"):
+        QuiverBatchSampler("/tmp", 4)
+
+
+def test_datasets_stay_read_only(digits_mount):
+    m = digits_mount()
+    target = os.path.join(m.root, "digits", "0")
+    for attempt in (lambda: open(os.path.join(target, "new.png"), "wb"),
+                    lambda: os.mkdir(os.path.join(target, "d")),
+                    lambda: os.unlink(os.path.join(target, sorted(os.listdir(target))[0]))):
+        with pytest.raises(OSError) as info:
+            attempt()
+        assert info.value.errno in (30, 13)  # EROFS, or EACCES from the mode bits
