@@ -14,8 +14,6 @@ import time
 
 import numpy as np
 
-from quiverfs.chunk_plan import ChunkPlan
-
 
 class ChunkState(str, enum.Enum):
     EVICTED = "evicted"
@@ -35,10 +33,10 @@ class EpochRef:
 class ChunkCycle:
     """The residency state machine of one dataset's chunks."""
 
-    def __init__(self, plan: ChunkPlan, force_after: float = 120.0) -> None:
-        self.plan = plan
+    def __init__(self, n_chunks: int, force_after: float = 120.0) -> None:
+        self.n_chunks = n_chunks
         self.force_after = force_after
-        self.states = [ChunkState.EVICTED] * plan.n_chunks
+        self.states = [ChunkState.EVICTED] * n_chunks
         self.loading: int | None = None
         self.active: int | None = None
         self.marked: int | None = None
@@ -61,10 +59,10 @@ class ChunkCycle:
         """Begin loading the next chunk if fewer than two are resident."""
         if self.loading is not None or self.resident_count() >= 2:
             return None
-        if self.plan.n_chunks == 1 and self.active is not None:
+        if self.n_chunks == 1 and self.active is not None:
             return None
         chunk = self._next
-        self._next = (self._next + 1) % self.plan.n_chunks
+        self._next = (self._next + 1) % self.n_chunks
         self.loading = chunk
         self._set(chunk, ChunkState.LOADING)
         return chunk
@@ -88,10 +86,7 @@ class ChunkCycle:
 
     def usable(self, ref: EpochRef) -> list[int]:
         """Chunks a job-epoch may take hits from."""
-        chunks = [c for c in (self.active, self.loading) if c is not None]
-        if self.marked is not None and ref.started_generation < self._marked_generation:
-            chunks.append(self.marked)
-        return chunks
+        return usable_chunks(self.snapshot(), ref)
 
     def evictable(self, refs: list[EpochRef], now: float | None = None) -> int | None:
         """The marked chunk, once released by every job-epoch that may use it, or once
@@ -116,7 +111,30 @@ class ChunkCycle:
         self._set(chunk, ChunkState.EVICTED)
 
     def snapshot(self) -> dict:
-        return {"chunks": self.plan.n_chunks, "loading": self.loading,
+        """The state nodes act on (and ``restore`` takes back after a restart)."""
+        return {"chunks": self.n_chunks, "loading": self.loading,
                 "active": self.active, "marked": self.marked,
+                "generation": self.generation, "marked_generation": self._marked_generation,
+                "first_release": self._first_release, "next": self._next,
                 "max_resident": self.max_resident,
                 "states": [s.value for s in self.states]}
+
+    @classmethod
+    def restore(cls, snap: dict, force_after: float) -> ChunkCycle:
+        cycle = cls(int(snap["chunks"]), force_after)
+        cycle.states = [ChunkState(s) for s in snap["states"]]
+        cycle.loading, cycle.active, cycle.marked = snap["loading"], snap["active"], snap["marked"]
+        cycle.generation = int(snap["generation"])
+        cycle._marked_generation = int(snap["marked_generation"])
+        cycle._first_release = snap["first_release"]
+        cycle._next = int(snap["next"])
+        cycle.max_resident = int(snap["max_resident"])
+        return cycle
+
+
+def usable_chunks(snap: dict, ref: EpochRef) -> list[int]:
+    """Chunks a job-epoch may take hits from, given a cycle snapshot."""
+    chunks = [c for c in (snap["active"], snap["loading"]) if c is not None]
+    if snap["marked"] is not None and ref.started_generation < snap["marked_generation"]:
+        chunks.append(snap["marked"])
+    return chunks

@@ -37,6 +37,17 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--log-file", help="log file when in the background "
                    "(default: CACHE_DIR/mountd.log)")
     d.add_argument("--threads", type=int, default=16, help="blocking I/O workers (default 16)")
+    d.add_argument("--chunk-size", help="chunk size for substitutable jobs, e.g. 15G "
+                   "(default: 10%% of a dataset or 15 GiB, the smaller)")
+    d.add_argument("--force-evict-after", type=float, default=120.0,
+                   help="seconds a marked chunk may outlive its first release (default 120)")
+    c = d.add_argument_group("cluster (without --coordinator, mountd is a single node)")
+    c.add_argument("--coordinator", metavar="HOST:PORT", help="the coordinator to join")
+    c.add_argument("--listen", metavar="HOST:PORT",
+                   help="address of this node's peer server (default 127.0.0.1:0)")
+    c.add_argument("--node-id", help="this node's name in the cluster (default: hostname)")
+    c.add_argument("--cluster-secret-file", help="shared cluster secret (or "
+                   "$QUIVER_CLUSTER_SECRET), at least 16 bytes")
     d.set_defaults(func=cmd_mountd, daemon=True)
 
     m = sub.add_parser("mount", help="register a digest: its tree appears at ROOT/NAME",
@@ -56,6 +67,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
     s = sub.add_parser("status", help="datasets, cache use, hits/misses and bytes per tier")
     s.add_argument("--json", action="store_true", help="print JSON")
+    s.add_argument("--cluster", action="store_true",
+                   help="nodes, ownership shares, chunk states and jobs of the cluster")
     _root_arg(s)
     s.set_defaults(func=cmd_status)
 
@@ -80,7 +93,17 @@ def cmd_mountd(args: argparse.Namespace) -> int:
     cfg = MountdConfig(root=root, cache_dir=os.path.abspath(args.cache_dir),
                        cache_size=parse_size(args.cache_size, "--cache-size"),
                        control_socket=args.control_socket or control_client.default_socket(root),
-                       threads=args.threads)
+                       threads=args.threads,
+                       chunk_bytes=parse_size(args.chunk_size, "--chunk-size")
+                       if args.chunk_size else None,
+                       force_evict_after=args.force_evict_after,
+                       coordinator=args.coordinator, listen=args.listen,
+                       cluster_secret_file=args.cluster_secret_file)
+    if args.node_id:
+        cfg.node_id = args.node_id
+    if args.coordinator:
+        from quiverfs.rpc import load_secret
+        load_secret(args.cluster_secret_file)  # fail here, before mounting
     if cfg.cache_size <= 0:
         raise QuietError("--cache-size must be positive", ExitCode.USAGE)
     if args.threads < 1:
@@ -156,6 +179,8 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    if args.cluster:
+        return _cluster_status(args)
     reply = _call(args, {"op": "status"})
     reply.pop("ok", None)
     if args.json:
@@ -168,6 +193,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"cache: {human(cache['used_bytes'])} of {human(cache['size_limit'])} used, "
           f"{cache['items']} items")
     print(f"reads: {c.get('local_hits', 0)} local hits ({human(c.get('local_bytes', 0))}), "
+          f"{c.get('page_cache_opens', 0)} from the page cache, "
+          f"{c.get('peer_hits', 0)} peer hits ({human(c.get('peer_bytes', 0))}), "
           f"{c.get('misses', 0)} misses, {c.get('bucket_fetches', 0)} bucket fetches "
           f"({human(c.get('bucket_bytes', 0))}), {c.get('integrity_failures', 0)} integrity "
           f"failures, {c.get('bucket_errors', 0)} storage errors")
@@ -181,4 +208,27 @@ def cmd_status(args: argparse.Namespace) -> int:
             line += (f"  prefetch {state} {pf['done_items']}/{pf['total_items']}"
                      + (f" ({pf['failed']} failed)" if pf["failed"] else ""))
         print(line)
+    return ExitCode.OK
+
+
+def _cluster_status(args: argparse.Namespace) -> int:
+    reply = _call(args, {"op": "cluster"})
+    reply.pop("ok", None)
+    if args.json:
+        json.dump(reply, sys.stdout, indent=2)
+        print()
+        return ExitCode.OK
+    state = "reachable" if reply["coordinator_ok"] else "UNREACHABLE"
+    print(f"node {reply['node']}, membership {reply['version']}, coordinator {state}")
+    for n in reply["nodes"]:
+        print(f"  {n['id']:<16} {n['peer']:<22} {'live' if n['live'] else 'down':<5} "
+              f"owns {100 * n['share']:.1f}% of keys")
+    for identity, cycle in reply["cycles"].items():
+        states = " ".join(s[0].upper() if s != "evicted" else "." for s in cycle["states"])
+        print(f"  dataset {identity[:12]}: chunks [{states}] (L loading, A active, "
+              f"M marked), max resident {cycle['max_resident']}")
+    for job in reply["jobs"]:
+        print(f"  job {job['job']}: epoch {job['epoch']}, batch {job['batches_planned']}/"
+              f"{job['batches_per_epoch']}, hits {job['counters'].get('hits', 0)}, "
+              f"fetched {job['counters'].get('fetched', 0)}")
     return ExitCode.OK

@@ -16,6 +16,7 @@ from mountd.item_reader import ItemReader, ReadFailed
 from mountd.jobs import JobManager
 from mountd.mount_table import MountTable
 from mountd.registry import Registration, Registry, check_name, new_registration
+from quiverfs import ownership
 from quiverfs.backends import StorageOptions
 from quiverfs.digest import Digest
 from quiverfs.errors import ExitCode, QuietError
@@ -35,6 +36,8 @@ class Controller:
         self.registry = registry
         self.reader = reader
         self.jobs = jobs
+        self.cluster: Any = None  # mountd.cluster.Cluster, wired by the daemon
+        self.peer_service: Any = None  # mountd.peers.PeerService when clustered
         self.prefetch_concurrency = prefetch_concurrency
         self._lock = trio.Lock()
         self._nursery: trio.Nursery | None = None
@@ -42,7 +45,7 @@ class Controller:
 
     def handlers(self) -> dict[str, Any]:
         return {"mount": self.mount, "umount": self.umount, "status": self.status,
-                "prefetch": self.prefetch}
+                "prefetch": self.prefetch, "cluster": self.cluster_status}
 
     async def run(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         """Hold the nursery that background prefetches run in."""
@@ -158,7 +161,25 @@ class Controller:
                 "cache": {"size_limit": store.size_limit, "used_bytes": volume, "items": items,
                           "corrupt_dropped": store.corrupt_dropped},
                 "counters": dict(self.reader.counters), "datasets": datasets,
-                "jobs": self.jobs.status(peer.uid)}
+                "jobs": self.jobs.status(peer.uid),
+                "cluster": self.cluster.status() if self.cluster is not None else None}
+
+    async def cluster_status(self, peer: Peer, req: dict[str, Any]) -> dict[str, Any]:
+        """Members, each one's share of this node's datasets' keys, and the cycles."""
+        cluster = self.cluster
+        live = cluster.live()
+        digests = [ds.digest for ds in self.table.by_name.values()]
+        hashes = [d.hash(i) for d in digests for i in range(0, len(d), max(1, len(d) // 2000))]
+        shares = await trio.to_thread.run_sync(ownership.shares, hashes, live)
+        total = max(1, len(hashes))
+        return {"node": cluster.me, "coordinator_ok": cluster.coordinator_ok,
+                "version": cluster.version,
+                "nodes": [{"id": n, "peer": cluster.members[n], "live": n in live,
+                           "share": round(shares.get(n, 0) / total, 3)}
+                          for n in sorted(cluster.members)],
+                "cycles": cluster.cycles,
+                "jobs": self.jobs.status(peer.uid),
+                "rejected_puts": self.peer_service.rejected_puts if self.peer_service else 0}
 
     async def prefetch(self, peer: Peer, req: dict[str, Any]) -> dict[str, Any]:
         ds = self._owned(peer, str(req["name"]))

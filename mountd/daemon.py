@@ -7,11 +7,13 @@ import faulthandler
 import logging
 import os
 import signal
+import socket
 import subprocess
 
 import pyfuse3
 import trio
 
+from mountd.cluster import Cluster, EmbeddedCoordinator, RemoteCoordinator
 from mountd.content_store import ContentStore
 from mountd.control_server import ControlServer
 from mountd.controller import Controller
@@ -20,8 +22,10 @@ from mountd.item_reader import ItemReader
 from mountd.job_files import ControlFiles
 from mountd.jobs import JobManager
 from mountd.mount_table import MountTable
+from mountd.peers import PeerService, PeerSet
 from mountd.registry import Registry
 from quiverfs import sd_notify
+from quiverfs.rpc import RpcClient, load_secret, parse_address
 from quiverfs.errors import ExitCode, QuietError
 
 log = logging.getLogger(__name__)
@@ -42,6 +46,10 @@ class MountdConfig:
     prefetch_concurrency: int = 16
     chunk_bytes: int | None = None  # None: 10% of a dataset or 15 GiB, the smaller
     force_evict_after: float = 120.0  # seconds a marked chunk may outlive its first release
+    node_id: str = dataclasses.field(default_factory=socket.gethostname)
+    coordinator: str | None = None  # HOST:PORT; None runs the coordinator logic embedded
+    listen: str | None = None  # HOST:PORT of the peer server (with a coordinator)
+    cluster_secret_file: str | None = None
 
 
 def prepare_root(root: str) -> None:
@@ -87,7 +95,8 @@ class Mountd:
         self.table = MountTable()
         self.limiter = trio.CapacityLimiter(cfg.threads)
         self.reader = ItemReader(self.store, self.limiter)
-        self.jobs = JobManager(self.table, self.reader, cfg.chunk_bytes, cfg.force_evict_after)
+        self.jobs = JobManager(self.table, self.reader, cfg.chunk_bytes)
+        self.secret = load_secret(cfg.cluster_secret_file) if cfg.coordinator else b""
         self.controller = Controller(self.root, self.table, self.registry, self.reader,
                                      self.jobs, cfg.prefetch_concurrency)
         self.fs = QuiverFS(self.table, self.reader, ControlFiles(self.jobs))
@@ -114,6 +123,10 @@ class Mountd:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.controller.run)
             await nursery.start(self.jobs.run)
+            cluster = await self._join_cluster(nursery)
+            self.reader.cluster = self.jobs.cluster = self.controller.cluster = cluster
+            self.reader.background = nursery
+            nursery.start_soon(cluster.run, self.jobs.report, self.jobs.apply)
             await nursery.start(server.serve)
             nursery.start_soon(self._on_signals)
             nursery.start_soon(self._record_hits)
@@ -123,6 +136,27 @@ class Mountd:
         if not self._terminated:
             raise QuietError(f"the FUSE session at {self.root} ended unexpectedly "
                              "(unmounted from outside?)", ExitCode.MOUNT)
+
+    async def _join_cluster(self, nursery: trio.Nursery) -> Cluster:
+        """Start the peer server and the coordinator link (or the embedded coordinator)."""
+        cfg = self.cfg
+        if cfg.coordinator is None:
+            link = EmbeddedCoordinator(os.path.join(cfg.cache_dir, "state", "coordinator"),
+                                       cfg.force_evict_after)
+            return Cluster(cfg.node_id, "local", cfg.cache_size, link, None)
+        host, port = parse_address(cfg.listen or "127.0.0.1:0", "--listen")
+        service = PeerService(self.store, self.limiter)
+        self.controller.peer_service = service
+        bound = await nursery.start(service.server(self.secret).serve, host, port)
+        peers = PeerSet(self.secret)
+        await nursery.start(peers.run)
+        chost, cport = parse_address(cfg.coordinator, "--coordinator")
+        client = RpcClient(chost, cport, self.secret, timeout=10.0)
+        await nursery.start(client.run)
+        log.info("node %s: peer server on %s:%d, coordinator %s", cfg.node_id, host, bound,
+                 cfg.coordinator)
+        return Cluster(cfg.node_id, f"{host}:{bound}", cfg.cache_size,
+                       RemoteCoordinator(client), peers)
 
     async def _record_hits(self) -> None:
         while True:

@@ -191,7 +191,11 @@ class QuiverFS(pyfuse3.Operations):
         return f.data[off:off + size]
 
     async def release(self, fh: int) -> None:
-        self._files.pop(fh, None)
+        f = self._files.pop(fh, None)
+        if isinstance(f, _OpenFile) and f.data is None and not f.failed:
+            # opened and closed without a read reaching us: the kernel's page cache
+            # served it (keep_cache), or nothing was read
+            self.reader.count(f.ds, "page_cache_opens")
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         f = self._files[fh]

@@ -1,4 +1,6 @@
-"""The read path: local store, then the item's storage location; single-flight misses.
+"""The read path: local store, the owning peer, then the item's storage location.
+
+Misses are single-flight: concurrent readers of a missing item cause one fetch.
 
 Runs on the trio loop; every blocking call (diskcache, backend, hashing) goes to a
 worker thread bounded by one CapacityLimiter.
@@ -6,14 +8,17 @@ worker thread bounded by one CapacityLimiter.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 from collections import Counter
+from typing import Any
 
 import trio
 
 from mountd.content_store import ContentStore, IntegrityError
 from mountd.dataset import MountedDataset
 from quiverfs.errors import QuietError
+from quiverfs.rpc import Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +46,17 @@ class ItemReader:
         self.limiter = limiter
         self._inflight: dict[bytes, _Flight] = {}
         self.counters: Counter[str] = Counter()
+        self.cluster: Any = None  # mountd.cluster.Cluster, set once the daemon wires it
+        self.background: trio.Nursery | None = None  # where puts to owners run
 
-    def _count(self, ds: MountedDataset, key: str, n: int = 1) -> None:
+    def owner(self, digest: bytes) -> str | None:
+        """The node that should hold ``digest``; None when that is this node."""
+        if self.cluster is None:
+            return None
+        node = self.cluster.owner(digest)
+        return None if node == self.cluster.me else node
+
+    def count(self, ds: MountedDataset, key: str, n: int = 1) -> None:
         self.counters[key] += n
         ds.counters[key] += n
 
@@ -51,10 +65,20 @@ class ItemReader:
         digest = ds.digest.hash(index)
         data = await trio.to_thread.run_sync(self.store.get, digest, limiter=self.limiter)
         if data is not None:
-            self._count(ds, "local_hits")
-            self._count(ds, "local_bytes", len(data))
+            self.count(ds, "local_hits")
+            self.count(ds, "local_bytes", len(data))
             return data
-        self._count(ds, "misses")
+        owner = self.owner(digest)
+        if owner is not None:
+            try:
+                data = await self.cluster.peers.get(owner, digest)
+            except Unavailable:
+                self.count(ds, "peer_errors")
+            if data is not None:
+                self.count(ds, "peer_hits")
+                self.count(ds, "peer_bytes", len(data))
+                return data
+        self.count(ds, "misses")
         return await self.fetch(ds, index)
 
     async def fetch(self, ds: MountedDataset, index: int) -> bytes:
@@ -62,7 +86,7 @@ class ItemReader:
         digest = ds.digest.hash(index)
         flight = self._inflight.get(digest)
         if flight is not None:
-            self._count(ds, "coalesced")
+            self.count(ds, "coalesced")
             await flight.done.wait()
             if flight.data is None:
                 raise ReadFailed(str(flight.error))
@@ -73,18 +97,20 @@ class ItemReader:
                                                  limiter=self.limiter)
         except ReadFailed as exc:
             flight.error = exc
-            self._count(ds, "integrity_failures" if isinstance(exc, IntegrityFailed)
+            self.count(ds, "integrity_failures" if isinstance(exc, IntegrityFailed)
                         else "bucket_errors")
             raise
         finally:
             del self._inflight[digest]
             flight.done.set()
-        self._count(ds, "bucket_fetches")
-        self._count(ds, "bucket_bytes", len(data))
+        self.count(ds, "bucket_fetches")
+        self.count(ds, "bucket_bytes", len(data))
         flight.data = data
         return data
 
     def _fetch_blocking(self, ds: MountedDataset, index: int) -> bytes:
+        """Read from storage and check the hash; keep it here if this node owns it,
+        else hand it to its owner (in the background)."""
         loc = ds.digest.location(index)
         try:
             data = ds.backend.read(ds.digest.key(index), loc.offset, loc.length)
@@ -92,11 +118,29 @@ class ItemReader:
             log.error("dataset %s: cannot fetch %s from %s: %s", ds.name,
                       ds.digest.path(index), loc.uri, exc)
             raise ReadFailed(exc.message) from None
+        digest = ds.digest.hash(index)
+        owner = self.owner(digest)
         try:
-            self.store.put(ds.digest.hash(index), data)
+            if owner is None:
+                self.store.put(digest, data)
+            elif hashlib.sha256(data).digest() != digest:
+                raise IntegrityError(digest.hex())
+            else:
+                trio.from_thread.run_sync(self._put_to_owner, owner, digest, data)
         except IntegrityError:
             log.error("dataset %s: %s at %s (offset %d, %d bytes) does not match its digest "
                       "hash %s: not cached, not served", ds.name, ds.digest.path(index),
                       loc.uri, loc.offset, loc.length, ds.digest.hash(index).hex())
             raise IntegrityFailed("content does not match the digest") from None
         return data
+
+    def _put_to_owner(self, owner: str, digest: bytes, data: bytes) -> None:
+        if self.background is not None:
+            self.background.start_soon(self._put, owner, digest, data)
+
+    async def _put(self, owner: str, digest: bytes, data: bytes) -> None:
+        try:
+            if await self.cluster.peers.put(owner, digest, data):
+                self.counters["peer_puts"] += 1
+        except Unavailable:
+            self.counters["peer_put_errors"] += 1

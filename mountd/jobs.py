@@ -18,17 +18,18 @@ from typing import Any
 import numpy as np
 import trio
 
-from mountd.chunk_cycle import ChunkCycle, EpochRef
+from mountd.chunk_cycle import EpochRef, usable_chunks
 from mountd.dataset import MountedDataset
 from mountd.item_reader import ItemReader, ReadFailed
 from mountd.mount_table import MountTable
 from mountd.substitution import DEFAULT_SCAN_FACTOR, EpochSampler, epoch_shard
+from quiverfs import ownership
 from quiverfs.chunk_plan import make_plan
+from quiverfs.rpc import Unavailable
 
 log = logging.getLogger(__name__)
 
 FETCH_CONCURRENCY = 16  # misses fetched at once for one batch or one chunk load
-CYCLE_TICK = 0.2  # seconds between chunk-cycle checks
 CHECK_BLOCK = 512  # items whose store membership is checked per thread call
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff",
                     ".webp")  # torchvision's IMG_EXTENSIONS
@@ -142,31 +143,38 @@ class Job:
 
 
 class DatasetJobs:
-    """The jobs of one dataset, its chunk plan and cycle, and the task driving it."""
+    """The jobs of one dataset on this node, its chunk plan, and the cycle as last heard."""
 
-    def __init__(self, ds: MountedDataset, chunk_bytes: int | None, force_after: float) -> None:
+    def __init__(self, ds: MountedDataset, chunk_bytes: int | None) -> None:
         self.ds = ds
         self.plan = make_plan(ds.digest, chunk_bytes)
-        self.cycle = ChunkCycle(self.plan, force_after)
         self.jobs: dict[str, Job] = {}
-        self.wake = trio.Event()
-        self.loaded_items = 0
+        self.snap: dict[str, Any] | None = None  # the coordinator's view of the cycle
+        self.loaded: list[list[Any]] = []  # [chunk, loaders] shares this node finished
+        self.busy: set[str] = set()  # load tasks running, by key
+        self.version = -1  # membership version of the last refill
 
-    def refs(self) -> list[EpochRef]:
-        return [j.ref for j in self.jobs.values() if j.ref is not None]
+    def usable(self, ref: EpochRef) -> list[int]:
+        return usable_chunks(self.snap, ref) if self.snap is not None else []
+
+    def report(self) -> dict[str, Any]:
+        return {"name": self.ds.name, "chunks": self.plan.n_chunks, "loaded": self.loaded,
+                "jobs": [{"id": j.id, "gen": j.ref.started_generation, "gpus": j.config.gpus,
+                          "remaining": j.ref.remaining_chunks.tolist()}
+                         for j in self.jobs.values() if j.ref is not None and j.config]}
 
 
 class JobManager:
-    """Registers jobs, plans their batches, and runs their datasets' chunk cycles."""
+    """Registers jobs, plans their batches, and carries out their chunk cycles."""
 
     def __init__(self, table: MountTable, reader: ItemReader,
-                 chunk_bytes: int | None = None, force_after: float = 120.0) -> None:
+                 chunk_bytes: int | None = None) -> None:
         self.table = table
         self.reader = reader
         self.chunk_bytes = chunk_bytes
-        self.force_after = force_after
         self.jobs: dict[str, Job] = {}
         self.groups: dict[str, DatasetJobs] = {}
+        self.cluster: Any = None  # mountd.cluster.Cluster, wired by the daemon
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
@@ -204,9 +212,8 @@ class JobManager:
         job.epoch, job.sampler, job.ref = -1, None, None
         group = self.groups.get(ds.name)
         if group is None or group.ds is not ds:
-            group = self.groups[ds.name] = DatasetJobs(ds, self.chunk_bytes, self.force_after)
-            if self._nursery is not None:
-                self._nursery.start_soon(self._drive, group, name=f"chunks {ds.name}")
+            group = self.groups[ds.name] = await trio.to_thread.run_sync(
+                DatasetJobs, ds, self.chunk_bytes, limiter=self.reader.limiter)
         group.jobs[job.id] = job
         job.group = group
         log.info("job %s (uid %d) reads %s/%s: %d items, batch %d, rank %d/%d", job.id,
@@ -217,10 +224,10 @@ class JobManager:
         self.jobs.pop(job.id, None)
         self._leave(job)
 
-    def _leave(self, job: Job) -> None:
+    @staticmethod
+    def _leave(job: Job) -> None:
         if job.group is not None:
             job.group.jobs.pop(job.id, None)
-            job.group.wake.set()
             job.group = None
 
     def dataset_removed(self, name: str) -> None:
@@ -230,7 +237,6 @@ class JobManager:
                 job.error = f"dataset {name!r} was unmounted"
                 job.group = None
             group.jobs.clear()
-            group.wake.set()
 
     # -- batches ----------------------------------------------------------------------
     async def manifest(self, job: Job, epoch: int, index: int) -> bytes:
@@ -255,24 +261,26 @@ class JobManager:
         job.epoch = epoch
         job.sampler = EpochSampler(order, cfg.batch_size, seed=cfg.seed + epoch,
                                    scan_factor=cfg.scan_factor)
-        job.ref = EpochRef(group.cycle.generation, np.bincount(
-            group.plan.chunk_of[order], minlength=group.plan.n_chunks))
+        generation = group.snap["generation"] if group.snap is not None else 0
+        job.ref = EpochRef(generation, np.bincount(group.plan.chunk_of[order],
+                                                   minlength=group.plan.n_chunks))
         job.manifests = {}
-        group.wake.set()
         return job.sampler
 
     async def _plan_next(self, job: Job, group: DatasetJobs, sampler: EpochSampler) -> None:
         ref = job.ref
-        digest, store = group.ds.digest, self.reader.store
+        digest = group.ds.digest
         chunk_of = group.plan.chunk_of
 
         def is_cached(items: np.ndarray) -> np.ndarray:
-            usable = np.isin(chunk_of[items], group.cycle.usable(ref))
-            return np.array([u and digest.hash(int(i)) in store
-                             for i, u in zip(items, usable)], dtype=bool)
+            usable = np.isin(chunk_of[items], group.usable(ref))
+            held = np.zeros(len(items), dtype=bool)
+            held[usable] = trio.from_thread.run(self._held, [digest.hash(int(i))
+                                                             for i in items[usable]])
+            return held
 
         def prefer(items: np.ndarray) -> np.ndarray:
-            loading = group.cycle.loading
+            loading = group.snap["loading"] if group.snap is not None else None
             return chunk_of[items] == (loading if loading is not None else -1)
 
         batch = await trio.to_thread.run_sync(sampler.plan, is_cached, prefer,
@@ -289,7 +297,28 @@ class JobManager:
             "paths": [digest.path(i)[cut:] for i in items],
             "labels": [digest.label(i) for i in items],
             "hashes": [digest.hash(i).hex() for i in items]}).encode()
-        group.wake.set()
+
+    async def _held(self, hashes: list[bytes]) -> list[bool]:
+        """Which hashes their owners hold (this node's store, or a peer's); a peer that
+        cannot be asked counts as holding nothing."""
+        by_owner: dict[str | None, list[int]] = collections.defaultdict(list)
+        for pos, h in enumerate(hashes):
+            by_owner[self.reader.owner(h)].append(pos)
+        out = [False] * len(hashes)
+        for node, positions in by_owner.items():
+            wanted = [hashes[p] for p in positions]
+            if node is None:
+                store = self.reader.store
+                found = await trio.to_thread.run_sync(
+                    lambda: [h in store for h in wanted], limiter=self.reader.limiter)
+            else:
+                try:
+                    found = await self.cluster.peers.lookup(node, wanted)
+                except Unavailable:
+                    continue
+            for p, f in zip(positions, found):
+                out[p] = bool(f)
+        return out
 
     async def _fetch_all(self, ds: MountedDataset, items: list[int],
                          counters: collections.Counter[str]) -> None:
@@ -307,51 +336,77 @@ class JobManager:
                 nursery.start_soon(one, i)
 
     # -- chunk cycle ------------------------------------------------------------------
-    async def _drive(self, group: DatasetJobs) -> None:
-        """Load chunks in turn while the dataset has jobs; evict marked ones."""
-        cycle = group.cycle
-        while self.groups.get(group.ds.name) is group:
-            if group.jobs:
-                chunk = cycle.start_loading()
-                if chunk is not None:
-                    await self._load(group, chunk)
-                    cycle.loaded()
-                victim = cycle.evictable(group.refs())
-                if victim is not None:
-                    await self._evict(group, victim)
-                    continue
-            group.wake = trio.Event()
-            with trio.move_on_after(CYCLE_TICK):
-                await group.wake.wait()
+    def report(self) -> dict[str, dict[str, Any]]:
+        """What the coordinator needs, per dataset identity with jobs here."""
+        return {g.ds.reg.identity: g.report() for g in self.groups.values() if g.jobs}
 
-    async def _load(self, group: DatasetJobs, chunk: int) -> None:
-        """One pass over the chunk's items, fetching those not in the store."""
-        members = group.plan.members[chunk]
-        digest, store = group.ds.digest, self.reader.store
-        counters: collections.Counter[str] = collections.Counter()
-        for start in range(0, len(members), CHECK_BLOCK):
-            block = members[start:start + CHECK_BLOCK]
-            missing = await trio.to_thread.run_sync(
-                lambda: [int(i) for i in block if digest.hash(int(i)) not in store],
-                limiter=self.reader.limiter)
-            await self._fetch_all(group.ds, missing, counters)
-            group.loaded_items += len(block)
-        log.info("dataset %s: chunk %d loaded (%d items)", group.ds.name, chunk, len(members))
+    async def apply(self, cycles: dict[str, dict[str, Any]], version: int) -> None:
+        """Act on the coordinator's answer: load shares, drop evicted chunks, refill."""
+        me = self.cluster.me
+        for group in list(self.groups.values()):
+            snap = cycles.get(group.ds.reg.identity)
+            if snap is None:
+                continue
+            previous, group.snap = group.snap, snap
+            loading = snap["loading"]
+            if loading is not None and me in snap["loaders"]:
+                key = [loading, snap["loaders"]]
+                if key not in group.loaded:
+                    self._spawn(group, f"load {loading}", loading, snap["loaders"], key)
+            if previous is not None:
+                for chunk, (old, new) in enumerate(zip(previous["states"], snap["states"])):
+                    if old != "evicted" and new == "evicted":
+                        await self._evict_local(group, chunk)
+            if (version != group.version and snap["active"] is not None
+                    and me in snap["users"]):
+                if group.version >= 0:  # membership changed: owners moved, refill
+                    self._spawn(group, f"refill {version}", snap["active"], snap["users"], None)
+                group.version = version
 
-    async def _evict(self, group: DatasetJobs, chunk: int) -> None:
-        keep = set()
-        for c in (group.cycle.active, group.cycle.loading):
-            if c is not None:
-                keep.update(group.ds.digest.hash(int(i)) for i in group.plan.members[c])
-        hashes = [h for h in (group.ds.digest.hash(int(i)) for i in group.plan.members[chunk])
+    def _spawn(self, group: DatasetJobs, name: str, chunk: int, loaders: list[str],
+               key: list[Any] | None) -> None:
+        if name in group.busy or self._nursery is None:
+            return
+        group.busy.add(name)
+        self._nursery.start_soon(self._load_share, group, name, chunk, loaders, key,
+                                 name=f"{group.ds.name}: {name}")
+
+    async def _load_share(self, group: DatasetJobs, name: str, chunk: int,
+                          loaders: list[str], key: list[Any] | None) -> None:
+        """Fetch this node's share of a chunk (rendezvous among the loaders) into its
+        owners' stores; report the share done."""
+        try:
+            me = self.cluster.me
+            digest = group.ds.digest
+            mine = [int(i) for i in group.plan.members[chunk]
+                    if ownership.owner(digest.hash(int(i)), loaders) == me]
+            counters: collections.Counter[str] = collections.Counter()
+            for start in range(0, len(mine), CHECK_BLOCK):
+                block = mine[start:start + CHECK_BLOCK]
+                held = await self._held([digest.hash(i) for i in block])
+                await self._fetch_all(group.ds, [i for i, h in zip(block, held) if not h],
+                                      counters)
+            if key is not None:
+                group.loaded.append(key)
+                del group.loaded[:-4]  # the coordinator only asks about the current one
+            log.info("dataset %s: %s done (%d items of chunk %d)", group.ds.name, name,
+                     len(mine), chunk)
+        finally:
+            group.busy.discard(name)
+
+    async def _evict_local(self, group: DatasetJobs, chunk: int) -> None:
+        """Drop this node's copies of an evicted chunk (keeping items resident chunks
+        share)."""
+        snap, digest = group.snap, group.ds.digest
+        keep = {digest.hash(int(i)) for c in (snap["active"], snap["loading"], snap["marked"])
+                if c is not None for i in group.plan.members[c]}
+        hashes = [h for h in (digest.hash(int(i)) for i in group.plan.members[chunk])
                   if h not in keep]
         store = self.reader.store
         await trio.to_thread.run_sync(lambda: [store.discard(h) for h in hashes],
                                       limiter=self.reader.limiter)
-        group.cycle.evicted(chunk)
-        log.info("dataset %s: chunk %d evicted", group.ds.name, chunk)
+        log.info("dataset %s: chunk %d evicted here", group.ds.name, chunk)
 
     def status(self, uid: int) -> list[dict[str, Any]]:
-        return [{**job.stats(),
-                 "chunks": job.group.cycle.snapshot() if job.group else None}
+        return [{**job.stats(), "chunks": job.group.snap if job.group else None}
                 for job in self.jobs.values() if uid == 0 or job.uid == uid]

@@ -14,6 +14,7 @@ EPILOG = """exit codes: 0 ok, 1 verify/diff found differences, 2 bad usage, 3 no
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from coordinator import cli as coordinator_cli
     from digest_tools import cli as digest_cli
     from mountd import cli as mountd_cli
     from quiverfs import bench_cli
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     digest_cli.add_parsers(sub)
     mountd_cli.add_parsers(sub)
+    coordinator_cli.add_parsers(sub)
     bench_cli.add_parsers(sub)
     return parser
 

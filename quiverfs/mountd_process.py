@@ -5,6 +5,7 @@ import contextlib
 import errno
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -122,3 +123,58 @@ def running_mountd(workdir: str, cache_size: str = "1G", name: str = "node",
     finally:
         proc.stop()
         unmount(root)
+
+
+class CoordinatorProcess:
+    """A ``quiver coordinator`` child process on a free loopback port."""
+
+    def __init__(self, state_dir: str, secret_file: str, log_path: str,
+                 heartbeat_timeout: float = 2.0, force_evict_after: float = 30.0,
+                 port: int = 0) -> None:
+        self.state_dir = state_dir
+        self.secret_file = secret_file
+        self.log_path = log_path
+        self.heartbeat_timeout = heartbeat_timeout
+        self.force_evict_after = force_evict_after
+        self.port = port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        argv = [sys.executable, "-m", "quiverfs.cli", "coordinator", "--listen", self.address,
+                "--state-dir", self.state_dir, "--cluster-secret-file", self.secret_file,
+                "--heartbeat-timeout", str(self.heartbeat_timeout),
+                "--force-evict-after", str(self.force_evict_after)]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"coordinator exited with {self.proc.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("coordinator did not come up")
+            time.sleep(0.05)
+
+    def stop(self) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

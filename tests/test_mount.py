@@ -60,7 +60,8 @@ def test_imagefolder_file_source_and_cached_second_epoch(mountd_factory, digits_
     assert seen2 == expected
     c = dataset_counters(m, "digits")
     assert c["bucket_fetches"] == 1797
-    assert c["local_hits"] == 1797
+    # each item once more, from the store or from the kernel's page cache of the mount
+    assert c.get("local_hits", 0) + c.get("page_cache_opens", 0) == 1797
 
 
 def test_imagefolder_gcs_source_and_cached_second_epoch(mountd_factory, digits_tree, upload,
@@ -86,7 +87,8 @@ def test_imagefolder_gcs_source_and_cached_second_epoch(mountd_factory, digits_t
     _, seen2 = imagefolder_epoch(root)
     assert seen2 == expected
     c = dataset_counters(m, "digits")
-    assert c["bucket_fetches"] == n and c["local_hits"] == n
+    assert c["bucket_fetches"] == n
+    assert c.get("local_hits", 0) + c.get("page_cache_opens", 0) == n
     assert c.get("bucket_errors", 0) == 0
 
 

@@ -1,0 +1,1 @@
+"""The cluster coordinator: membership, datasets by digest identity, chunk cycles."""

@@ -1,0 +1,213 @@
+"""The coordinator's state and decisions, as plain synchronous logic.
+
+Nodes join with their peer address and capacity and then send a heartbeat every
+fraction of a second, reporting per dataset (by digest identity) their jobs' epoch
+references and which chunk shares they finished loading. The answer is the live
+membership and each dataset's chunk cycle with the nodes that load the current
+chunk. A node whose heartbeats stop for ``heartbeat_timeout`` seconds is dead: its
+keys move to the survivors and its jobs stop pinning chunks.
+
+The same class runs inside ``quiver coordinator`` and, for a single node without
+``--coordinator``, inside mountd. Everything but heartbeat times is persisted.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from mountd.chunk_cycle import ChunkCycle, EpochRef
+from quiverfs import digest as digest_format
+
+log = logging.getLogger(__name__)
+
+TIMELINE_KEEP = 5000  # chunk-state events kept per dataset
+
+
+@dataclasses.dataclass
+class Node:
+    """A member: where its peer server listens, how much it caches."""
+
+    id: str
+    peer: str
+    capacity: int
+    last_seen: float = 0.0
+
+
+@dataclasses.dataclass
+class DatasetState:
+    """One dataset's cycle, its loaders, and what every node last reported."""
+
+    identity: str
+    name: str
+    cycle: ChunkCycle
+    loaders: list[str] = dataclasses.field(default_factory=list)
+    done: set[str] = dataclasses.field(default_factory=set)  # loaders done with `loading`
+    reports: dict[str, dict] = dataclasses.field(default_factory=dict)  # node -> report
+
+
+class CoordinatorState:
+    """Membership, datasets and chunk cycles; persisted in ``state_dir``."""
+
+    def __init__(self, state_dir: str, heartbeat_timeout: float = 5.0,
+                 force_after: float = 120.0) -> None:
+        self.state_dir = state_dir
+        self.heartbeat_timeout = heartbeat_timeout
+        self.force_after = force_after
+        self.nodes: dict[str, Node] = {}
+        self.datasets: dict[str, DatasetState] = {}
+        self.version = 0  # bumped when membership changes
+        self._alive: set[str] = set()
+        os.makedirs(state_dir, exist_ok=True)
+        self._load()
+
+    # -- persistence ------------------------------------------------------------------
+    @property
+    def _path(self) -> str:
+        return os.path.join(self.state_dir, "coordinator.json")
+
+    def _load(self) -> None:
+        try:
+            with open(self._path, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            return
+        now = time.time()  # a restarted coordinator gives every node a fresh timeout
+        for n in data["nodes"]:
+            self.nodes[n["id"]] = Node(n["id"], n["peer"], n["capacity"], now)
+        for d in data["datasets"]:
+            cycle = ChunkCycle.restore(d["cycle"], self.force_after)
+            cycle.timeline = [tuple(e) for e in d.get("timeline", [])]
+            self.datasets[d["identity"]] = DatasetState(
+                d["identity"], d["name"], cycle, d["loaders"], set(d["done"]))
+        self.version = int(data.get("version", 0)) + 1
+        log.info("resumed: %d nodes, %d datasets", len(self.nodes), len(self.datasets))
+
+    def save(self) -> None:
+        data = {"version": self.version,
+                "nodes": [{"id": n.id, "peer": n.peer, "capacity": n.capacity}
+                          for n in self.nodes.values()],
+                "datasets": [{"identity": d.identity, "name": d.name,
+                              "cycle": d.cycle.snapshot(), "loaders": d.loaders,
+                              "done": sorted(d.done),
+                              "timeline": d.cycle.timeline[-TIMELINE_KEEP:]}
+                             for d in self.datasets.values()]}
+        digest_format.write_atomic(self._path, json.dumps(data).encode())
+
+    # -- membership -------------------------------------------------------------------
+    def live(self, now: float | None = None) -> list[Node]:
+        now = time.time() if now is None else now
+        return sorted((n for n in self.nodes.values()
+                       if now - n.last_seen <= self.heartbeat_timeout), key=lambda n: n.id)
+
+    def join(self, node: str, peer: str, capacity: int, now: float | None = None) -> dict:
+        now = time.time() if now is None else now
+        known = self.nodes.get(node)
+        if known is None or known.peer != peer or known.capacity != capacity:
+            self.nodes[node] = Node(node, peer, capacity, now)
+            self.version += 1
+            log.info("node %s joined (peer %s, capacity %d)", node, peer, capacity)
+            self.save()
+        else:
+            was_dead = now - known.last_seen > self.heartbeat_timeout
+            known.last_seen = now
+            if was_dead:
+                self.version += 1
+                log.info("node %s is back", node)
+        return self._view(now)
+
+    def _view(self, now: float) -> dict:
+        return {"version": self.version,
+                "nodes": [{"id": n.id, "peer": n.peer, "capacity": n.capacity}
+                          for n in self.live(now)]}
+
+    def _expire(self, now: float) -> None:
+        """Bump the version when a node's heartbeats stopped (its keys move)."""
+        alive = {n.id for n in self.live(now)}
+        if alive != self._alive:
+            self.version += 1
+            gone = self._alive - alive
+            if gone:
+                log.warning("node(s) %s declared dead", ", ".join(sorted(gone)))
+        self._alive = alive
+
+    # -- heartbeats -------------------------------------------------------------------
+    def heartbeat(self, node: str, peer: str, capacity: int, datasets: dict[str, dict],
+                  now: float | None = None) -> dict:
+        """Record a node's report; advance the cycles; return what the node should do."""
+        now = time.time() if now is None else now
+        view = self.join(node, peer, capacity, now)
+        self._expire(now)
+        alive = {n["id"] for n in view["nodes"]}
+        changed = False
+        for identity, report in datasets.items():
+            ds = self.datasets.get(identity)
+            if ds is None:
+                ds = self.datasets[identity] = DatasetState(
+                    identity, str(report["name"]), ChunkCycle(int(report["chunks"]),
+                                                              self.force_after))
+                changed = True
+            ds.reports[node] = report
+        cycles = {}
+        for ds in self.datasets.values():
+            for gone in [n for n in ds.reports if n not in alive]:
+                del ds.reports[gone]
+            changed |= self._advance(ds, alive, now)
+            if node in ds.reports:
+                users = sorted(n for n, r in ds.reports.items() if r.get("jobs"))
+                cycles[ds.identity] = {**ds.cycle.snapshot(), "loaders": ds.loaders,
+                                       "users": users}
+        if changed:
+            self.save()
+        return {**view, "cycles": cycles}
+
+    def _advance(self, ds: DatasetState, alive: set[str], now: float) -> bool:
+        """Move one dataset's cycle forward; True if anything changed."""
+        cycle = ds.cycle
+        users = sorted(n for n, r in ds.reports.items() if r.get("jobs"))
+        changed = False
+        if cycle.loading is not None:
+            loaders = [n for n in ds.loaders if n in alive] or users
+            if loaders != ds.loaders:  # a loader died: survivors split the chunk anew
+                ds.loaders, ds.done = loaders, set()
+                changed = True
+            for n, r in ds.reports.items():
+                if [cycle.loading, ds.loaders] in r.get("loaded", []):
+                    ds.done.add(n)
+            if ds.loaders and set(ds.loaders) <= ds.done:
+                cycle.loaded()
+                ds.loaders, ds.done = [], set()
+                changed = True
+        if not users:
+            return changed
+        refs = [EpochRef(int(j["gen"]), np.asarray(j["remaining"]))
+                for r in ds.reports.values() for j in r.get("jobs", [])]
+        victim = cycle.evictable(refs, now)
+        if victim is not None:
+            cycle.evicted(victim)
+            changed = True
+        if cycle.start_loading() is not None:
+            ds.loaders, ds.done = users, set()
+            changed = True
+        return changed
+
+    def status(self, now: float | None = None) -> dict[str, Any]:
+        now = time.time() if now is None else now
+        live = {n.id for n in self.live(now)}
+        return {
+            "version": self.version,
+            "nodes": [{"id": n.id, "peer": n.peer, "capacity": n.capacity,
+                       "alive": n.id in live, "last_seen_s": round(now - n.last_seen, 1)}
+                      for n in sorted(self.nodes.values(), key=lambda n: n.id)],
+            "datasets": [{"identity": d.identity, "name": d.name, **d.cycle.snapshot(),
+                          "loaders": d.loaders,
+                          "jobs": [{"node": n, **{k: v for k, v in j.items()
+                                                  if k != "remaining"}}
+                                   for n, r in d.reports.items() for j in r.get("jobs", [])],
+                          "timeline": d.cycle.timeline[-200:]}
+                         for d in self.datasets.values()]}

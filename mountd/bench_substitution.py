@@ -1,0 +1,578 @@
+"""``quiver bench substitution``: substitutable reads against exact (LRU) reads.
+
+Single node, one mountd, the cache at 10% and 20% of a synthetic ImageFolder dataset
+kept in the GCS emulator behind a bandwidth-capped proxy (``throttle_proxy``), so the
+"bucket" is slower than the local cache as a shared bucket is. For each cache size and
+1 or 4 concurrent jobs, each job is a separate process reading through the real mount:
+
+- ``sub``: batches from ``QuiverBatchSampler`` manifests (one job per process, each its
+  own seed, world size 1);
+- ``lru``: the job's own seeded permutation of the same files (a plain global shuffle,
+  exact reads; the store evicts least-recently-used).
+
+A job reads each batch's files with a few threads (like DataLoader workers, one batch
+ahead) and sleeps a simulated compute time per batch. The parent holds all jobs at
+every epoch boundary, so mountd's counters can be read per epoch; epoch 0 (cold
+cache) is left out of the steady-state numbers.
+
+Then a small CNN (``quiverfs.demo.small_cnn``) is trained on the scikit-learn digits
+over a real mount, with a global shuffle and with ``QuiverBatchSampler`` (cache at
+20%), and its test accuracy on a held-out split compared.
+
+Run as ``python -m mountd.bench_substitution SPEC`` this module is one job (the worker).
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import queue
+import selectors
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from digest_tools.create import create_digest
+from quiverfs import digest as digest_format
+from quiverfs.backends import StorageOptions
+from quiverfs.bench_data import write_digits_tree, write_synthetic_tree
+from quiverfs.emulator import running_emulator, upload_tree
+from quiverfs.mountd_process import MountdProcess, running_mountd
+from quiverfs.throttle_proxy import ThrottleProxy, throttled
+
+log = logging.getLogger(__name__)
+
+BUCKET = "bench"
+DATASET = "syn"
+BUCKET_RATE = 20e6  # bytes/s the proxy lets through from the bucket (all connections)
+READERS = 4  # reader threads per job, like DataLoader workers
+PREFETCH_BATCHES = 2  # batches a job's readers may run ahead of its compute
+EPOCH_TIMEOUT = 600.0  # seconds a job may take for one epoch (or to start)
+JOB_STOP_TIMEOUT = 30.0  # seconds a job may take to unregister and exit
+DIGITS_TEST_FRACTION = 0.2
+ACCURACY_BATCH = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """How big a run is."""
+
+    items: int  # synthetic dataset items (~110 KB each)
+    classes: int
+    epochs: int  # per configuration; epoch 0 is the warm-up
+    batch_size: int
+    compute_s: float  # simulated compute per batch (seconds)
+    cache_fractions: tuple[float, ...]
+    job_counts: tuple[int, ...]
+    window: int  # items per label-histogram window
+    accuracy_seeds: tuple[int, ...]
+    accuracy_epochs: int
+
+
+SIZES = {
+    "full": Size(2000, 10, 3, 32, 0.25, (0.1, 0.2), (1, 4), 1000, (0, 1, 2), 4),
+    "quick": Size(600, 10, 3, 32, 0.25, (0.2,), (1, 4), 250, (0,), 2),
+    "tiny": Size(200, 10, 3, 16, 0.05, (0.2,), (2,), 50, (0,), 1),
+}
+SUMMARY_JOBS, SUMMARY_FRACTION = 4, 0.2
+
+
+# -- the job (a separate process) ------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """What one job process does; sent to it as JSON on its command line."""
+
+    mode: str  # "sub" or "lru"
+    root: str  # the dataset's directory in the mount
+    seed: int
+    batch_size: int
+    compute_s: float
+    epochs: int
+
+
+def _read(path: str) -> int:
+    with open(path, "rb", buffering=0) as f:
+        return len(f.read())
+
+
+class _Loader:
+    """Reads batches' files with reader threads, one batch ahead of the consumer."""
+
+    def __init__(self, root: str, readers: int = READERS) -> None:
+        self.root = root
+        self.pool = concurrent.futures.ThreadPoolExecutor(readers)
+
+    def batches(self, plans: Iterator[tuple[list[str], int]]
+                ) -> Iterator[tuple[list[str], int, int]]:
+        """(paths, hits, bytes read) per planned batch (paths relative to the root)."""
+        ready: queue.Queue[tuple[list[str], int, int] | BaseException | None] = queue.Queue(
+            PREFETCH_BATCHES)
+
+        def produce() -> None:
+            try:
+                for paths, hits in plans:
+                    files = [os.path.join(self.root, p) for p in paths]
+                    ready.put((paths, hits, sum(self.pool.map(_read, files))))
+                ready.put(None)
+            except BaseException as exc:  # handed to the consumer, which raises it
+                ready.put(exc)
+
+        producer = threading.Thread(target=produce, name="loader", daemon=True)
+        producer.start()
+        while (item := ready.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+        producer.join()
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+class _SubPlans:
+    """Batches from mountd's substitutable sampler (the manifests' paths and hits)."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        from quiverfs.torch import QuiverBatchSampler
+
+        self.sampler = QuiverBatchSampler(spec.root, spec.batch_size, seed=spec.seed)
+
+    def epoch(self, epoch: int) -> Iterator[tuple[list[str], int]]:
+        self.sampler.set_epoch(epoch)
+        for b in range(len(self.sampler)):
+            m = self.sampler.manifest(b)
+            yield m["paths"], m["hits"]
+
+    def close(self) -> None:
+        self.sampler.close()
+
+
+class _GlobalShufflePlans:
+    """Batches of a seeded permutation of every file (exact reads; hits unknown: -1)."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        self.spec = spec
+        self.paths = sorted(os.path.relpath(os.path.join(d, f), spec.root)
+                            for d, _, fs in os.walk(spec.root) for f in fs)
+
+    def epoch(self, epoch: int) -> Iterator[tuple[list[str], int]]:
+        order = np.random.default_rng([self.spec.seed, epoch]).permutation(len(self.paths))
+        size = self.spec.batch_size
+        for start in range(0, len(order), size):
+            yield [self.paths[i] for i in order[start:start + size]], -1
+
+    def close(self) -> None:
+        pass
+
+
+def job_main(argv: list[str]) -> int:
+    """One job: announce readiness, then run an epoch for each ``go`` line on stdin,
+    answering with a JSON line (paths in order, manifest hits, seconds)."""
+    spec = JobSpec(**json.loads(argv[0]))
+    plans = _SubPlans(spec) if spec.mode == "sub" else _GlobalShufflePlans(spec)
+    loader = _Loader(spec.root)
+    try:
+        print(json.dumps({"ready": True}), flush=True)
+        for epoch in range(spec.epochs):
+            if sys.stdin.readline().strip() != "go":
+                return 1
+            start = time.monotonic()
+            paths: list[str] = []
+            hits = nbytes = 0
+            for batch, batch_hits, batch_bytes in loader.batches(plans.epoch(epoch)):
+                time.sleep(spec.compute_s)  # the simulated training step
+                paths += batch
+                hits += batch_hits
+                nbytes += batch_bytes
+            print(json.dumps({"epoch": epoch, "seconds": time.monotonic() - start,
+                              "paths": paths, "hits": hits, "bytes": nbytes}), flush=True)
+        sys.stdin.readline()  # the parent reads mountd's status before we unregister
+    finally:
+        loader.close()
+        plans.close()
+    return 0
+
+
+# -- the parent: running jobs ----------------------------------------------------------
+class JobProcess:
+    """A job child; lines to its stdin, JSON lines back from its stdout."""
+
+    def __init__(self, spec: JobSpec, log_path: str) -> None:
+        self.spec = spec
+        self.log_path = log_path
+        with open(log_path, "ab") as log_file:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "mountd.bench_substitution",
+                 json.dumps(dataclasses.asdict(spec))],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file, bufsize=0)
+        self._buffer = b""
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line.encode() + b"\n")
+
+    def receive(self, timeout: float = EPOCH_TIMEOUT) -> dict[str, Any]:
+        """The next JSON line, or an error naming the job's last log lines."""
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while b"\n" not in self._buffer:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    raise RuntimeError(f"job {self.spec.seed} ({self.spec.mode}) sent nothing "
+                                       f"for {timeout:.0f} s: {self._log_tail()}")
+                data = os.read(fd, 1 << 20)
+                if not data:
+                    raise RuntimeError(f"job {self.spec.seed} ({self.spec.mode}) exited "
+                                       f"({self.proc.wait()}): {self._log_tail()}")
+                self._buffer += data
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def _log_tail(self, n: int = 15) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[-n:]) or "(no output)"
+
+    def finish(self) -> None:
+        """Let the job unregister and exit; it must exit 0."""
+        self.send("exit")
+        self.proc.stdin.close()
+        rc = self.proc.wait(JOB_STOP_TIMEOUT)
+        if rc != 0:
+            raise RuntimeError(f"job {self.spec.seed} exited {rc}: {self._log_tail()}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError):
+                pipe.close()
+
+
+@contextlib.contextmanager
+def running_jobs(specs: list[JobSpec], log_dir: str) -> Iterator[list[JobProcess]]:
+    """Started job processes, all ready; killed on exit if they have not finished."""
+    jobs: list[JobProcess] = []
+    try:
+        for i, spec in enumerate(specs):
+            jobs.append(JobProcess(spec, os.path.join(log_dir, f"job{i}-{spec.mode}.log")))
+        for job in jobs:
+            job.receive()
+        yield jobs
+    finally:
+        for job in jobs:
+            job.kill()
+
+
+# -- the parent: one configuration -----------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    """The synthetic dataset in the bucket: its digest, paths (digest order) and labels."""
+
+    digest: bytes
+    paths: list[str]
+    labels: list[str]
+    bytes: int
+
+    @classmethod
+    def from_digest(cls, data: bytes) -> Dataset:
+        d = digest_format.decode(data)
+        return cls(data, [d.path(i) for i in range(len(d))],
+                   [d.label(i) for i in range(len(d))], d.total_bytes)
+
+
+@dataclasses.dataclass
+class ConfigRun:
+    """What one configuration measured: per-epoch records, and each job's epoch orders."""
+
+    report: dict[str, Any]
+    orders: list[list[list[str]]]  # job -> epoch -> paths in the order read
+
+
+def _snapshot(m: MountdProcess, proxy: ThrottleProxy) -> dict[str, int]:
+    status = m.status()
+    counters = next(ds["counters"] for ds in status["datasets"] if ds["name"] == DATASET)
+    keys = ("local_hits", "misses", "bucket_fetches", "bucket_bytes", "coalesced")
+    return {**{k: int(counters.get(k, 0)) for k in keys}, "proxy_bytes": proxy.bytes_down}
+
+
+def _epoch_record(epoch: int, seconds: float, replies: list[dict[str, Any]],
+                  before: dict[str, int], after: dict[str, int]) -> dict[str, Any]:
+    items = [len(r["paths"]) for r in replies]
+    return {"epoch": epoch, "seconds": round(seconds, 2), "items": sum(items),
+            "job_seconds": [round(r["seconds"], 2) for r in replies],
+            "job_hits": [r["hits"] for r in replies], "job_items": items,
+            "bytes_read": sum(r["bytes"] for r in replies),
+            **{k: after[k] - before[k] for k in after}}
+
+
+def _steady_state(mode: str, epochs: list[dict[str, Any]], dataset_bytes: int
+                  ) -> dict[str, Any]:
+    """Rates over the epochs after the first."""
+    steady = epochs[1:]
+    n = len(steady)
+    total = collections.Counter()
+    for e in steady:
+        total.update({k: e[k] for k in ("items", "seconds", "local_hits", "misses",
+                                         "bucket_bytes", "proxy_bytes", "bucket_fetches")})
+    reads = total["local_hits"] + total["misses"]
+    read_hit_ratio = total["local_hits"] / reads if reads else None
+    out: dict[str, Any] = {
+        "epochs": n, "read_hit_ratio": read_hit_ratio,
+        "bucket_bytes_ratio": total["bucket_bytes"] / n / dataset_bytes,
+        "proxy_bytes_ratio": total["proxy_bytes"] / n / dataset_bytes,
+        "bucket_fetches_per_epoch": total["bucket_fetches"] / n,
+        "items_per_s": total["items"] / total["seconds"]}
+    if mode == "sub":
+        per_job = [sum(e["job_hits"][j] for e in steady) / sum(e["job_items"][j] for e in steady)
+                   for j in range(len(steady[0]["job_hits"]))]
+        out["hit_ratio_per_job"] = per_job
+        out["hit_ratio"] = sum(per_job) / len(per_job)
+    else:
+        out["hit_ratio"] = read_hit_ratio  # mountd's counters: one dataset, all jobs
+    return out
+
+
+def run_config(mode: str, fraction: float, n_jobs: int, data: Dataset, proxy: ThrottleProxy,
+               size: Size, workdir: str) -> ConfigRun:
+    """One mountd with the cache at ``fraction`` of the dataset, ``n_jobs`` jobs of ``mode``."""
+    name = f"{mode}-{round(fraction * 100)}pct-{n_jobs}jobs"
+    cache_bytes = int(fraction * data.bytes)
+    log.info("%s: cache %d bytes", name, cache_bytes)
+    epochs: list[dict[str, Any]] = []
+    orders: list[list[list[str]]] = [[] for _ in range(n_jobs)]
+    with running_mountd(workdir, cache_size=str(cache_bytes), name=name) as m:
+        m.call({"op": "mount", "name": DATASET, "digest": data.digest,
+                "emulator_host": proxy.url})
+        root = os.path.join(m.root, DATASET)
+        specs = [JobSpec(mode, root, seed, size.batch_size, size.compute_s, size.epochs)
+                 for seed in range(n_jobs)]
+        with running_jobs(specs, workdir) as jobs:
+            for epoch in range(size.epochs):
+                before = _snapshot(m, proxy)
+                start = time.monotonic()
+                for job in jobs:
+                    job.send("go")
+                replies = [job.receive() for job in jobs]
+                seconds = time.monotonic() - start
+                epochs.append(_epoch_record(epoch, seconds, replies, before,
+                                            _snapshot(m, proxy)))
+                for j, reply in enumerate(replies):
+                    orders[j].append(reply["paths"])
+            status = m.status()
+            for job in jobs:
+                job.finish()
+    shutil.rmtree(os.path.join(workdir, f"{name}-cache"), ignore_errors=True)
+    chunks = [j["chunks"] for j in status["jobs"] if j.get("chunks")]
+    expected = sorted(data.paths)
+    report = {"mode": mode, "cache_fraction": fraction, "cache_bytes": cache_bytes,
+              "jobs": n_jobs, "epochs": epochs,
+              "steady": _steady_state(mode, epochs, data.bytes),
+              "exactly_once": all(sorted(paths) == expected
+                                  for job in orders for paths in job),
+              "chunks": chunks[0]["chunks"] if chunks else None,
+              "max_resident_chunks": max((c["max_resident"] for c in chunks), default=None)}
+    return ConfigRun(report, orders)
+
+
+# -- order statistics ------------------------------------------------------------------
+def order_spearman(orders: list[list[list[str]]], data: Dataset) -> float:
+    """Mean |Spearman correlation| between position in the epoch and index in the digest."""
+    index = {p: i for i, p in enumerate(data.paths)}
+    values = []
+    for job in orders:
+        for paths in job:
+            ranks = np.argsort(np.argsort([index[p] for p in paths]))
+            values.append(abs(float(np.corrcoef(np.arange(len(ranks)), ranks)[0, 1])))
+    return float(np.mean(values))
+
+
+def label_hist_dev(orders: list[list[list[str]]], data: Dataset, window: int) -> float:
+    """Mean total variation distance between the label histogram of each window of
+    ``window`` consecutive items of an epoch and the whole dataset's histogram."""
+    names = sorted(set(data.labels))
+    label_of = {p: names.index(lab) for p, lab in zip(data.paths, data.labels)}
+    overall = np.bincount([label_of[p] for p in data.paths], minlength=len(names))
+    overall = overall / overall.sum()
+    values = []
+    for job in orders:
+        for paths in job:
+            labels = np.array([label_of[p] for p in paths])
+            for start in range(0, len(labels) - window + 1, window):
+                hist = np.bincount(labels[start:start + window], minlength=len(names)) / window
+                values.append(0.5 * float(np.abs(hist - overall).sum()))
+    return float(np.mean(values))
+
+
+# -- accuracy --------------------------------------------------------------------------
+def write_digits_split(dest: str, seed: int = 0) -> int:
+    """The digits as ``dest/train/<digit>/`` and ``dest/test/<digit>/`` (a seeded 80/20
+    split); returns the total bytes."""
+    everything = os.path.join(dest, "all")
+    tree = write_digits_tree(everything)
+    files = sorted(os.path.relpath(os.path.join(d, f), everything)
+                   for d, _, fs in os.walk(everything) for f in fs)
+    test = np.random.default_rng(seed).random(len(files)) < DIGITS_TEST_FRACTION
+    for rel, is_test in zip(files, test):
+        target = os.path.join(dest, "test" if is_test else "train", rel)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.rename(os.path.join(everything, rel), target)
+    shutil.rmtree(everything)
+    return tree.bytes
+
+
+def train_digits(root: str, seed: int, epochs: int, substitutable: bool,
+                 m: MountdProcess) -> dict[str, Any]:
+    """Train ``small_cnn`` on ``root/train`` (global shuffle, or QuiverBatchSampler);
+    return the test accuracy (%) on ``root/test`` and the sampler's hit counters."""
+    import torch
+    import torchvision
+    from torch import nn
+
+    from quiverfs.demo import small_cnn
+    from quiverfs.torch import QuiverBatchSampler
+
+    tf = torchvision.transforms.Compose([torchvision.transforms.Grayscale(),
+                                         torchvision.transforms.ToTensor()])
+    train = torchvision.datasets.ImageFolder(os.path.join(root, "train"), transform=tf)
+    test = torchvision.datasets.ImageFolder(os.path.join(root, "test"), transform=tf)
+    torch.manual_seed(seed)
+    model = small_cnn()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    sampler = None
+    if substitutable:
+        sampler = QuiverBatchSampler(train.root, ACCURACY_BATCH, seed=seed, dataset=train)
+        loader = torch.utils.data.DataLoader(train, batch_sampler=sampler, num_workers=2)
+    else:
+        loader = torch.utils.data.DataLoader(
+            train, batch_size=ACCURACY_BATCH, shuffle=True, num_workers=2,
+            generator=torch.Generator().manual_seed(seed))
+    counters: dict[str, int] = {}
+    try:
+        for epoch in range(epochs):
+            if sampler is not None:
+                sampler.set_epoch(epoch)
+            for x, y in loader:
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+        if sampler is not None:
+            counters = next(j["counters"] for j in m.status()["jobs"]
+                            if j["job"] == sampler.job_id)
+    finally:
+        if sampler is not None:
+            sampler.close()
+    correct = 0
+    with torch.no_grad():
+        for x, y in torch.utils.data.DataLoader(test, batch_size=256, num_workers=2):
+            correct += int((model(x).argmax(1) == y).sum())
+    return {"accuracy": 100.0 * correct / len(test),
+            "hits": counters.get("hits"), "fetched": counters.get("fetched")}
+
+
+def accuracy(size: Size, workdir: str) -> dict[str, Any]:
+    """Test accuracy with a global shuffle and with substitutable batches (cache 20%)."""
+    src = os.path.join(workdir, "digits")
+    total = write_digits_split(src)
+    digest = create_digest(src, "digits", workers=2)
+    cache_bytes = int(SUMMARY_FRACTION * total)
+    runs: dict[str, list[dict[str, Any]]] = {"global": [], "sub": []}
+    start = time.monotonic()
+    with running_mountd(workdir, cache_size=str(cache_bytes), name="digits") as m:
+        m.call({"op": "mount", "name": "digits", "digest": digest, "emulator_host": None})
+        root = os.path.join(m.root, "digits")
+        for seed in size.accuracy_seeds:
+            for mode in runs:
+                runs[mode].append({"seed": seed, **train_digits(
+                    root, seed, size.accuracy_epochs, mode == "sub", m)})
+    means = {mode: float(np.mean([r["accuracy"] for r in rs])) for mode, rs in runs.items()}
+    return {"dataset_bytes": total, "cache_bytes": cache_bytes,
+            "epochs": size.accuracy_epochs, "batch_size": ACCURACY_BATCH, "runs": runs,
+            "accuracy_global": means["global"], "accuracy_sub": means["sub"],
+            "seconds": round(time.monotonic() - start, 1)}
+
+
+# -- the benchmark ---------------------------------------------------------------------
+def _upload_dataset(emulator_host: str, size: Size, workdir: str) -> Dataset:
+    src = os.path.join(workdir, "src")
+    write_synthetic_tree(src, size.items, size.classes, seed=5)
+    upload_tree(emulator_host, BUCKET, DATASET, src)
+    shutil.rmtree(src)
+    return Dataset.from_digest(create_digest(
+        f"gs://{BUCKET}/{DATASET}", DATASET, workers=4,
+        options=StorageOptions(emulator_host=emulator_host)))
+
+
+def run(quick: bool, workdir: str, size: str | None = None) -> dict:
+    """The benchmark; ``size`` ("full", "quick", "tiny") overrides ``quick``."""
+    s = SIZES[size or ("quick" if quick else "full")]
+    configs: dict[tuple[str, float, int], ConfigRun] = {}
+    with running_emulator() as emulator:
+        emulator.create_bucket(BUCKET)
+        data = _upload_dataset(emulator.host, s, workdir)
+        with throttled(emulator.host, BUCKET_RATE) as proxy:
+            for fraction in s.cache_fractions:
+                for n_jobs in s.job_counts:
+                    for mode in ("sub", "lru"):
+                        configs[mode, fraction, n_jobs] = run_config(
+                            mode, fraction, n_jobs, data, proxy, s, workdir)
+    acc = accuracy(s, workdir)
+    key_jobs, key_fraction = max(s.job_counts), max(s.cache_fractions)
+    sub, lru = (configs[mode, key_fraction, key_jobs] for mode in ("sub", "lru"))
+    summary = {
+        "hit_ratio_sub": round(sub.report["steady"]["hit_ratio"], 4),
+        "hit_ratio_lru": round(lru.report["steady"]["hit_ratio"], 4),
+        "bucket_bytes_ratio_sub": round(sub.report["steady"]["bucket_bytes_ratio"], 3),
+        "bucket_bytes_ratio_lru": round(lru.report["steady"]["bucket_bytes_ratio"], 3),
+        "items_per_s_sub": round(sub.report["steady"]["items_per_s"], 1),
+        "items_per_s_lru": round(lru.report["steady"]["items_per_s"], 1),
+        "exactly_once": all(c.report["exactly_once"] for c in configs.values()),
+        "order_spearman_sub": round(order_spearman(sub.orders, data), 4),
+        "order_spearman_global": round(order_spearman(lru.orders, data), 4),
+        "label_hist_dev_sub": round(label_hist_dev(sub.orders, data, s.window), 4),
+        "label_hist_dev_global": round(label_hist_dev(lru.orders, data, s.window), 4),
+        "accuracy_global": round(acc["accuracy_global"], 2),
+        "accuracy_sub": round(acc["accuracy_sub"], 2),
+        "accuracy_gap": round(acc["accuracy_global"] - acc["accuracy_sub"], 2),
+        "max_resident_chunks": sub.report["max_resident_chunks"],
+    }
+    return {
+        "dataset": {"items": len(data.paths), "bytes": data.bytes,
+                    "classes": len(set(data.labels))},
+        "settings": {**dataclasses.asdict(s), "bucket_rate_bytes_s": BUCKET_RATE,
+                     "readers_per_job": READERS, "prefetch_batches": PREFETCH_BATCHES,
+                     "summary_config": {"jobs": key_jobs, "cache_fraction": key_fraction}},
+        "definitions": {
+            "hit_ratio": "steady state (epochs after the first), mean over jobs; sub: the "
+                         "manifests' hits / items; lru: mountd's local_hits / (local_hits + "
+                         "misses)",
+            "read_hit_ratio": "mountd's local_hits / (local_hits + misses) of the jobs' reads",
+            "bucket_bytes_ratio": "mountd's bucket_bytes per steady-state epoch, all jobs, "
+                                  "/ dataset bytes (proxy_bytes_ratio: bytes through the "
+                                  "proxy, HTTP included)",
+            "items_per_s": "items read by all jobs / wall seconds, steady-state epochs",
+            "order_spearman": "mean |Spearman rho| of (position in epoch, digest index) over "
+                              "job-epochs; global = the lru jobs' plain global shuffle",
+            "label_hist_dev": f"mean total variation distance between the label histogram "
+                              f"of each {s.window}-item window of an epoch and the dataset's",
+            "accuracy": "mean test accuracy (%) of small_cnn on a held-out 20% of the "
+                        "digits, over the seeds; gap = global - sub"},
+        "configs": [c.report for c in configs.values()],
+        "accuracy": acc,
+        "summary": summary,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(job_main(sys.argv[1:]))

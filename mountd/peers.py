@@ -1,0 +1,155 @@
+"""The peer cache: this node's store served to other nodes, and calls to theirs.
+
+Ops (batched: each takes a list of hashes or items): ``lookup`` -> which are held,
+``get`` -> their bytes (None where absent), ``put`` -> store items this node owns.
+Every put is checked against its SHA-256 before it is stored; every get is checked
+by the receiver. A bad hash is rejected and logged.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from typing import Any
+
+import trio
+
+from mountd.content_store import ContentStore, IntegrityError
+from quiverfs.rpc import RpcClient, RpcError, RpcServer, Unavailable
+
+log = logging.getLogger(__name__)
+
+MAX_BATCH = 1024  # hashes or items per request
+DOWN_FOR = 5.0  # seconds a peer that failed a call is skipped
+
+
+def _hashes(args: dict[str, Any]) -> list[bytes]:
+    hashes = args["hashes"]
+    if not isinstance(hashes, list) or len(hashes) > MAX_BATCH or not all(
+            isinstance(h, bytes) and len(h) == 32 for h in hashes):
+        raise ValueError(f"hashes must be a list of at most {MAX_BATCH} 32-byte digests")
+    return hashes
+
+
+class PeerService:
+    """The handlers other nodes call."""
+
+    def __init__(self, store: ContentStore, limiter: trio.CapacityLimiter) -> None:
+        self.store = store
+        self.limiter = limiter
+        self.rejected_puts = 0
+
+    def handlers(self) -> dict[str, Any]:
+        return {"lookup": self.lookup, "get": self.get, "put": self.put}
+
+    async def lookup(self, args: dict[str, Any]) -> list[bool]:
+        hashes = _hashes(args)
+        return await trio.to_thread.run_sync(lambda: [h in self.store for h in hashes],
+                                             limiter=self.limiter)
+
+    async def get(self, args: dict[str, Any]) -> list[bytes | None]:
+        hashes = _hashes(args)
+        return await trio.to_thread.run_sync(lambda: [self.store.get(h) for h in hashes],
+                                             limiter=self.limiter)
+
+    async def put(self, args: dict[str, Any]) -> list[bool]:
+        items = args["items"]
+        if not isinstance(items, list) or len(items) > MAX_BATCH:
+            raise ValueError(f"items must be a list of at most {MAX_BATCH} [hash, bytes]")
+
+        def store_all() -> list[bool]:
+            results = []
+            for item in items:
+                try:
+                    digest, data = item
+                    if not (isinstance(digest, bytes) and isinstance(data, bytes)):
+                        raise TypeError
+                    self.store.put(digest, data)
+                    results.append(True)
+                except IntegrityError:
+                    self.rejected_puts += 1
+                    log.warning("rejected a put whose content does not hash to %s",
+                                digest.hex())
+                    results.append(False)
+                except (TypeError, ValueError):
+                    results.append(False)
+            return results
+
+        return await trio.to_thread.run_sync(store_all, limiter=self.limiter)
+
+    def server(self, secret: bytes) -> RpcServer:
+        return RpcServer(secret, self.handlers())
+
+
+class PeerSet:
+    """Connections to the other members; a peer that fails is skipped for a while."""
+
+    def __init__(self, secret: bytes) -> None:
+        self.secret = secret
+        self.clients: dict[str, RpcClient] = {}
+        self.down_until: dict[str, float] = {}
+        self.bad_gets = 0
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    def update(self, members: dict[str, str]) -> None:
+        """Track the current members (node id -> peer HOST:PORT)."""
+        for node in list(self.clients):
+            if node not in members or self._address(node) != members[node]:
+                client = self.clients.pop(node)
+                if self._nursery is not None:
+                    self._nursery.start_soon(client.close)
+        for node, peer in members.items():
+            if node not in self.clients and self._nursery is not None:
+                host, _, port = peer.rpartition(":")
+                client = RpcClient(host, int(port), self.secret, timeout=10.0)
+                self.clients[node] = client
+                self._nursery.start_soon(client.run)
+
+    def _address(self, node: str) -> str:
+        c = self.clients[node]
+        return f"{c.host}:{c.port}"
+
+    def is_down(self, node: str) -> bool:
+        return self.down_until.get(node, 0.0) > time.monotonic()
+
+    async def _call(self, node: str, op: str, args: dict[str, Any]) -> Any:
+        client = self.clients.get(node)
+        if client is None or self.is_down(node):
+            raise Unavailable(f"peer {node} unavailable")
+        try:
+            return await client.call(op, args)
+        except Unavailable:
+            self.down_until[node] = time.monotonic() + DOWN_FOR
+            log.warning("peer %s unreachable: skipping it for %.0f s", node, DOWN_FOR)
+            raise
+        except RpcError as exc:
+            raise Unavailable(f"peer {node} refused: {exc}") from None
+
+    async def lookup(self, node: str, hashes: list[bytes]) -> list[bool]:
+        out: list[bool] = []
+        for i in range(0, len(hashes), MAX_BATCH):
+            out += await self._call(node, "lookup", {"hashes": hashes[i:i + MAX_BATCH]})
+        return out
+
+    async def get(self, node: str, digest: bytes) -> bytes | None:
+        """One item from a peer, checked against its hash (a bad one counts as absent)."""
+        (data,) = await self._call(node, "get", {"hashes": [digest]})
+        if data is None:
+            return None
+        ok = await trio.to_thread.run_sync(lambda: hashlib.sha256(data).digest() == digest)
+        if not ok:
+            self.bad_gets += 1
+            log.error("peer %s sent content that does not hash to %s: ignored", node,
+                      digest.hex())
+            return None
+        return data
+
+    async def put(self, node: str, digest: bytes, data: bytes) -> bool:
+        (ok,) = await self._call(node, "put", {"items": [[digest, data]]})
+        return bool(ok)
