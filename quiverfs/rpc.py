@@ -152,6 +152,10 @@ class RpcServer:
         except (wire.FrameError, RpcError, KeyError, TypeError, ValueError) as exc:
             return {"id": rid if isinstance(rid, int) else None, "ok": False,
                     "error": f"{type(exc).__name__}: {exc}"}
+        except Exception as exc:  # a handler bug must cost one reply, not the server
+            log.exception("RPC handler failed")
+            return {"id": rid if isinstance(rid, int) else None, "ok": False,
+                    "error": f"internal error: {type(exc).__name__}"}
 
     @staticmethod
     async def _send(stream: trio.SocketStream, lock: trio.Lock, msg: dict[str, Any]) -> None:

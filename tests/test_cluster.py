@@ -1,0 +1,289 @@
+"""A cluster of real processes: a coordinator and mountd nodes on loopback."""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import msgpack
+import pytest
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from quiverfs import ownership, wire
+from quiverfs.mountd_process import CoordinatorProcess, MountdProcess, unmount
+from quiverfs.rpc import RpcClient, RpcServer, Unavailable
+from quiverfs.torch import QuiverBatchSampler
+from tests.mountd_helpers import make_digest, tree_hashes
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
+
+SECRET = b"test-cluster-secret-0123456789"
+DEADLINE = 30.0  # seconds to wait for a cluster condition
+
+
+class Cluster:
+    """A coordinator and mountd nodes under one directory."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self.secret_file = os.path.join(base, "secret")
+        with open(self.secret_file, "wb") as f:
+            f.write(SECRET)
+        self.coordinator = CoordinatorProcess(os.path.join(base, "coordinator"),
+                                              self.secret_file,
+                                              os.path.join(base, "coordinator.log"))
+        self.nodes: dict[str, MountdProcess] = {}
+
+    def add_node(self, name: str, cache_size: str = "1G") -> MountdProcess:
+        root = os.path.join(self.base, f"{name}-mnt")
+        cache = os.path.join(self.base, f"{name}-cache")
+        os.makedirs(root, exist_ok=True)
+        os.makedirs(cache, exist_ok=True)
+        m = MountdProcess(root, cache, cache_size, os.path.join(self.base, f"{name}.log"),
+                          extra_args=("--coordinator", self.coordinator.address,
+                                      "--listen", "127.0.0.1:0", "--node-id", name,
+                                      "--cluster-secret-file", self.secret_file))
+        m.start()
+        self.nodes[name] = m
+        return m
+
+    def wait_for(self, condition: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + DEADLINE
+        while not condition():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.1)
+
+    def live_members(self, node: str) -> list[str]:
+        return sorted(n["id"] for n in self.nodes[node].call({"op": "cluster"})["nodes"]
+                      if n["live"])
+
+    def stop(self) -> list[str]:
+        problems = []
+        for name, m in reversed(list(self.nodes.items())):
+            killed = m.proc is not None and m.proc.returncode == -9
+            rc = m.stop()
+            if rc != 0 and not killed:
+                problems.append(f"{name} exited {rc}: {m.log_tail()}")
+            unmount(m.root)
+        self.coordinator.stop()
+        return problems
+
+
+@pytest.fixture
+def cluster(tmp_path) -> Iterator[Cluster]:
+    c = Cluster(str(tmp_path))
+    c.coordinator.start()
+    yield c
+    problems = c.stop()
+    assert not problems, "\n".join(problems)
+
+
+def start_nodes(cluster: Cluster, names: list[str], data: bytes) -> None:
+    for name in names:
+        cluster.add_node(name).call({"op": "mount", "name": "syn", "digest": data})
+    everyone = sorted(cluster.nodes)
+    cluster.wait_for(lambda: all(cluster.live_members(n) == everyone for n in everyone),
+                     "every node to see every member")
+
+
+def read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def test_correct_bytes_from_any_node(cluster, synthetic_tree):
+    start_nodes(cluster, ["a", "b", "c"], make_digest(synthetic_tree.root, "syn"))
+    expected = tree_hashes(synthetic_tree.root)
+    for name, m in cluster.nodes.items():  # the first node fills, the others use peers
+        got = {p: hashlib.sha256(read(os.path.join(m.root, "syn", p))).hexdigest()
+               for p in expected}
+        assert got == expected, name
+    fetched = sum(m.status()["counters"].get("bucket_fetches", 0)
+                  for m in cluster.nodes.values())
+    assert fetched == len(expected)  # every item came from the bucket exactly once
+    assert cluster.nodes["c"].status()["counters"].get("peer_hits", 0) > 0
+
+
+def test_ownership_rebalances_when_nodes_join_and_leave(cluster, synthetic_tree):
+    data = make_digest(synthetic_tree.root, "syn")
+    start_nodes(cluster, ["a", "b"], data)
+    shares = {n["id"]: n["share"] for n in cluster.nodes["a"].call({"op": "cluster"})["nodes"]}
+    assert set(shares) == {"a", "b"} and all(s > 0.2 for s in shares.values())
+    start_nodes(cluster, ["c"], data)
+    cluster.wait_for(lambda: cluster.live_members("a") == ["a", "b", "c"], "c to join")
+    nodes = cluster.nodes["a"].call({"op": "cluster"})["nodes"]
+    assert abs(sum(n["share"] for n in nodes) - 1.0) < 0.01
+    assert all(n["share"] > 0.15 for n in nodes)
+    cluster.nodes["c"].stop()
+    cluster.wait_for(lambda: cluster.live_members("a") == ["a", "b"], "c to be declared dead")
+    nodes = cluster.nodes["a"].call({"op": "cluster"})["nodes"]
+    assert sum(n["share"] for n in nodes if n["live"]) == pytest.approx(1.0, abs=0.01)
+    # keys move only from the node that left
+    keys = [hashlib.sha256(str(i).encode()).digest() for i in range(2000)]
+    before = {k: ownership.owner(k, ["a", "b", "c"]) for k in keys}
+    after = {k: ownership.owner(k, ["a", "b"]) for k in keys}
+    assert all(after[k] == before[k] for k in keys if before[k] != "c")
+
+
+def test_peer_killed_mid_epoch_no_errors_and_exactly_once(cluster, digits_tree):
+    start_nodes(cluster, ["a", "b", "c"], make_digest(digits_tree.root, "syn"))
+    everything = sorted(tree_hashes(digits_tree.root))
+    root = os.path.join(cluster.nodes["a"].root, "syn")
+    sampler = QuiverBatchSampler(root, 32, seed=5)
+    try:
+        paths: list[str] = []
+        sampler.set_epoch(0)
+        for b in range(len(sampler)):
+            batch = sampler.manifest(b)["paths"]
+            for p in batch:  # the job reads every item it is given
+                assert len(read(os.path.join(root, p))) > 0
+            paths += batch
+            if b == 10:
+                cluster.nodes["c"].kill()
+        assert sorted(paths) == everything
+        # exact reads of every item still work, from survivors or the bucket
+        for p in everything:
+            assert read(os.path.join(root, p)) == read(os.path.join(digits_tree.root, p))
+    finally:
+        sampler.close()
+    cluster.wait_for(lambda: cluster.live_members("a") == ["a", "b"], "c to be declared dead")
+
+
+def test_coordinator_restart(cluster, synthetic_tree):
+    start_nodes(cluster, ["a", "b"], make_digest(synthetic_tree.root, "syn"))
+    expected = tree_hashes(synthetic_tree.root)
+    cluster.coordinator.stop()
+    a = cluster.nodes["a"]
+    cluster.wait_for(lambda: not a.call({"op": "cluster"})["coordinator_ok"],
+                     "a to notice the outage")
+    for p in expected:  # reads go on without the coordinator
+        assert hashlib.sha256(read(os.path.join(a.root, "syn", p))).hexdigest() == expected[p]
+    cluster.coordinator.start()
+    cluster.wait_for(lambda: a.call({"op": "cluster"})["coordinator_ok"], "a to reconnect")
+    cluster.wait_for(lambda: cluster.live_members("b") == ["a", "b"], "membership to resume")
+
+
+def _call(port: int, secret: bytes, op: str, args: dict) -> object:
+    async def main() -> dict:
+        client = RpcClient("127.0.0.1", port, secret, timeout=5)
+        out: dict = {}
+        async with trio.open_nursery() as nursery:
+            await nursery.start(client.run)
+            try:
+                out["result"] = await client.call(op, args)
+            except Unavailable as exc:  # raised outside the nursery, not in a group
+                out["error"] = exc
+            nursery.cancel_scope.cancel()
+        return out
+    out = trio.run(main)
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
+
+
+def peer_port(m: MountdProcess) -> int:
+    me = m.call({"op": "cluster"})
+    return int(next(n["peer"] for n in me["nodes"] if n["id"] == me["node"]).rsplit(":", 1)[1])
+
+
+def test_poisoned_put_is_rejected(cluster, synthetic_tree):
+    start_nodes(cluster, ["a"], make_digest(synthetic_tree.root, "syn"))
+    port = peer_port(cluster.nodes["a"])
+    good = b"real content"
+    claimed = hashlib.sha256(b"other content").digest()
+    assert _call(port, SECRET, "put", {"items": [[claimed, good]]}) == [False]
+    assert _call(port, SECRET, "lookup", {"hashes": [claimed]}) == [False]
+    honest = hashlib.sha256(good).digest()
+    assert _call(port, SECRET, "put", {"items": [[honest, good]]}) == [True]
+    assert _call(port, SECRET, "get", {"hashes": [honest]}) == [good]
+    assert cluster.nodes["a"].call({"op": "cluster"})["rejected_puts"] == 1
+    assert "rejected a put" in cluster.nodes["a"].log_tail(50)
+
+
+def test_unauthenticated_clients_get_nothing(cluster, synthetic_tree):
+    start_nodes(cluster, ["a"], make_digest(synthetic_tree.root, "syn"))
+    port = peer_port(cluster.nodes["a"])
+    with pytest.raises(Unavailable):
+        _call(port, b"wrong-secret-wrong-secret", "get", {"hashes": [b"\0" * 32]})
+
+    async def no_handshake() -> list[object]:
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await wire.recv_frame(stream, 4096)  # the challenge
+            await wire.send_msg(stream, {"id": 1, "op": "get", "args": {"hashes": []}})
+            replies = []
+            try:
+                while True:
+                    replies.append(wire.unpack(await wire.recv_frame(stream)))
+            except (EOFError, trio.BrokenResourceError):
+                return replies
+    replies = trio.run(no_handshake)
+    assert replies == [{"ok": False, "error": "authentication failed"}]
+    # the coordinator refuses too
+    with pytest.raises(Unavailable):
+        _call(int(cluster.coordinator.address.rsplit(":", 1)[1]), b"x" * 20, "status", {})
+
+
+def test_malformed_and_oversized_frames_get_error_replies(cluster, synthetic_tree):
+    start_nodes(cluster, ["a"], make_digest(synthetic_tree.root, "syn"))
+    port = peer_port(cluster.nodes["a"])
+
+    async def abuse() -> list[dict]:
+        from quiverfs.rpc import client_handshake
+        out = []
+        for frame in (b"\xc1\xc1", msgpack.packb([1, 2]), msgpack.packb({"id": 3, "op": "get",
+                      "args": {"hashes": ["nope"]}}), msgpack.packb({"id": 4, "op": "zap"})):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await client_handshake(stream, SECRET)
+                await stream.send_all(wire.HEADER.pack(len(frame)) + frame)
+                out.append(wire.unpack(await wire.recv_frame(stream)))
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await client_handshake(stream, SECRET)
+            await stream.send_all(wire.HEADER.pack(1 << 30))  # 1 GiB announced
+            out.append(wire.unpack(await wire.recv_frame(stream)))
+        return out
+    replies = trio.run(abuse)
+    assert all(r["ok"] is False and r["error"] for r in replies)
+    assert "exceeds" in replies[-1]["error"]
+    # the server is still up and serving
+    assert _call(port, SECRET, "lookup", {"hashes": [b"\0" * 32]}) == [False]
+
+
+MSGPACK_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.binary(max_size=40)
+    | st.text(max_size=20),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids,
+                                                              max_size=4),
+    max_leaves=12)
+REQUESTS = st.fixed_dictionaries({"id": MSGPACK_VALUES,
+                                  "op": st.sampled_from(["get", "lookup", "put", "zap"]),
+                                  "args": MSGPACK_VALUES})
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.binary(max_size=300), st.builds(msgpack.packb, MSGPACK_VALUES),
+                 st.builds(msgpack.packb, REQUESTS)))
+def test_rpc_decoder_fuzz_never_crashes(body):
+    """Random frames into the real peer handlers (over an empty store): always a reply."""
+    import tempfile
+
+    from mountd.content_store import ContentStore
+    from mountd.peers import PeerService
+
+    with tempfile.TemporaryDirectory() as d:
+        store = ContentStore(d, 1 << 20)
+        try:
+            async def dispatch() -> dict:
+                service = PeerService(store, trio.CapacityLimiter(2))
+                return await RpcServer(SECRET, service.handlers())._dispatch(body)
+            reply = trio.run(dispatch)
+        finally:
+            store.close()
+    assert isinstance(reply, dict) and set(reply) <= {"id", "ok", "result", "error"}
+    assert reply["ok"] in (True, False)
