@@ -13,6 +13,8 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mountd.content_store import ContentStore
+from mountd.peers import PeerService
 from quiverfs import ownership, wire
 from quiverfs.mountd_process import CoordinatorProcess, MountdProcess, unmount
 from quiverfs.rpc import RpcClient, RpcServer, Unavailable
@@ -266,24 +268,22 @@ REQUESTS = st.fixed_dictionaries({"id": MSGPACK_VALUES,
                                   "args": MSGPACK_VALUES})
 
 
+@pytest.fixture(scope="module")
+def fuzz_store(tmp_path_factory) -> Iterator[ContentStore]:
+    store = ContentStore(str(tmp_path_factory.mktemp("fuzz-store")), 1 << 20)
+    yield store
+    store.close()
+
+
 @settings(max_examples=300, deadline=None)
-@given(st.one_of(st.binary(max_size=300), st.builds(msgpack.packb, MSGPACK_VALUES),
-                 st.builds(msgpack.packb, REQUESTS)))
-def test_rpc_decoder_fuzz_never_crashes(body):
-    """Random frames into the real peer handlers (over an empty store): always a reply."""
-    import tempfile
+@given(body=st.one_of(st.binary(max_size=300), st.builds(msgpack.packb, MSGPACK_VALUES),
+                      st.builds(msgpack.packb, REQUESTS)))
+def test_rpc_decoder_fuzz_never_crashes(fuzz_store, body):
+    """Random frames into the real peer handlers and store: always a reply, never a crash."""
+    async def dispatch() -> dict:
+        service = PeerService(fuzz_store, trio.CapacityLimiter(2))
+        return await RpcServer(SECRET, service.handlers())._dispatch(body)
 
-    from mountd.content_store import ContentStore
-    from mountd.peers import PeerService
-
-    with tempfile.TemporaryDirectory() as d:
-        store = ContentStore(d, 1 << 20)
-        try:
-            async def dispatch() -> dict:
-                service = PeerService(store, trio.CapacityLimiter(2))
-                return await RpcServer(SECRET, service.handlers())._dispatch(body)
-            reply = trio.run(dispatch)
-        finally:
-            store.close()
+    reply = trio.run(dispatch)
     assert isinstance(reply, dict) and set(reply) <= {"id", "ok", "result", "error"}
     assert reply["ok"] in (True, False)
