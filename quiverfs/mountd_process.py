@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import signal
 import socket
@@ -28,11 +27,17 @@ def unmount(root: str) -> None:
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def is_mounted(root: str) -> bool:
-    try:
-        return os.path.ismount(root)
-    except OSError as exc:
-        return exc.errno == errno.ENOTCONN
+def is_mounted(root: str, fuse_only: bool = False) -> bool:
+    """Whether something (a FUSE filesystem, with ``fuse_only``) is mounted at ``root``;
+    true for a dead FUSE mount too, which ``os.path.ismount`` cannot see."""
+    root = os.path.abspath(root)
+    with open("/proc/self/mounts", encoding="utf-8") as f:
+        for line in f:
+            fields = line.split()
+            target = fields[1].replace("\\040", " ")
+            if target == root and (not fuse_only or fields[2].startswith("fuse")):
+                return True
+    return False
 
 
 class MountdProcess:

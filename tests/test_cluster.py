@@ -287,3 +287,21 @@ def test_rpc_decoder_fuzz_never_crashes(fuzz_store, body):
     reply = trio.run(dispatch)
     assert isinstance(reply, dict) and set(reply) <= {"id", "ok", "result", "error"}
     assert reply["ok"] in (True, False)
+
+
+def test_node_rejoining_with_its_old_cache_reuses_it(cluster, synthetic_tree):
+    start_nodes(cluster, ["a", "b"], make_digest(synthetic_tree.root, "syn"))
+    expected = tree_hashes(synthetic_tree.root)
+    b = cluster.nodes["b"]
+    for p in expected:
+        read(os.path.join(b.root, "syn", p))
+    held_before = b.status()["cache"]["items"]
+    assert held_before > 0
+    assert b.stop() == 0
+    b.start()  # same node id, same cache directory
+    cluster.wait_for(lambda: cluster.live_members("b") == ["a", "b"], "b to rejoin")
+    for p in expected:
+        assert hashlib.sha256(read(os.path.join(b.root, "syn", p))).hexdigest() == expected[p]
+    counters = b.status()["counters"]
+    assert counters["local_hits"] == held_before  # its own share came from its old cache
+    assert counters.get("bucket_fetches", 0) == 0
