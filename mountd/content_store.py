@@ -23,10 +23,11 @@ import google_crc32c
 log = logging.getLogger(__name__)
 
 # diskcache settings (units in the comments).
-CULL_LIMIT = 64  # items evicted at most per insert, enough to keep under the bound
+CULL_LIMIT = 8  # items evicted at once when an insert goes over the bound
 DISK_MIN_FILE_SIZE = 32 << 10  # bytes: larger values are files, smaller ones sit in SQLite
 SQLITE_MMAP_SIZE = 256 << 20  # bytes of the index mapped into memory
 TIMEOUT = 60  # seconds a writer waits for SQLite's lock
+MAX_KNOWN_FILES = 1_000_000  # entries whose file path is remembered (about 150 B each)
 
 
 class IntegrityError(Exception):
@@ -52,6 +53,9 @@ class ContentStore:
         self._write_lock = threading.Lock()
         self._hits_lock = threading.Lock()
         self._hits: set[bytes] = set()
+        # Where large values live, learnt on first read: later hits read the file
+        # directly, without a query. A file evicted since is simply not found.
+        self._files: dict[bytes, tuple[str, int]] = {}
 
     @property
     def size_limit(self) -> int:
@@ -59,15 +63,36 @@ class ContentStore:
 
     def get(self, digest: bytes) -> bytes | None:
         """The content for ``digest``, or None if absent (or found corrupted and dropped)."""
+        known = self._files.get(digest)
+        if known is not None:
+            path, tag = known
+            try:
+                with open(path, "rb", buffering=0) as f:
+                    value = f.read()
+            except FileNotFoundError:  # evicted since: ask the index
+                self._files.pop(digest, None)
+            else:
+                return self._checked(digest, value, tag)
         try:
-            value, tag = self._reader.get(digest, default=None, tag=True, retry=True)
+            handle, tag = self._reader.get(digest, default=None, read=True, tag=True,
+                                           retry=True)
+            if handle is None:
+                return None
+            if isinstance(handle, bytes):  # small values live in the index itself
+                return self._checked(digest, handle, tag)
+            with handle:
+                value = handle.read()
         except (OSError, sqlite3.Error) as exc:
             log.warning("cache entry %s unreadable (%s): dropping it", digest.hex(), exc)
             self.discard(digest)
             return None
-        if value is None:
-            return None
-        if not isinstance(value, bytes) or tag != google_crc32c.value(value):
+        if len(self._files) >= MAX_KNOWN_FILES:
+            self._files.clear()
+        self._files[digest] = (handle.name, tag)
+        return self._checked(digest, value, tag)
+
+    def _checked(self, digest: bytes, value: bytes, tag: int) -> bytes | None:
+        if tag != google_crc32c.value(value):
             log.warning("cache entry %s failed its checksum: dropping it", digest.hex())
             self.corrupt_dropped += 1
             self.discard(digest)
@@ -101,10 +126,12 @@ class ContentStore:
         return digest in self.cache
 
     def discard(self, digest: bytes) -> None:
+        self._files.pop(digest, None)
         with self._write_lock:
             self.cache.delete(digest, retry=True)
 
     def clear(self) -> None:
+        self._files.clear()
         with self._write_lock:
             self.cache.clear(retry=True)
 
