@@ -6,7 +6,7 @@ import os
 
 import trio
 
-from quiverfs.errors import ExitCode
+from quiverfs.errors import ExitCode, QuietError
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -21,6 +21,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="seconds without a heartbeat before a node is dead (default 5)")
     p.add_argument("--force-evict-after", type=float, default=120.0,
                    help="seconds a marked chunk may outlive its first release (default 120)")
+    p.add_argument("--cache-budget", help="cluster-wide cache bytes to allocate, e.g. 2T "
+                   "(default: the sum of the live nodes' cache sizes)")
+    p.add_argument("--probe-batches", type=int, default=100,
+                   help="mini-batches a job runs without cache hits when probed (default 100)")
+    p.add_argument("--reprobe-after", type=float, default=600.0,
+                   help="seconds between probes of a job (default 600)")
     p.set_defaults(func=cmd_coordinator, daemon=True)
 
 
@@ -31,7 +37,13 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
     host, port = parse_address(args.listen, "--listen")
     secret = load_secret(args.cluster_secret_file)
-    state = CoordinatorState(os.path.abspath(args.state_dir), args.heartbeat_timeout,
-                             args.force_evict_after)
+    from quiverfs.sizes import parse_size
+
+    if args.probe_batches < 1:
+        raise QuietError("--probe-batches must be at least 1", ExitCode.USAGE)
+    state = CoordinatorState(
+        os.path.abspath(args.state_dir), args.heartbeat_timeout, args.force_evict_after,
+        budget=parse_size(args.cache_budget, "--cache-budget") if args.cache_budget else None,
+        probe_batches=args.probe_batches, reprobe_after=args.reprobe_after)
     trio.run(CoordinatorServer(state, secret).serve, host, port)
     return ExitCode.OK

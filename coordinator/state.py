@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from coordinator.allocation import DatasetDemand, JobBenefit, allocate
 from mountd.chunk_cycle import ChunkCycle, EpochRef
 from quiverfs import digest as digest_format
 
@@ -49,16 +50,24 @@ class DatasetState:
     loaders: list[str] = dataclasses.field(default_factory=list)
     done: set[str] = dataclasses.field(default_factory=set)  # loaders done with `loading`
     reports: dict[str, dict] = dataclasses.field(default_factory=dict)  # node -> report
+    mode: str = "coop"  # the allocation: coop (two chunks), full, or none
+    gain: float = 0.0  # G, the GPU shares its jobs save with the cache
+    probes: dict[str, int] = dataclasses.field(default_factory=dict)  # job -> probe number
+    probed_at: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class CoordinatorState:
     """Membership, datasets and chunk cycles; persisted in ``state_dir``."""
 
     def __init__(self, state_dir: str, heartbeat_timeout: float = 5.0,
-                 force_after: float = 120.0) -> None:
+                 force_after: float = 120.0, budget: int | None = None,
+                 probe_batches: int = 100, reprobe_after: float = 600.0) -> None:
         self.state_dir = state_dir
         self.heartbeat_timeout = heartbeat_timeout
         self.force_after = force_after
+        self.budget = budget  # bytes of cache cluster-wide; None: the nodes' capacities
+        self.probe_batches = probe_batches
+        self.reprobe_after = reprobe_after
         self.nodes: dict[str, Node] = {}
         self.datasets: dict[str, DatasetState] = {}
         self.version = 0  # bumped when membership changes
@@ -84,7 +93,8 @@ class CoordinatorState:
             cycle = ChunkCycle.restore(d["cycle"], self.force_after)
             cycle.timeline = [tuple(e) for e in d.get("timeline", [])]
             self.datasets[d["identity"]] = DatasetState(
-                d["identity"], d["name"], cycle, d["loaders"], set(d["done"]))
+                d["identity"], d["name"], cycle, d["loaders"], set(d["done"]),
+                mode=d.get("mode", "coop"))
         self.version = int(data.get("version", 0)) + 1
         log.info("resumed: %d nodes, %d datasets", len(self.nodes), len(self.datasets))
 
@@ -94,7 +104,7 @@ class CoordinatorState:
                           for n in self.nodes.values()],
                 "datasets": [{"identity": d.identity, "name": d.name,
                               "cycle": d.cycle.snapshot(), "loaders": d.loaders,
-                              "done": sorted(d.done),
+                              "done": sorted(d.done), "mode": d.mode,
                               "timeline": d.cycle.timeline[-TIMELINE_KEEP:]}
                              for d in self.datasets.values()]}
         digest_format.write_atomic(self._path, json.dumps(data).encode())
@@ -153,22 +163,64 @@ class CoordinatorState:
                                                               self.force_after))
                 changed = True
             ds.reports[node] = report
-        cycles = {}
         for ds in self.datasets.values():
             for gone in [n for n in ds.reports if n not in alive]:
                 del ds.reports[gone]
+        changed |= self._allocate(now)
+        cycles = {}
+        for ds in self.datasets.values():
             changed |= self._advance(ds, alive, now)
             if node in ds.reports:
                 users = sorted(n for n, r in ds.reports.items() if r.get("jobs"))
-                cycles[ds.identity] = {**ds.cycle.snapshot(), "loaders": ds.loaders,
-                                       "users": users}
+                jobs = {j["id"] for j in ds.reports[node].get("jobs", [])}
+                cycles[ds.identity] = {
+                    **ds.cycle.snapshot(), "loaders": ds.loaders, "users": users,
+                    "mode": ds.mode, "probe_batches": self.probe_batches,
+                    "probes": {k.split("/", 1)[1]: v for k, v in ds.probes.items()
+                               if k.split("/", 1)[0] == node and k.split("/", 1)[1] in jobs}}
         if changed:
             self.save()
         return {**view, "cycles": cycles}
 
+    def _allocate(self, now: float) -> bool:
+        """Ask for probes where due, then decide every dataset's mode; True on a change."""
+        demands = []
+        for ds in self.datasets.values():
+            jobs = []
+            for node, report in ds.reports.items():
+                for j in report.get("jobs", []):
+                    key = f"{node}/{j['id']}"
+                    if key not in ds.probes or now - ds.probed_at[key] > self.reprobe_after:
+                        ds.probes[key] = ds.probes.get(key, 0) + 1
+                        ds.probed_at[key] = now
+                    jobs.append(JobBenefit(int(j.get("gpus", 1)), j.get("t_miss"),
+                                           j.get("t_hit")))
+            sizes = [r for r in ds.reports.values() if "size" in r]
+            demands.append(DatasetDemand(
+                ds.identity, max((int(r["size"]) for r in sizes), default=0),
+                max((int(r["chunk_bytes"]) for r in sizes), default=0), tuple(jobs)))
+        budget = self.budget if self.budget is not None else sum(
+            n.capacity for n in self.live(now))
+        modes = allocate(demands, budget)
+        changed = False
+        for d in demands:
+            ds = self.datasets[d.identity]
+            ds.gain = d.gain
+            if d.jobs and modes[d.identity] != ds.mode:
+                log.info("dataset %s: %s -> %s (G %.2f over %d jobs; needs %d bytes for two "
+                         "chunks, %d in full; budget %d)", ds.name, ds.mode, modes[d.identity],
+                         d.gain, len(d.jobs), d.coop_cost, d.size, budget)
+                ds.mode = modes[d.identity]
+                changed = True
+        return changed
+
     def _advance(self, ds: DatasetState, alive: set[str], now: float) -> bool:
         """Move one dataset's cycle forward; True if anything changed."""
         cycle = ds.cycle
+        if ds.mode == "none" and cycle.resident_count():
+            cycle.evict_all()
+            ds.loaders, ds.done = [], set()
+            return True
         users = sorted(n for n, r in ds.reports.items() if r.get("jobs"))
         changed = False
         if cycle.loading is not None:
@@ -191,7 +243,7 @@ class CoordinatorState:
         if victim is not None:
             cycle.evicted(victim)
             changed = True
-        if cycle.start_loading() is not None:
+        if ds.mode == "coop" and cycle.start_loading() is not None:
             ds.loaders, ds.done = users, set()
             changed = True
         return changed
@@ -204,8 +256,10 @@ class CoordinatorState:
             "nodes": [{"id": n.id, "peer": n.peer, "capacity": n.capacity,
                        "alive": n.id in live, "last_seen_s": round(now - n.last_seen, 1)}
                       for n in sorted(self.nodes.values(), key=lambda n: n.id)],
+            "budget": self.budget if self.budget is not None else sum(
+                n.capacity for n in self.live(now)),
             "datasets": [{"identity": d.identity, "name": d.name, **d.cycle.snapshot(),
-                          "loaders": d.loaders,
+                          "loaders": d.loaders, "mode": d.mode, "gain": round(d.gain, 3),
                           "jobs": [{"node": n, **{k: v for k, v in j.items()
                                                   if k != "remaining"}}
                                    for n, r in d.reports.items() for j in r.get("jobs", [])],

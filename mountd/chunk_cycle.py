@@ -105,6 +105,14 @@ class ChunkCycle:
             return self.marked
         return None
 
+    def evict_all(self) -> list[int]:
+        """Drop every resident chunk (the dataset lost its cache allocation)."""
+        chunks = [c for c, s in enumerate(self.states) if s is not ChunkState.EVICTED]
+        self.loading = self.active = self.marked = None
+        for c in chunks:
+            self._set(c, ChunkState.EVICTED)
+        return chunks
+
     def evicted(self, chunk: int) -> None:
         if chunk == self.marked:
             self.marked = None

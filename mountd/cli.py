@@ -11,13 +11,15 @@ import time
 from quiverfs import control_client
 from quiverfs import digest as digest_format
 from quiverfs.errors import ExitCode, QuietError
-from quiverfs.sizes import human, parse_size
+from quiverfs.option_types import Address, ByteSize, IntAtLeast
+from quiverfs.sizes import human
 
 STARTUP_TIMEOUT = 120.0  # seconds a backgrounded mountd may take to answer
 
 
 def _root_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--root", default=os.environ.get("QUIVER_ROOT", control_client.DEFAULT_ROOT),
+    # $QUIVER_ROOT is applied by quiverfs.config, between the command line and the file.
+    p.add_argument("--root", default=control_client.DEFAULT_ROOT,
                    help="mount root of the mountd to talk to (default: $QUIVER_ROOT or "
                    "%(default)s)")
     p.add_argument("--control-socket", help="its control socket (default: derived from --root)")
@@ -32,15 +34,23 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                        "after 'quiver mount'. Runs in the background unless --foreground.")
     _root_arg(d)
     d.add_argument("--cache-dir", required=True, help="SSD directory for the cache and state")
-    d.add_argument("--cache-size", required=True, help="cache bound, e.g. 200G")
+    d.add_argument("--cache-size", required=True, type=ByteSize("--cache-size"),
+                   help="cache bound, e.g. 200G")
     d.add_argument("--foreground", action="store_true", help="stay in the foreground")
     d.add_argument("--log-file", help="log file when in the background "
                    "(default: CACHE_DIR/mountd.log)")
-    d.add_argument("--threads", type=int, default=16, help="blocking I/O workers (default 16)")
-    d.add_argument("--chunk-size", help="chunk size for substitutable jobs, e.g. 15G "
+    d.add_argument("--threads", type=IntAtLeast("--threads", 1), default=16,
+                   help="blocking I/O workers (default 16)")
+    d.add_argument("--metrics", metavar="HOST:PORT", type=Address("--metrics"),
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
+    d.add_argument("--chunk-size", type=ByteSize("--chunk-size"),
+                   help="chunk size for substitutable jobs, e.g. 15G "
                    "(default: 10%% of a dataset or 15 GiB, the smaller)")
     d.add_argument("--force-evict-after", type=float, default=120.0,
                    help="seconds a marked chunk may outlive its first release (default 120)")
+    d.add_argument("--probe-batches", type=int, default=100,
+                   help="mini-batches a job runs without cache hits when probed, without "
+                   "--coordinator (default 100)")
     c = d.add_argument_group("cluster (without --coordinator, mountd is a single node)")
     c.add_argument("--coordinator", metavar="HOST:PORT", help="the coordinator to join")
     c.add_argument("--listen", metavar="HOST:PORT",
@@ -91,12 +101,12 @@ def cmd_mountd(args: argparse.Namespace) -> int:
 
     root = os.path.abspath(args.root)
     cfg = MountdConfig(root=root, cache_dir=os.path.abspath(args.cache_dir),
-                       cache_size=parse_size(args.cache_size, "--cache-size"),
+                       cache_size=args.cache_size,
                        control_socket=args.control_socket or control_client.default_socket(root),
                        threads=args.threads,
-                       chunk_bytes=parse_size(args.chunk_size, "--chunk-size")
-                       if args.chunk_size else None,
+                       chunk_bytes=args.chunk_size, metrics=args.metrics,
                        force_evict_after=args.force_evict_after,
+                       probe_batches=args.probe_batches,
                        coordinator=args.coordinator, listen=args.listen,
                        cluster_secret_file=args.cluster_secret_file)
     if args.node_id:
@@ -104,12 +114,8 @@ def cmd_mountd(args: argparse.Namespace) -> int:
     if args.coordinator:
         from quiverfs.rpc import load_secret
         load_secret(args.cluster_secret_file)  # fail here, before mounting
-    if cfg.cache_size <= 0:
-        raise QuietError("--cache-size must be positive", ExitCode.USAGE)
-    if args.threads < 1:
-        raise QuietError("--threads must be at least 1", ExitCode.USAGE)
     try:
-        os.makedirs(cfg.cache_dir, exist_ok=True)
+        os.makedirs(cfg.cache_dir, mode=0o700, exist_ok=True)  # the store is everyone's data
     except OSError as exc:
         raise QuietError(f"cannot create --cache-dir {cfg.cache_dir}: {exc.strerror}",
                          ExitCode.PERMISSION) from None

@@ -30,9 +30,9 @@ class EmbeddedCoordinator:
 
     interval = EMBEDDED_HEARTBEAT
 
-    def __init__(self, state_dir: str, force_after: float) -> None:
+    def __init__(self, state_dir: str, force_after: float, probe_batches: int) -> None:
         self.state = CoordinatorState(state_dir, heartbeat_timeout=3600.0,
-                                      force_after=force_after)
+                                      force_after=force_after, probe_batches=probe_batches)
 
     async def heartbeat(self, args: dict[str, Any]) -> dict[str, Any]:
         return self.state.heartbeat(args["node"], args["peer"], args["capacity"],

@@ -21,10 +21,12 @@ from mountd.fs import QuiverFS
 from mountd.item_reader import ItemReader
 from mountd.job_files import ControlFiles
 from mountd.jobs import JobManager
+from mountd.metrics import MetricsEndpoint, MountdCollector
 from mountd.mount_table import MountTable
 from mountd.peers import PeerService, PeerSet
 from mountd.registry import Registry
 from quiverfs import sd_notify
+from quiverfs.mountd_process import is_mounted
 from quiverfs.rpc import RpcClient, load_secret, parse_address
 from quiverfs.errors import ExitCode, QuietError
 
@@ -50,11 +52,13 @@ class MountdConfig:
     coordinator: str | None = None  # HOST:PORT; None runs the coordinator logic embedded
     listen: str | None = None  # HOST:PORT of the peer server (with a coordinator)
     cluster_secret_file: str | None = None
+    probe_batches: int = 100  # for the embedded coordinator
+    metrics: tuple[str, int] | None = None  # where to serve Prometheus metrics
 
 
 def prepare_root(root: str) -> None:
     """Make sure ``root`` is a directory we can mount on, clearing a crashed mount."""
-    if _is_fuse_mount(root):
+    if is_mounted(root, fuse_only=True):
         try:
             os.statvfs(root)  # always answered by the daemon, never from kernel caches
         except OSError as exc:
@@ -74,16 +78,6 @@ def prepare_root(root: str) -> None:
         raise QuietError(f"mount root {root} is not a directory", ExitCode.MOUNT)
 
 
-def _is_fuse_mount(root: str) -> bool:
-    with open("/proc/self/mounts", encoding="utf-8") as f:
-        for line in f:
-            fields = line.split()
-            target = fields[1].replace("\\040", " ")
-            if target == root and fields[2].startswith("fuse"):
-                return True
-    return False
-
-
 class Mountd:
     """One mount root, one content store, one control socket."""
 
@@ -95,11 +89,17 @@ class Mountd:
         self.table = MountTable()
         self.limiter = trio.CapacityLimiter(cfg.threads)
         self.reader = ItemReader(self.store, self.limiter)
-        self.jobs = JobManager(self.table, self.reader, cfg.chunk_bytes)
+        # A lone node sizes chunks so that two fit its cache; in a cluster every node
+        # must compute the same plan, so the default stays 10% (or --chunk-size).
+        self.jobs = JobManager(self.table, self.reader, cfg.chunk_bytes,
+                               None if cfg.coordinator else cfg.cache_size / 2.5)
         self.secret = load_secret(cfg.cluster_secret_file) if cfg.coordinator else b""
         self.controller = Controller(self.root, self.table, self.registry, self.reader,
                                      self.jobs, cfg.prefetch_concurrency)
         self.fs = QuiverFS(self.table, self.reader, ControlFiles(self.jobs))
+        self.metrics = (MetricsEndpoint(cfg.metrics, MountdCollector(self.reader, self.table,
+                                                                     self.jobs))
+                        if cfg.metrics else None)
         self._terminated = False
 
     def run(self) -> None:
@@ -128,7 +128,9 @@ class Mountd:
             self.reader.background = nursery
             nursery.start_soon(cluster.run, self.jobs.report, self.jobs.apply)
             await nursery.start(server.serve)
-            nursery.start_soon(self._on_signals)
+            if self.metrics is not None:
+                await nursery.start(self.metrics.serve)
+            await nursery.start(self._on_signals)  # before READY=1: systemd may stop us next
             nursery.start_soon(self._record_hits)
             sd_notify.notify("READY=1")
             await pyfuse3.main(min_tasks=1, max_tasks=self.cfg.fuse_tasks)
@@ -142,7 +144,7 @@ class Mountd:
         cfg = self.cfg
         if cfg.coordinator is None:
             link = EmbeddedCoordinator(os.path.join(cfg.cache_dir, "state", "coordinator"),
-                                       cfg.force_evict_after)
+                                       cfg.force_evict_after, cfg.probe_batches)
             return Cluster(cfg.node_id, "local", cfg.cache_size, link, None)
         host, port = parse_address(cfg.listen or "127.0.0.1:0", "--listen")
         service = PeerService(self.store, self.limiter)
@@ -163,8 +165,10 @@ class Mountd:
             await trio.sleep(HIT_RECORD_INTERVAL)
             await trio.to_thread.run_sync(self.store.record_hits, limiter=self.limiter)
 
-    async def _on_signals(self) -> None:
+    async def _on_signals(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED
+                          ) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+            task_status.started()
             async for signum in sigs:
                 log.info("%s: unmounting", signal.Signals(signum).name)
                 self._terminated = True

@@ -33,6 +33,7 @@ class MountedDataset:
     inode_base: int
     counters: Counter[str] = dataclasses.field(default_factory=Counter)
     prefetch: PrefetchProgress | None = None
+    cache_mode: str = "coop"  # the coordinator's allocation: coop, full or none
 
     @property
     def name(self) -> str:

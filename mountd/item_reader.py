@@ -10,13 +10,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import time
 from collections import Counter
 from typing import Any
 
+import pyfuse3
 import trio
 
 from mountd.content_store import ContentStore, IntegrityError
 from mountd.dataset import MountedDataset
+from mountd.metrics import read_latency
 from quiverfs.errors import QuietError
 from quiverfs.rpc import Unavailable
 
@@ -46,6 +49,8 @@ class ItemReader:
         self.limiter = limiter
         self._inflight: dict[bytes, _Flight] = {}
         self.counters: Counter[str] = Counter()
+        self.latency = read_latency()  # seconds per read served, by tier
+        self._forced: dict[bytes, Any] = {}  # next read is a miss, for this probed job
         self.cluster: Any = None  # mountd.cluster.Cluster, set once the daemon wires it
         self.background: trio.Nursery | None = None  # where puts to owners run
 
@@ -60,21 +65,40 @@ class ItemReader:
         self.counters[key] += n
         ds.counters[key] += n
 
+    async def force_misses(self, ds: MountedDataset, items: list[int], job: Any) -> None:
+        """Serve the next read of each item from storage, as if it were not cached, and
+        drop the kernel's pages of it (benefit probing of ``job``, a mountd.jobs.Job)."""
+        for i in items:
+            self._forced[ds.digest.hash(i)] = job
+        job.forced_outstanding += len(items)
+        inodes = [ds.inode_base + ds.tree.n_dirs + i for i in items]
+        await trio.to_thread.run_sync(_invalidate, inodes, limiter=self.limiter)
+
     async def read(self, ds: MountedDataset, index: int) -> bytes:
         """The verified content of entry ``index`` of ``ds``."""
         digest = ds.digest.hash(index)
+        job = self._forced.pop(digest, None)
+        if job is not None:
+            job.forced_outstanding -= 1
+            job.forced_reads += 1
+            self.count(ds, "probe_misses")
+            return await self.fetch(ds, index)
+        started = time.perf_counter()
         data = await trio.to_thread.run_sync(self.store.get, digest, limiter=self.limiter)
         if data is not None:
+            self.latency.labels("local").observe(time.perf_counter() - started)
             self.count(ds, "local_hits")
             self.count(ds, "local_bytes", len(data))
             return data
         owner = self.owner(digest)
         if owner is not None:
+            started = time.perf_counter()
             try:
                 data = await self.cluster.peers.get(owner, digest)
             except Unavailable:
                 self.count(ds, "peer_errors")
             if data is not None:
+                self.latency.labels("peer").observe(time.perf_counter() - started)
                 self.count(ds, "peer_hits")
                 self.count(ds, "peer_bytes", len(data))
                 return data
@@ -92,6 +116,7 @@ class ItemReader:
                 raise ReadFailed(str(flight.error))
             return flight.data
         flight = self._inflight[digest] = _Flight()
+        started = time.perf_counter()
         try:
             data = await trio.to_thread.run_sync(self._fetch_blocking, ds, index,
                                                  limiter=self.limiter)
@@ -103,6 +128,7 @@ class ItemReader:
         finally:
             del self._inflight[digest]
             flight.done.set()
+        self.latency.labels("bucket").observe(time.perf_counter() - started)
         self.count(ds, "bucket_fetches")
         self.count(ds, "bucket_bytes", len(data))
         flight.data = data
@@ -121,11 +147,12 @@ class ItemReader:
         digest = ds.digest.hash(index)
         owner = self.owner(digest)
         try:
-            if owner is None:
-                self.store.put(digest, data)
+            keep = ds.cache_mode != "none"  # a dataset allotted no cache keeps nothing
+            if keep and owner is None:
+                self.store.put(digest, data)  # checks the hash
             elif hashlib.sha256(data).digest() != digest:
                 raise IntegrityError(digest.hex())
-            else:
+            elif keep:
                 trio.from_thread.run_sync(self._put_to_owner, owner, digest, data)
         except IntegrityError:
             log.error("dataset %s: %s at %s (offset %d, %d bytes) does not match its digest "
@@ -144,3 +171,11 @@ class ItemReader:
                 self.counters["peer_puts"] += 1
         except Unavailable:
             self.counters["peer_put_errors"] += 1
+
+
+def _invalidate(inodes: list[int]) -> None:
+    for inode in inodes:
+        try:
+            pyfuse3.invalidate_inode(inode, attr_only=False)
+        except OSError:
+            pass  # the kernel holds nothing of it

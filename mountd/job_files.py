@@ -209,6 +209,5 @@ class ControlHandle:
             except (IndexError, ValueError):
                 continue  # a report line we do not understand is ignored, not fatal
             if seconds >= 0:
-                self.job.batch_times.append(seconds)
-                self.job.counters["reported_batches"] += 1
+                self.job.record_time(seconds)
         return len(buf)

@@ -24,12 +24,14 @@ from mountd.item_reader import ItemReader, ReadFailed
 from mountd.mount_table import MountTable
 from mountd.substitution import DEFAULT_SCAN_FACTOR, EpochSampler, epoch_shard
 from quiverfs import ownership
-from quiverfs.chunk_plan import make_plan
+from quiverfs.chunk_plan import default_chunk_bytes, make_plan
 from quiverfs.rpc import Unavailable
 
 log = logging.getLogger(__name__)
 
 FETCH_CONCURRENCY = 16  # misses fetched at once for one batch or one chunk load
+PROBE_BATCHES = 100  # batches a probe runs without cache hits (the coordinator may say)
+MIN_SAMPLES = 3  # batch times needed before t_miss or t_hit is reported
 CHECK_BLOCK = 512  # items whose store membership is checked per thread call
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff",
                     ".webp")  # torchvision's IMG_EXTENSIONS
@@ -121,6 +123,32 @@ class Job:
         self.lock = trio.Lock()
         self.counters: collections.Counter[str] = collections.Counter()
         self.batch_times: collections.deque[float] = collections.deque(maxlen=1000)
+        self.probe_seq = 0  # the last probe the coordinator asked for and we began
+        self.probe_left = 0  # batches still to plan without cache hits
+        self.forced_outstanding = 0  # probe items its workers have not read yet
+        self.forced_reads = 0  # probe items read since the last reported batch time
+        self.miss_times: collections.deque[float] = collections.deque(maxlen=PROBE_BATCHES)
+        self.hit_times: collections.deque[float] = collections.deque(maxlen=PROBE_BATCHES)
+
+    def record_time(self, seconds: float) -> None:
+        """A reported time between two batches. The DataLoader asks for indices batches
+        ahead of its workers, so the interval is classified by what the workers read
+        during it: probe items (a miss sample), or, once no probe item is left, hits."""
+        self.batch_times.append(seconds)
+        self.counters["reported_batches"] += 1
+        if self.forced_reads:
+            self.miss_times.append(seconds)
+            self.forced_reads = 0
+        elif not self.probe_left and not self.forced_outstanding:
+            self.hit_times.append(seconds)
+
+    def benefit(self) -> dict[str, Any]:
+        """t_miss and t_hit (seconds per batch) once enough batches were measured."""
+        def mean(times: collections.deque[float]) -> float | None:
+            return sum(times) / len(times) if len(times) >= MIN_SAMPLES else None
+        t_miss, t_hit = mean(self.miss_times), mean(self.hit_times)
+        return {"t_miss": t_miss, "t_hit": t_hit, "probing": self.probe_left > 0,
+                "benefit": t_miss / t_hit if t_miss and t_hit else None}
 
     def config_view(self) -> dict[str, Any]:
         if self.config is None:
@@ -139,14 +167,18 @@ class Job:
                 "batches_per_epoch": self.sampler.n_batches if self.sampler else 0,
                 "remaining": self.sampler.remaining if self.sampler else 0,
                 "counters": dict(self.counters),
-                "mean_batch_s": sum(times) / len(times) if times else None}
+                "mean_batch_s": sum(times) / len(times) if times else None,
+                "gpus": self.config.gpus if self.config else None, **self.benefit()}
 
 
 class DatasetJobs:
     """The jobs of one dataset on this node, its chunk plan, and the cycle as last heard."""
 
-    def __init__(self, ds: MountedDataset, chunk_bytes: int | None) -> None:
+    def __init__(self, ds: MountedDataset, chunk_bytes: float | None,
+                 max_chunk_bytes: float | None) -> None:
         self.ds = ds
+        if chunk_bytes is None and max_chunk_bytes is not None:
+            chunk_bytes = min(default_chunk_bytes(ds.digest.total_bytes), max_chunk_bytes)
         self.plan = make_plan(ds.digest, chunk_bytes)
         self.jobs: dict[str, Job] = {}
         self.snap: dict[str, Any] | None = None  # the coordinator's view of the cycle
@@ -155,12 +187,23 @@ class DatasetJobs:
         self.version = -1  # membership version of the last refill
 
     def usable(self, ref: EpochRef) -> list[int]:
-        return usable_chunks(self.snap, ref) if self.snap is not None else []
+        if self.snap is None:
+            return []
+        if self.mode != "coop":  # whatever is cached may be used
+            return list(range(self.plan.n_chunks))
+        return usable_chunks(self.snap, ref)
+
+    @property
+    def mode(self) -> str:
+        """The coordinator's allocation for the dataset: coop, full or none."""
+        return self.snap.get("mode", "coop") if self.snap is not None else "coop"
 
     def report(self) -> dict[str, Any]:
         return {"name": self.ds.name, "chunks": self.plan.n_chunks, "loaded": self.loaded,
+                "size": self.ds.digest.total_bytes, "chunk_bytes": max(self.plan.chunk_bytes),
                 "jobs": [{"id": j.id, "gen": j.ref.started_generation, "gpus": j.config.gpus,
-                          "remaining": j.ref.remaining_chunks.tolist()}
+                          "remaining": j.ref.remaining_chunks.tolist(),
+                          "probe_seq": j.probe_seq, **j.benefit()}
                          for j in self.jobs.values() if j.ref is not None and j.config]}
 
 
@@ -168,10 +211,11 @@ class JobManager:
     """Registers jobs, plans their batches, and carries out their chunk cycles."""
 
     def __init__(self, table: MountTable, reader: ItemReader,
-                 chunk_bytes: int | None = None) -> None:
+                 chunk_bytes: int | None = None, max_chunk_bytes: float | None = None) -> None:
         self.table = table
         self.reader = reader
         self.chunk_bytes = chunk_bytes
+        self.max_chunk_bytes = max_chunk_bytes  # so that two chunks fit a lone node's cache
         self.jobs: dict[str, Job] = {}
         self.groups: dict[str, DatasetJobs] = {}
         self.cluster: Any = None  # mountd.cluster.Cluster, wired by the daemon
@@ -213,7 +257,8 @@ class JobManager:
         group = self.groups.get(ds.name)
         if group is None or group.ds is not ds:
             group = self.groups[ds.name] = await trio.to_thread.run_sync(
-                DatasetJobs, ds, self.chunk_bytes, limiter=self.reader.limiter)
+                DatasetJobs, ds, self.chunk_bytes, self.max_chunk_bytes,
+                limiter=self.reader.limiter)
         group.jobs[job.id] = job
         job.group = group
         log.info("job %s (uid %d) reads %s/%s: %d items, batch %d, rank %d/%d", job.id,
@@ -271,8 +316,11 @@ class JobManager:
         ref = job.ref
         digest = group.ds.digest
         chunk_of = group.plan.chunk_of
+        probing = job.probe_left > 0
 
         def is_cached(items: np.ndarray) -> np.ndarray:
+            if probing:  # the job must see what it would without the cache
+                return np.zeros(len(items), dtype=bool)
             usable = np.isin(chunk_of[items], group.usable(ref))
             held = np.zeros(len(items), dtype=bool)
             held[usable] = trio.from_thread.run(self._held, [digest.hash(int(i))
@@ -285,7 +333,11 @@ class JobManager:
 
         batch = await trio.to_thread.run_sync(sampler.plan, is_cached, prefer,
                                               limiter=self.reader.limiter)
-        await self._fetch_all(group.ds, batch.fetch, job.counters)
+        if probing:
+            job.probe_left -= 1
+            await self.reader.force_misses(group.ds, batch.items, job)
+        elif group.mode != "none":
+            await self._fetch_all(group.ds, batch.fetch, job.counters)
         np.subtract.at(ref.remaining_chunks, chunk_of[batch.items], 1)
         job.counters["hits"] += len(batch.hits)
         job.counters["fetched"] += len(batch.fetch)
@@ -348,6 +400,15 @@ class JobManager:
             if snap is None:
                 continue
             previous, group.snap = group.snap, snap
+            group.ds.cache_mode = snap.get("mode", "coop")
+            for job in group.jobs.values():
+                seq = snap.get("probes", {}).get(job.id, 0)
+                if seq > job.probe_seq:
+                    job.probe_seq = seq
+                    job.probe_left = int(snap.get("probe_batches", PROBE_BATCHES))
+                    job.miss_times.clear()
+                    job.hit_times.clear()
+                    log.info("job %s: probing for %d batches", job.id, job.probe_left)
             loading = snap["loading"]
             if loading is not None and me in snap["loaders"]:
                 key = [loading, snap["loaders"]]

@@ -18,6 +18,20 @@ START_TIMEOUT = 60.0  # seconds
 STOP_TIMEOUT = 30.0
 
 
+def terminate(proc: subprocess.Popen | None) -> int:
+    """SIGTERM ``proc`` (SIGKILL if it is still there after STOP_TIMEOUT); its status."""
+    if proc is None:
+        return 0
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 def unmount(root: str) -> None:
     """Unmount ``root`` if anything is mounted there: politely, then lazily."""
     for args in (["-u"], ["-u", "-z"]):
@@ -86,17 +100,9 @@ class MountdProcess:
 
     def stop(self) -> int:
         """SIGTERM and wait; return the exit status (the mount is gone afterwards)."""
-        if self.proc is None:
-            return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        rc = terminate(self.proc)
         unmount(self.root)
-        return self.proc.returncode
+        return rc
 
     def kill(self) -> None:
         """SIGKILL, leaving whatever mount state a crash leaves."""
@@ -135,7 +141,7 @@ class CoordinatorProcess:
 
     def __init__(self, state_dir: str, secret_file: str, log_path: str,
                  heartbeat_timeout: float = 2.0, force_evict_after: float = 30.0,
-                 port: int = 0) -> None:
+                 port: int = 0, extra_args: tuple[str, ...] = ()) -> None:
         self.state_dir = state_dir
         self.secret_file = secret_file
         self.log_path = log_path
@@ -143,13 +149,14 @@ class CoordinatorProcess:
         self.force_evict_after = force_evict_after
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self.extra_args = extra_args
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         argv = [sys.executable, "-m", "quiverfs.cli", "coordinator", "--listen", self.address,
                 "--state-dir", self.state_dir, "--cluster-secret-file", self.secret_file,
                 "--heartbeat-timeout", str(self.heartbeat_timeout),
-                "--force-evict-after", str(self.force_evict_after)]
+                "--force-evict-after", str(self.force_evict_after), *self.extra_args]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         deadline = time.monotonic() + START_TIMEOUT
@@ -167,16 +174,7 @@ class CoordinatorProcess:
             time.sleep(0.05)
 
     def stop(self) -> int:
-        if self.proc is None:
-            return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return terminate(self.proc)
 
 
 def free_port() -> int:

@@ -1,0 +1,78 @@
+"""Benefit-aware cache allocation (paper §5.3).
+
+Each job's benefit from the cache is b = t_miss / t_hit (its mean mini-batch time
+without and with cache hits, measured by probing); with n GPUs it saves g = b * n GPU
+shares, and a dataset's jobs together G = sum(g). Given a cluster-wide budget S, each
+dataset gets one of: "coop" (two chunks, with cooperative miss handling: as good as a
+full cache for substitutable jobs), "full" (the whole dataset: no re-fetching every
+epoch), or "none". Greedy by benefit per byte: every dataset worth caching gets two
+chunks in order of G / cost while they fit, then leftover budget upgrades datasets to
+full in order of G / extra bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+NO_BENEFIT = 1.1  # a job whose t_miss / t_hit is below this hides its I/O
+
+
+@dataclasses.dataclass(frozen=True)
+class JobBenefit:
+    """What probing measured for one job; None until measured."""
+
+    gpus: int
+    t_miss: float | None
+    t_hit: float | None
+
+    @property
+    def benefit(self) -> float | None:
+        if self.t_miss is None or self.t_hit is None or self.t_hit <= 0:
+            return None
+        return self.t_miss / self.t_hit
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetDemand:
+    """A dataset's sizes and its jobs' benefits."""
+
+    identity: str
+    size: int  # bytes
+    chunk_bytes: int
+    jobs: tuple[JobBenefit, ...]
+
+    @property
+    def coop_cost(self) -> int:
+        return min(self.size, 2 * self.chunk_bytes)
+
+    @property
+    def gain(self) -> float:
+        """G: GPU shares saved; an unmeasured job counts as benefiting (until probed)."""
+        total = 0.0
+        for job in self.jobs:
+            b = job.benefit
+            total += job.gpus * (NO_BENEFIT + 0.1 if b is None else b)
+        return total
+
+    @property
+    def worth_caching(self) -> bool:
+        return any(j.benefit is None or j.benefit >= NO_BENEFIT for j in self.jobs)
+
+
+def allocate(demands: list[DatasetDemand], budget: int) -> dict[str, str]:
+    """identity -> "full" | "coop" | "none", within ``budget`` bytes."""
+    modes = {d.identity: "none" for d in demands}
+    left = budget
+    wanted = [d for d in demands if d.jobs and d.worth_caching]
+    for d in sorted(wanted, key=lambda d: d.gain / max(1, d.coop_cost), reverse=True):
+        if d.coop_cost <= left:
+            modes[d.identity] = "coop"
+            left -= d.coop_cost
+    upgradable = [d for d in wanted if modes[d.identity] == "coop" and d.size > d.coop_cost]
+    for d in sorted(upgradable, key=lambda d: d.gain / (d.size - d.coop_cost), reverse=True):
+        if d.size - d.coop_cost <= left:
+            modes[d.identity] = "full"
+            left -= d.size - d.coop_cost
+    for d in wanted:  # a dataset smaller than two chunks is simply cached whole
+        if modes[d.identity] == "coop" and d.size <= d.coop_cost:
+            modes[d.identity] = "full"
+    return modes

@@ -1,0 +1,745 @@
+"""``quiver bench cluster``: coordinated chunks on three nodes, against direct and LRU reads.
+
+Three mountd nodes (separate processes, each with its own cache directory and mount)
+and a coordinator run on loopback. A synthetic ImageFolder dataset sits in the GCS
+emulator behind one bandwidth-capped proxy (``throttle_proxy``) that every node and
+job goes through, as VMs share a bucket's bandwidth; the proxy counts the bytes. The
+nodes' caches together hold 20% of the dataset, and the chunk size is checked to leave
+every node room for its share of two neighbouring chunks. The same jobs (separate
+processes, spread over the nodes) read the dataset three ways:
+
+- ``sub``: batches from ``QuiverBatchSampler`` manifests, read through the job's node's
+  mount (coordinated chunks, substitutable hits, cooperative misses);
+- ``lru``: the job's own seeded permutation of the files, exact reads through the mount
+  (the nodes' stores evict least-recently-used);
+- ``direct``: the same permutation read from the bucket with the google-cloud-storage
+  client, through the same proxy.
+
+A job reads each batch's files with a few threads (like DataLoader workers, one batch
+ahead) and sleeps a simulated compute time per batch. The parent holds the jobs at
+every epoch boundary so the proxy's bytes can be counted per epoch; with a cache,
+epoch 0 (cold) is left out of the steady-state numbers. A thread polls the coordinator
+for the chunk timeline, which ``--plot`` draws like the paper's Figure 7.
+
+Run as ``python -m coordinator.bench_cluster SPEC`` this module is one job (the worker).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import queue
+import secrets
+import selectors
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from digest_tools.create import create_digest
+from mountd.bench_substitution import Dataset
+from quiverfs import digest as digest_format
+from quiverfs import ownership
+from quiverfs.backends import StorageOptions
+from quiverfs.bench_data import write_synthetic_tree
+from quiverfs.chunk_plan import make_plan
+from quiverfs.emulator import gcs_client, running_emulator, upload_tree
+from quiverfs.errors import QuietError
+from quiverfs.mountd_process import CoordinatorProcess, MountdProcess, unmount
+from quiverfs.rpc import call_once
+from quiverfs.throttle_proxy import ThrottleProxy, throttled
+
+log = logging.getLogger(__name__)
+
+BUCKET = "bench"
+DATASET = "syn"
+NODES = ("node0", "node1", "node2")
+MODES = ("direct", "lru", "sub")
+CACHE_FRACTION = 0.2  # of the dataset's bytes, all nodes' caches together
+CHUNK_OF_CACHE = 0.4  # chunk bytes / all caches: two resident chunks fill 80% of them
+CHUNK_HEADROOM = 0.9  # a node's share of two neighbouring chunks must fit in this much
+MAX_CHUNKS_FACTOR = 3  # chunks may be this many times smaller than the largest size
+HEARTBEAT_TIMEOUT = 10.0  # seconds; generous, since two cores run a dozen processes
+FORCE_EVICT_AFTER = 30.0  # seconds a marked chunk may outlive its first release
+PROBE_BATCHES = 4  # batches a new job runs without hits to measure its benefit (epoch 0)
+READERS = 4  # reader threads per job, like DataLoader workers
+PREFETCH_BATCHES = 2  # batches a job's readers may run ahead of its compute
+EPOCH_TIMEOUT = 900.0  # seconds a job may take for one epoch (or to start)
+JOB_STOP_TIMEOUT = 30.0  # seconds a job may take to unregister and exit
+MEMBERSHIP_TIMEOUT = 60.0  # seconds for every node to see every member
+POLL_INTERVAL = 0.5  # seconds between polls of the coordinator's chunk timeline
+GOALS = {"bucket_bytes_ratio": ("<=", 1.1), "speedup_vs_direct": (">=", 3.0),
+         "max_resident_chunks": ("<=", 2)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """How big a run is."""
+
+    items: int  # synthetic dataset items
+    classes: int
+    mean_item_bytes: int
+    jobs: int  # spread round-robin over the nodes
+    batch_size: int
+    compute_s: float  # simulated compute per batch (seconds)
+    bucket_rate: float  # bytes/s through the proxy, all connections together
+    epochs_direct: int  # every epoch counts (no cache to warm)
+    epochs_cached: int  # lru and sub; epoch 0 is the warm-up
+
+
+SIZES = {
+    "full": Size(1500, 10, 100_000, 6, 32, 0.05, 6e6, 1, 3),
+    "quick": Size(400, 10, 60_000, 4, 16, 0.05, 3e6, 1, 2),
+    "tiny": Size(450, 5, 30_000, 3, 8, 0.02, 4e6, 1, 2),
+}
+
+
+# -- the job (a separate process) ------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """What one job process does; sent to it as JSON on its command line."""
+
+    mode: str  # "sub", "lru" or "direct"
+    source: str  # the dataset's directory in a mount; for "direct" the bucket's endpoint
+    seed: int
+    batch_size: int
+    compute_s: float
+    epochs: int
+
+
+def _read_file(path: str) -> int:
+    """Read a file, then drop its pages: with a dataset larger than RAM the kernel's page
+    cache could not hold it either (else it would serve later epochs, not mountd)."""
+    with open(path, "rb", buffering=0) as f:
+        n = len(f.read())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    return n
+
+
+class _MountSource:
+    """The dataset's files in a mount."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def paths(self) -> list[str]:
+        return sorted(os.path.relpath(os.path.join(d, f), self.root)
+                      for d, _, fs in os.walk(self.root) for f in fs)
+
+    def read(self, path: str) -> int:
+        return _read_file(os.path.join(self.root, path))
+
+    def close(self) -> None:
+        pass
+
+
+class _BucketSource:
+    """The dataset's objects, read with the GCS client (one client per reader thread)."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._clients: list[Any] = []
+
+    def _client(self) -> Any:
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = gcs_client(self.endpoint)
+            with self._lock:
+                self._clients.append(client)
+        return client
+
+    def paths(self) -> list[str]:
+        prefix = f"{DATASET}/"
+        return sorted(b.name[len(prefix):] for b in self._client().list_blobs(BUCKET,
+                                                                              prefix=prefix))
+
+    def read(self, path: str) -> int:
+        blob = self._client().bucket(BUCKET).blob(f"{DATASET}/{path}")
+        return len(blob.download_as_bytes(checksum=None))
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = self._clients, []
+        for client in clients:
+            client.close()
+
+
+class _SubPlans:
+    """Batches from mountd's substitutable sampler (the manifests' paths and hits)."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        from quiverfs.torch import QuiverBatchSampler
+
+        self.sampler = QuiverBatchSampler(spec.source, spec.batch_size, seed=spec.seed)
+
+    def epoch(self, epoch: int) -> Iterator[tuple[list[str], int]]:
+        self.sampler.set_epoch(epoch)
+        for b in range(len(self.sampler)):
+            m = self.sampler.manifest(b)
+            yield m["paths"], m["hits"]
+
+    def close(self) -> None:
+        self.sampler.close()
+
+
+class _ShufflePlans:
+    """Batches of a seeded permutation of every path (exact reads; no hit count)."""
+
+    def __init__(self, spec: JobSpec, paths: list[str]) -> None:
+        self.spec = spec
+        self.paths = paths
+
+    def epoch(self, epoch: int) -> Iterator[tuple[list[str], int | None]]:
+        order = np.random.default_rng([self.spec.seed, epoch]).permutation(len(self.paths))
+        size = self.spec.batch_size
+        for start in range(0, len(order), size):
+            yield [self.paths[i] for i in order[start:start + size]], None
+
+    def close(self) -> None:
+        pass
+
+
+def _loaded_batches(read: Callable[[str], int], pool: concurrent.futures.Executor,
+                    plans: Iterator[tuple[list[str], int | None]]
+                    ) -> Iterator[tuple[list[str], int | None, int]]:
+    """(paths, hits, bytes read) per planned batch, read by ``pool`` up to
+    PREFETCH_BATCHES batches ahead of the consumer."""
+    ready: queue.Queue[tuple[list[str], int | None, int] | BaseException | None] = queue.Queue(
+        PREFETCH_BATCHES)
+
+    def produce() -> None:
+        try:
+            for paths, hits in plans:
+                ready.put((paths, hits, sum(pool.map(read, paths))))
+            ready.put(None)
+        except BaseException as exc:  # handed to the consumer, which raises it
+            ready.put(exc)
+
+    producer = threading.Thread(target=produce, name="loader", daemon=True)
+    producer.start()
+    while (item := ready.get()) is not None:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+    producer.join()
+
+
+def job_main(argv: list[str]) -> int:
+    """One job: announce readiness, then run an epoch for each ``go`` line on stdin,
+    answering with a JSON line (paths in order, manifest hits or null, bytes, seconds)."""
+    spec = JobSpec(**json.loads(argv[0]))
+    source = _BucketSource(spec.source) if spec.mode == "direct" else _MountSource(spec.source)
+    pool = concurrent.futures.ThreadPoolExecutor(READERS)
+    plans: _SubPlans | _ShufflePlans | None = None
+    try:
+        plans = _SubPlans(spec) if spec.mode == "sub" else _ShufflePlans(spec, source.paths())
+        print(json.dumps({"ready": True}), flush=True)
+        for epoch in range(spec.epochs):
+            if sys.stdin.readline().strip() != "go":
+                return 1
+            start = time.monotonic()
+            paths: list[str] = []
+            hits: int | None = 0 if spec.mode == "sub" else None
+            nbytes = 0
+            for batch, batch_hits, batch_bytes in _loaded_batches(source.read, pool,
+                                                                  plans.epoch(epoch)):
+                time.sleep(spec.compute_s)  # the simulated training step
+                paths += batch
+                if hits is not None and batch_hits is not None:
+                    hits += batch_hits
+                nbytes += batch_bytes
+            print(json.dumps({"epoch": epoch, "seconds": time.monotonic() - start,
+                              "paths": paths, "hits": hits, "bytes": nbytes}), flush=True)
+        sys.stdin.readline()  # the parent reads the cluster's status before we unregister
+    finally:
+        pool.shutdown()
+        if plans is not None:
+            plans.close()
+        source.close()
+    return 0
+
+
+# -- the parent: jobs ------------------------------------------------------------------
+class JobProcess:
+    """A job child; lines to its stdin, JSON lines back from its stdout."""
+
+    def __init__(self, spec: JobSpec, log_path: str) -> None:
+        self.spec = spec
+        self.log_path = log_path
+        with open(log_path, "ab") as log_file:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "coordinator.bench_cluster",
+                 json.dumps(dataclasses.asdict(spec))],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file, bufsize=0)
+        self._buffer = b""
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line.encode() + b"\n")
+
+    def receive(self, timeout: float = EPOCH_TIMEOUT) -> dict[str, Any]:
+        """The next JSON line, or an error naming the job's last log lines."""
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while b"\n" not in self._buffer:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    raise RuntimeError(f"job {self.spec.seed} ({self.spec.mode}) sent nothing "
+                                       f"for {timeout:.0f} s: {self._log_tail()}")
+                data = os.read(fd, 1 << 20)
+                if not data:
+                    raise RuntimeError(f"job {self.spec.seed} ({self.spec.mode}) exited "
+                                       f"({self.proc.wait()}): {self._log_tail()}")
+                self._buffer += data
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def _log_tail(self, n: int = 15) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[-n:]) or "(no output)"
+
+    def finish(self) -> None:
+        """Let the job unregister and exit; it must exit 0."""
+        self.send("exit")
+        self.proc.stdin.close()
+        rc = self.proc.wait(JOB_STOP_TIMEOUT)
+        if rc != 0:
+            raise RuntimeError(f"job {self.spec.seed} exited {rc}: {self._log_tail()}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError):
+                pipe.close()
+
+
+@contextlib.contextmanager
+def running_jobs(specs: list[JobSpec], log_dir: str) -> Iterator[list[JobProcess]]:
+    """Started job processes, all ready; killed on exit if they have not finished."""
+    jobs: list[JobProcess] = []
+    try:
+        for i, spec in enumerate(specs):
+            jobs.append(JobProcess(spec, os.path.join(log_dir, f"job{i}-{spec.mode}.log")))
+        for job in jobs:
+            job.receive()
+        yield jobs
+    finally:
+        for job in jobs:
+            job.kill()
+
+
+# -- the parent: the cluster -----------------------------------------------------------
+@dataclasses.dataclass
+class Cluster:
+    """A running coordinator and its nodes, each with the dataset mounted."""
+
+    coordinator: CoordinatorProcess
+    secret: bytes
+    nodes: dict[str, MountdProcess]
+
+    def members_seen(self) -> bool:
+        """Whether every node sees every node live."""
+        everyone = sorted(self.nodes)
+        return all(sorted(n["id"] for n in m.call({"op": "cluster"})["nodes"] if n["live"])
+                   == everyone for m in self.nodes.values())
+
+    def counters(self) -> dict[str, int]:
+        """The dataset's read counters, summed over the nodes."""
+        keys = ("local_hits", "peer_hits", "misses", "bucket_fetches", "bucket_bytes",
+                "coalesced")
+        total = dict.fromkeys(keys, 0)
+        for m in self.nodes.values():
+            for ds in m.status()["datasets"]:
+                if ds["name"] == DATASET:
+                    for k in keys:
+                        total[k] += int(ds["counters"].get(k, 0))
+        return total
+
+    def coordinator_status(self) -> dict[str, Any]:
+        return call_once(self.coordinator.address, self.secret, "status")
+
+
+def _stop_node(m: MountdProcess) -> None:
+    rc = m.stop()
+    unmount(m.root)
+    if rc != 0:
+        log.warning("mountd %s exited %s: %s", m.root, rc, m.log_tail())
+
+
+@contextlib.contextmanager
+def running_cluster(base: str, data: Dataset, node_cache: int, chunk_bytes: int,
+                    bucket_endpoint: str) -> Iterator[Cluster]:
+    """A coordinator and NODES under ``base``, each with the dataset mounted from
+    ``bucket_endpoint``; every process stopped and every mount gone on exit."""
+    os.makedirs(base, exist_ok=True)
+    secret = secrets.token_hex(32).encode()
+    secret_file = os.path.join(base, "secret")
+    with open(os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+        f.write(secret)
+    coordinator = CoordinatorProcess(os.path.join(base, "coordinator"), secret_file,
+                                     os.path.join(base, "coordinator.log"),
+                                     heartbeat_timeout=HEARTBEAT_TIMEOUT,
+                                     force_evict_after=FORCE_EVICT_AFTER,
+                                     extra_args=("--probe-batches", str(PROBE_BATCHES)))
+    with contextlib.ExitStack() as stack:
+        stack.callback(coordinator.stop)
+        coordinator.start()
+        cluster = Cluster(coordinator, secret, {})
+        for name in NODES:
+            root, cache = os.path.join(base, f"{name}-mnt"), os.path.join(base, f"{name}-cache")
+            os.makedirs(root, exist_ok=True)
+            os.makedirs(cache, exist_ok=True)
+            m = MountdProcess(root, cache, str(node_cache), os.path.join(base, f"{name}.log"),
+                              extra_args=("--coordinator", coordinator.address,
+                                          "--listen", "127.0.0.1:0", "--node-id", name,
+                                          "--cluster-secret-file", secret_file,
+                                          "--chunk-size", str(chunk_bytes),
+                                          "--force-evict-after", str(FORCE_EVICT_AFTER)))
+            stack.callback(_stop_node, m)
+            m.start()
+            m.call({"op": "mount", "name": DATASET, "digest": data.digest,
+                    "emulator_host": bucket_endpoint})
+            cluster.nodes[name] = m
+        deadline = time.monotonic() + MEMBERSHIP_TIMEOUT
+        while not cluster.members_seen():
+            if time.monotonic() > deadline:
+                raise RuntimeError("the nodes did not all see each other within "
+                                   f"{MEMBERSHIP_TIMEOUT:.0f} s")
+            time.sleep(0.1)
+        yield cluster
+
+
+class TimelineRecorder:
+    """Polls the coordinator's status in a thread, keeping every chunk-state event of
+    the dataset (status returns only the latest ones) and its cycle's ``max_resident``."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.events: dict[tuple[float, int, str], None] = {}  # ordered, without repeats
+        self.max_resident = 0
+        self.chunks = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="timeline", daemon=True)
+
+    def __enter__(self) -> TimelineRecorder:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.poll()  # the last transitions
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_INTERVAL):
+            self.poll()
+
+    def poll(self) -> None:
+        try:
+            status = self.cluster.coordinator_status()
+        except QuietError as exc:
+            log.debug("coordinator status: %s", exc.message)
+            return
+        for ds in status["datasets"]:
+            if ds["name"] == DATASET:
+                self.chunks = int(ds["chunks"])
+                self.max_resident = max(self.max_resident, int(ds["max_resident"]))
+                for t, chunk, state in ds["timeline"]:
+                    self.events[float(t), int(chunk), str(state)] = None
+
+    def timeline(self) -> list[tuple[float, int, str]]:
+        return sorted(self.events)
+
+
+def max_resident_from(timeline: list[tuple[float, int, str]]) -> int:
+    """The most chunks resident (not evicted) at once, replaying the events in order."""
+    states: dict[int, str] = {}
+    most = 0
+    for _, chunk, state in timeline:
+        states[chunk] = state
+        most = max(most, sum(s != "evicted" for s in states.values()))
+    return most
+
+
+def choose_chunk_bytes(data: Dataset, node_cache: int) -> tuple[int, dict[str, Any]]:
+    """The largest chunk size up to CHUNK_OF_CACHE of all caches for which, in the plan
+    the nodes will make, every node's share (by ownership) of any two neighbouring
+    chunks fits in CHUNK_HEADROOM of its cache, leaving room for the misses jobs fetch.
+    (Chunks are uneven when a partition has few items per stripe unit: the first
+    chunks get the remainders.)"""
+    digest = digest_format.decode(data.digest)
+    owner_of = np.array([NODES.index(ownership.owner(digest.hash(i), list(NODES)))
+                         for i in range(len(digest))])
+    sizes = np.asarray(digest.sizes, dtype=float)
+    fewest = math.ceil(data.bytes / (CHUNK_OF_CACHE * node_cache * len(NODES)))
+    for k in range(fewest, MAX_CHUNKS_FACTOR * fewest + 1):
+        chunk_bytes = data.bytes // k + 1  # make_plan cuts ceil(bytes / chunk_bytes) = k
+        plan = make_plan(digest, chunk_bytes)
+        per_node = np.zeros((plan.n_chunks, len(NODES)))
+        np.add.at(per_node, (plan.chunk_of, owner_of), sizes)
+        worst = float((per_node + np.roll(per_node, -1, axis=0)).max())  # c with c + 1
+        if worst <= CHUNK_HEADROOM * node_cache:
+            return chunk_bytes, {
+                "chunk_bytes": chunk_bytes, "chunks": plan.n_chunks,
+                "largest_chunk_bytes": max(plan.chunk_bytes),
+                "largest_pair_share_of_node_cache": round(worst / node_cache, 3)}
+    raise RuntimeError(f"no plan of {fewest} to {MAX_CHUNKS_FACTOR * fewest} chunks leaves "
+                       f"room for two in {node_cache}-byte caches: use more items")
+
+
+# -- the parent: one mode --------------------------------------------------------------
+@dataclasses.dataclass
+class ModeRun:
+    """What one mode measured: its report and each job's epoch orders (the manifests'
+    paths for ``sub``)."""
+
+    report: dict[str, Any]
+    orders: list[list[list[str]]]  # job -> epoch -> paths in the order read
+
+
+def _epochs(jobs: list[JobProcess], n_epochs: int, proxy: ThrottleProxy,
+            counters: Callable[[], dict[str, int]]) -> tuple[list[dict[str, Any]],
+                                                              list[list[list[str]]]]:
+    """Run the jobs epoch by epoch; a record per epoch, and each job's orders."""
+    records: list[dict[str, Any]] = []
+    orders: list[list[list[str]]] = [[] for _ in jobs]
+    for epoch in range(n_epochs):
+        before, proxy_before = counters(), proxy.bytes_down
+        start_wall, start = time.time(), time.monotonic()
+        for job in jobs:
+            job.send("go")
+        replies = [job.receive() for job in jobs]
+        seconds = time.monotonic() - start
+        after = counters()
+        records.append({
+            "epoch": epoch, "start": start_wall, "seconds": round(seconds, 2),
+            "items": sum(len(r["paths"]) for r in replies),
+            "job_seconds": [round(r["seconds"], 2) for r in replies],
+            "job_hits": [r["hits"] for r in replies],
+            "bytes_read": sum(r["bytes"] for r in replies),
+            "proxy_bytes": proxy.bytes_down - proxy_before,
+            **{k: after[k] - before[k] for k in after}})
+        for j, reply in enumerate(replies):
+            orders[j].append(reply["paths"])
+        log.info("%s epoch %d: %.1f s, %d items, %d bytes from the bucket", jobs[0].spec.mode,
+                 epoch, seconds, records[-1]["items"], records[-1]["proxy_bytes"])
+    return records, orders
+
+
+def _steady(records: list[dict[str, Any]], warmup: int, dataset_bytes: int) -> dict[str, Any]:
+    """Rates over the epochs after the warm-up."""
+    steady = records[warmup:]
+    n = len(steady)
+    items = sum(e["items"] for e in steady)
+    out: dict[str, Any] = {
+        "epochs": n, "items_per_s": items / sum(e["seconds"] for e in steady),
+        "bucket_bytes_ratio": sum(e["proxy_bytes"] for e in steady) / n / dataset_bytes}
+    if "bucket_bytes" in steady[0]:
+        out["mountd_bucket_bytes_ratio"] = (sum(e["bucket_bytes"] for e in steady) / n
+                                            / dataset_bytes)
+        reads = sum(e["local_hits"] + e["peer_hits"] + e["misses"] for e in steady)
+        out["read_hit_ratio"] = (sum(e["local_hits"] + e["peer_hits"] for e in steady) / reads
+                                 if reads else None)
+    if steady[0]["job_hits"][0] is not None:
+        out["manifest_hit_ratio"] = sum(sum(e["job_hits"]) for e in steady) / items
+    return out
+
+
+def run_mode(mode: str, data: Dataset, proxy: ThrottleProxy, size: Size, workdir: str
+             ) -> ModeRun:
+    """The jobs of ``mode``, spread round-robin over the nodes (no nodes for direct)."""
+    base = os.path.join(workdir, mode)
+    os.makedirs(base, exist_ok=True)
+    n_epochs = size.epochs_direct if mode == "direct" else size.epochs_cached
+    report: dict[str, Any] = {"mode": mode, "jobs": size.jobs}
+
+    def specs(roots: list[str]) -> list[JobSpec]:
+        return [JobSpec(mode, roots[i % len(roots)], seed=i, batch_size=size.batch_size,
+                        compute_s=size.compute_s, epochs=n_epochs) for i in range(size.jobs)]
+
+    log.info("%s: %d jobs, %d epochs", mode, size.jobs, n_epochs)
+    if mode == "direct":
+        with running_jobs(specs([proxy.url]), base) as jobs:
+            records, orders = _epochs(jobs, n_epochs, proxy, dict)
+            for job in jobs:
+                job.finish()
+        report.update(epochs=records, steady=_steady(records, 0, data.bytes))
+        return ModeRun(report, orders)
+
+    node_cache = int(CACHE_FRACTION * data.bytes / len(NODES))
+    chunk_bytes, chunking = choose_chunk_bytes(data, node_cache)
+    report.update(node_cache_bytes=node_cache, **chunking)
+    with running_cluster(base, data, node_cache, chunk_bytes, proxy.url) as cluster:
+        roots = [os.path.join(cluster.nodes[n].root, DATASET) for n in NODES]
+        with running_jobs(specs(roots), base) as jobs, TimelineRecorder(cluster) as recorder:
+            report["jobs_on"] = [NODES[i % len(NODES)] for i in range(size.jobs)]
+            records, orders = _epochs(jobs, n_epochs, proxy, cluster.counters)
+            report["nodes"] = {n: m.status()["cache"] for n, m in cluster.nodes.items()}
+            for job in jobs:
+                job.finish()
+    for name in NODES:
+        shutil.rmtree(os.path.join(base, f"{name}-cache"), ignore_errors=True)
+    report.update(epochs=records, steady=_steady(records, 1, data.bytes))
+    if mode == "sub":
+        timeline = recorder.timeline()
+        report.update(max_resident_coordinator=recorder.max_resident,
+                      max_resident_timeline=max_resident_from(timeline),
+                      timeline=[list(e) for e in timeline])
+    return ModeRun(report, orders)
+
+
+# -- the benchmark ---------------------------------------------------------------------
+@dataclasses.dataclass
+class Measurement:
+    """The report, and what a test checks it against."""
+
+    report: dict[str, Any]
+    orders: dict[str, list[list[list[str]]]]  # mode -> job -> epoch -> paths
+    paths: list[str]  # the dataset's paths (every job's shard: world size 1)
+
+
+def _upload_dataset(emulator_host: str, size: Size, workdir: str) -> Dataset:
+    src = os.path.join(workdir, "src")
+    write_synthetic_tree(src, size.items, size.classes, seed=7, mean_size=size.mean_item_bytes)
+    upload_tree(emulator_host, BUCKET, DATASET, src)
+    shutil.rmtree(src)
+    return Dataset.from_digest(create_digest(
+        f"gs://{BUCKET}/{DATASET}", DATASET, workers=4,
+        options=StorageOptions(emulator_host=emulator_host)))
+
+
+def _goals(summary: dict[str, Any]) -> dict[str, bool]:
+    return {k: (summary[k] <= bound if op == "<=" else summary[k] >= bound)
+            for k, (op, bound) in GOALS.items()}
+
+
+def measure(size: Size, workdir: str) -> Measurement:
+    """Upload the dataset, run every mode, and summarize."""
+    runs: dict[str, ModeRun] = {}
+    with running_emulator() as emulator:
+        emulator.create_bucket(BUCKET)
+        started = time.monotonic()
+        data = _upload_dataset(emulator.host, size, workdir)
+        upload_s = time.monotonic() - started
+        with throttled(emulator.host, size.bucket_rate) as proxy:
+            for mode in MODES:
+                runs[mode] = run_mode(mode, data, proxy, size, workdir)
+    steady = {mode: r.report["steady"] for mode, r in runs.items()}
+    sub = runs["sub"].report
+    expected = sorted(data.paths)
+    summary = {
+        "bucket_bytes_ratio": round(steady["sub"]["bucket_bytes_ratio"], 3),
+        "speedup_vs_direct": round(steady["sub"]["items_per_s"]
+                                   / steady["direct"]["items_per_s"], 2),
+        "speedup_vs_lru": round(steady["sub"]["items_per_s"] / steady["lru"]["items_per_s"], 2),
+        "max_resident_chunks": sub["max_resident_coordinator"],
+        "max_resident_chunks_timeline": sub["max_resident_timeline"],
+        **{f"items_per_s_{mode}": round(s["items_per_s"], 1) for mode, s in steady.items()},
+        **{f"bucket_bytes_ratio_{mode}": round(s["bucket_bytes_ratio"], 3)
+           for mode, s in steady.items() if mode != "sub"},
+        "hit_ratio_sub": round(steady["sub"]["manifest_hit_ratio"], 4),
+        "exactly_once": all(sorted(paths) == expected for r in runs.values()
+                            for job in r.orders for paths in job),
+    }
+    summary["goals_met"] = _goals(summary)
+    report = {
+        "dataset": {"items": len(data.paths), "bytes": data.bytes,
+                    "upload_seconds": round(upload_s, 1)},
+        "settings": {**dataclasses.asdict(size), "nodes": len(NODES),
+                     "cache_fraction": CACHE_FRACTION, "readers_per_job": READERS,
+                     "prefetch_batches": PREFETCH_BATCHES,
+                     "heartbeat_timeout_s": HEARTBEAT_TIMEOUT,
+                     "probe_batches": PROBE_BATCHES,
+                     "force_evict_after_s": FORCE_EVICT_AFTER},
+        "definitions": {
+            "bucket_bytes_ratio": "bytes through the bucket's proxy (HTTP included) per "
+                                  "steady-state epoch of all jobs / dataset bytes "
+                                  "(mountd_bucket_bytes_ratio: the nodes' own count)",
+            "items_per_s": "items read by all jobs / wall seconds, steady-state epochs "
+                           "(epochs after the first with a cache, every epoch direct)",
+            "speedup_vs_direct": "items_per_s of sub / of direct (GCS client, same proxy)",
+            "speedup_vs_lru": "items_per_s of sub / of lru (exact reads, each job's own "
+                              "permutation, through the same nodes)",
+            "max_resident_chunks": "the coordinator's cycle max_resident (_timeline: "
+                                   "replayed from its chunk-state events)",
+            "goals": {k: f"{op} {bound}" for k, (op, bound) in GOALS.items()}},
+        "modes": {mode: r.report for mode, r in runs.items()},
+        "summary": summary,
+    }
+    return Measurement(report, {mode: r.orders for mode, r in runs.items()}, expected)
+
+
+STATE_COLORS = {"loading": "tab:orange", "active": "tab:green", "marked": "tab:red"}
+
+
+def plot_timeline(report: dict[str, Any], out: str) -> None:
+    """Which chunks are resident over time (x: seconds, y: chunk), like Figure 7 of the
+    paper: a bar per chunk state, the epoch boundaries of the sub run as dashed lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    from matplotlib.patches import Patch
+
+    sub = report["modes"]["sub"]
+    t0 = sub["epochs"][0]["start"]
+    end = sub["epochs"][-1]["start"] + sub["epochs"][-1]["seconds"] - t0
+    spans: dict[str, list[tuple[int, float, float]]] = {s: [] for s in STATE_COLORS}
+    since: dict[int, tuple[float, str]] = {}
+    for t, chunk, state in sub["timeline"]:
+        if chunk in since and since[chunk][1] in spans:
+            began, old = since[chunk]
+            spans[old].append((chunk, began - t0, t - began))
+        since[chunk] = (t, state)
+    for chunk, (began, state) in since.items():
+        if state in spans:
+            spans[state].append((chunk, began - t0, max(0.0, end - (began - t0))))
+    fig, ax = plt.subplots(figsize=(10, 0.35 * sub["chunks"] + 2))
+    for state, bars in spans.items():
+        for chunk, start, width in bars:
+            ax.broken_barh([(start, width)], (chunk - 0.4, 0.8), color=STATE_COLORS[state])
+    for e in sub["epochs"][1:]:
+        ax.axvline(e["start"] - t0, color="grey", linestyle="--", linewidth=0.8)
+    s = report["summary"]
+    ax.set_title(f"{sub['jobs']} jobs on {len(NODES)} nodes, cache {CACHE_FRACTION:.0%} of "
+                 f"the dataset, {sub['chunks']} chunks: at most {s['max_resident_chunks']} "
+                 f"resident; bucket bytes/epoch {s['bucket_bytes_ratio']:.2f}x the dataset",
+                 fontsize=9)
+    ax.set_xlabel("seconds since the first epoch began (dashed: epoch boundaries)")
+    ax.set_ylabel("chunk")
+    ax.set_yticks(range(sub["chunks"]))
+    ax.set_xlim(0, end)
+    ax.legend(handles=[Patch(color=c, label=st) for st, c in STATE_COLORS.items()],
+              loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def run(quick: bool, workdir: str, plot: str | None = None, size: str | None = None) -> dict:
+    """The benchmark; ``size`` ("full", "quick", "tiny") overrides ``quick``; ``plot``
+    names a PNG to draw the chunk timeline in."""
+    name = size or ("quick" if quick else "full")
+    report = measure(SIZES[name], workdir).report
+    report["size"] = name
+    if plot:
+        plot_timeline(report, plot)
+    return report
+
+
+if __name__ == "__main__":
+    sys.exit(job_main(sys.argv[1:]))

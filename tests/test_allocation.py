@@ -1,0 +1,167 @@
+"""Benefit probing and benefit-aware allocation (paper §5.3)."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torchvision
+
+from coordinator.allocation import DatasetDemand, JobBenefit, allocate
+from quiverfs.bench_data import write_synthetic_tree
+from quiverfs.mountd_process import CoordinatorProcess, MountdProcess, unmount
+from quiverfs.throttle_proxy import throttled
+from quiverfs.torch import QuiverBatchSampler
+from tests.mountd_helpers import make_digest, mount, mountd_factory  # noqa: F401
+
+GiB = 1 << 30
+
+
+def demand(name: str, size: int, chunk: int, *benefits: tuple[float | None, int]
+           ) -> DatasetDemand:
+    jobs = tuple(JobBenefit(gpus, None if b is None else b, None if b is None else 1.0)
+                 for b, gpus in benefits)
+    return DatasetDemand(name, size, chunk, jobs)
+
+
+def test_allocation_prefers_benefit_per_byte_under_a_budget():
+    io_bound = demand("io", 100 * GiB, 10 * GiB, (3.0, 4))  # G = 12, two chunks: 20 GiB
+    mild = demand("mild", 100 * GiB, 10 * GiB, (1.5, 2))  # G = 3
+    compute = demand("compute", 10 * GiB, GiB, (1.0, 8))  # hides its I/O: no benefit
+    assert allocate([io_bound, mild, compute], 25 * GiB) == {
+        "io": "coop", "mild": "none", "compute": "none"}
+    assert allocate([io_bound, mild, compute], 45 * GiB) == {
+        "io": "coop", "mild": "coop", "compute": "none"}
+    # leftover budget upgrades the best dataset to a full cache
+    assert allocate([io_bound, mild, compute], 130 * GiB) == {
+        "io": "full", "mild": "coop", "compute": "none"}
+    assert allocate([io_bound], 0) == {"io": "none"}
+
+
+def test_unprobed_jobs_are_given_the_benefit_of_the_doubt():
+    new = demand("new", 100 * GiB, 10 * GiB, (None, 1))
+    assert allocate([new], 20 * GiB) == {"new": "coop"}
+    small = demand("small", 5 * GiB, 10 * GiB, (None, 1))  # smaller than two chunks
+    assert allocate([small], 20 * GiB) == {"small": "full"}
+
+
+@pytest.fixture
+def slow_bucket(gcs_emulator, upload, tmp_path):
+    """Two datasets in the emulator behind a 4 MB/s cap: (proxy url, [(name, tree)])."""
+    datasets = []
+    for seed in (1, 2):
+        tree = write_synthetic_tree(str(tmp_path / f"d{seed}"), 40, 10, seed=seed,
+                                    mean_size=60_000)
+        datasets.append((f"d{seed}", upload(tree.root, f"d{seed}")))
+    with throttled(gcs_emulator.host, rate=4e6, burst=64 << 10) as proxy:
+        yield proxy.url, datasets
+
+
+def run_job(root: str, compute_s: float, epochs: int, out: dict) -> None:
+    """An ImageFolder training loop with DataLoader workers and a fixed compute time."""
+    dataset = torchvision.datasets.ImageFolder(root)
+    sampler = QuiverBatchSampler(root, 4, seed=1, dataset=dataset)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=2,
+                                         collate_fn=lambda batch: len(batch))
+    try:
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            out.setdefault("items", 0)
+            for n in loader:
+                out["items"] += n
+                time.sleep(compute_s)
+        out["job"] = sampler.job_id
+    finally:
+        sampler.close()
+
+
+def test_probing_tells_io_bound_from_compute_bound(slow_bucket, gcs_emulator, tmp_path):
+    url, datasets = slow_bucket
+    base = str(tmp_path / "node")
+    os.makedirs(base + "-mnt")
+    m = MountdProcess(base + "-mnt", base + "-cache", "1G", base + ".log",
+                      extra_args=("--probe-batches", "6"))
+    m.start()
+    try:
+        for name, uri in datasets:  # digests made at full speed, reads through the cap
+            mount(m, make_digest(uri, name, gcs_emulator.host), name, url)
+        results = [{}, {}]
+        jobs = [threading.Thread(target=run_job, args=(os.path.join(m.root, "d1"), 0.0, 4,
+                                                       results[0])),
+                threading.Thread(target=run_job, args=(os.path.join(m.root, "d2"), 0.6, 4,
+                                                       results[1]))]
+        for t in jobs:
+            t.start()
+        benefits: dict[str, float] = {}
+        deadline = time.monotonic() + 120
+        while len(benefits) < 2 and time.monotonic() < deadline:
+            for job in m.status()["jobs"]:
+                if job["benefit"] is not None and not job["probing"]:
+                    benefits[job["dataset"]] = job["benefit"]
+            time.sleep(0.2)
+        for t in jobs:
+            t.join(180)
+        assert results[0]["items"] == results[1]["items"] == 4 * 40
+        assert benefits["d1"] > 1.5, benefits  # no compute: the cache saves it time
+        assert benefits["d2"] < 1.25, benefits  # compute hides the slow bucket
+    finally:
+        assert m.stop() == 0
+        unmount(m.root)
+
+
+
+def test_reallocation_keeps_exactly_once(tmp_path, digits_tree):
+    """Mid-epoch, the coordinator comes back with budgets that take the dataset's cache
+    away and give it back: the epoch still visits every item exactly once."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"allocation-test-secret-0123")
+    coordinator = CoordinatorProcess(str(tmp_path / "co"), str(secret), str(tmp_path / "co.log"),
+                                     extra_args=("--cache-budget", "1G"))
+    coordinator.start()
+    root = tmp_path / "n-mnt"
+    root.mkdir()
+    m = MountdProcess(str(root), str(tmp_path / "n-cache"), "1G", str(tmp_path / "n.log"),
+                      extra_args=("--coordinator", coordinator.address, "--listen",
+                                  "127.0.0.1:0", "--node-id", "n", "--cluster-secret-file",
+                                  str(secret), "--chunk-size", "20K"))
+    m.start()
+    sampler = None
+    try:
+        mount(m, make_digest(digits_tree.root, "digits"), "digits")
+        sampler = QuiverBatchSampler(str(root / "digits"), 30, seed=6)
+        modes = []
+
+        def mode() -> str | None:
+            cycles = m.call({"op": "cluster"})["cycles"]
+            return next(iter(cycles.values()))["mode"] if cycles else None
+
+        def restart(budget: str, want: set[str]) -> None:
+            coordinator.stop()
+            coordinator.extra_args = ("--cache-budget", budget)
+            coordinator.start()
+            deadline = time.monotonic() + 30
+            while mode() not in want:
+                assert time.monotonic() < deadline, f"mode stayed {mode()}"
+                time.sleep(0.1)
+            modes.append(mode())
+
+        paths: list[str] = []
+        sampler.set_epoch(0)
+        for b in range(len(sampler)):
+            paths += sampler.manifest(b)["paths"]
+            if b == 10:
+                restart("0", {"none"})
+            elif b == 30:
+                restart("1G", {"coop", "full"})
+        assert modes[0] == "none" and modes[1] in ("coop", "full")
+        assert sorted(paths) == sorted(
+            os.path.relpath(os.path.join(d, f), digits_tree.root)
+            for d, _, fs in os.walk(digits_tree.root) for f in fs)
+    finally:
+        if sampler is not None:
+            sampler.close()
+        assert m.stop() == 0
+        unmount(m.root)
+        coordinator.stop()
