@@ -10,6 +10,7 @@ from digest_tools.hashing import default_workers
 from quiverfs import digest as digest_format
 from quiverfs.backends import StorageOptions
 from quiverfs.errors import ExitCode, QuietError
+from quiverfs.option_types import IntAtLeast
 from quiverfs.sizes import human
 
 
@@ -27,9 +28,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     c.add_argument("src", help="dataset root: a directory, file:///DIR or gs://BUCKET[/PREFIX]")
     c.add_argument("-o", "--output", required=True, help="digest file to write")
     c.add_argument("--name", help="dataset name (default: the last component of SRC)")
-    c.add_argument("--workers", type=int, default=default_workers(),
+    c.add_argument("--workers", type=IntAtLeast("--workers", 1), default=default_workers(),
                    help="parallel readers/hashers (default: %(default)s)")
-    c.add_argument("--label-level", type=int, default=1,
+    c.add_argument("--label-level", type=IntAtLeast("--label-level", 0), default=1,
                    help="which directory level names the label (default: 1, the first "
                    "directory under SRC; use 2 for SRC/train/CLASS/file)")
     add_storage_options(c)
@@ -45,7 +46,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         description="Exit 0 when every item matches, 1 listing each missing, "
                         "unreadable or changed item.")
     v.add_argument("file", help="digest file")
-    v.add_argument("--workers", type=int, default=default_workers(),
+    v.add_argument("--workers", type=IntAtLeast("--workers", 1), default=default_workers(),
                    help="parallel readers (default: %(default)s)")
     add_storage_options(v)
     v.set_defaults(func=cmd_verify)
@@ -86,18 +87,10 @@ def storage_options(args: argparse.Namespace) -> StorageOptions:
                           anonymous=bool(getattr(args, "anonymous", False)))
 
 
-def _check_workers(n: int) -> int:
-    if n < 1:
-        raise QuietError(f"--workers must be at least 1, not {n}", ExitCode.USAGE)
-    return n
-
-
 def cmd_create(args: argparse.Namespace) -> int:
     from digest_tools.create import create_digest
 
-    if args.label_level < 0:
-        raise QuietError("--label-level must be 0 (no labels) or more", ExitCode.USAGE)
-    data = create_digest(args.src, args.name, _check_workers(args.workers), args.label_level,
+    data = create_digest(args.src, args.name, args.workers, args.label_level,
                          storage_options(args))
     digest_format.write_atomic(args.output, data)
     d = digest_format.decode(data)
@@ -128,7 +121,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from digest_tools.verify import verify_digest
 
     d = digest_format.load(args.file)
-    problems = verify_digest(d, _check_workers(args.workers), storage_options(args))
+    problems = verify_digest(d, args.workers, storage_options(args))
     for p in problems:
         print(f"{p.kind}: {p.path}: {p.detail}")
     if problems:

@@ -159,6 +159,12 @@ class MountdCollector:
         epoch = GaugeMetricFamily("quiver_job_epoch", "The job's current epoch", labels=labels)
         batch = GaugeMetricFamily("quiver_job_mean_batch_seconds", "Mean of the batch times "
                                   "the job reported (last 1000)", labels=labels)
+        probed = GaugeMetricFamily("quiver_job_probed_batch_seconds", "Mean batch time "
+                                   "measured with the job's reads all hits or all misses",
+                                   labels=[*labels, "reads"])
+        benefit = GaugeMetricFamily("quiver_job_benefit", "The job's speed-up from the "
+                                    "cache: miss batch time over hit batch time",
+                                    labels=labels)
         for s in stats:
             key = [s["job"], s["dataset"] or ""]
             hits.add_metric(key, s["counters"].get("hits", 0))
@@ -166,7 +172,12 @@ class MountdCollector:
             epoch.add_metric(key, s["epoch"])
             if s["mean_batch_s"] is not None:
                 batch.add_metric(key, s["mean_batch_s"])
-        yield from (hits, fetched, epoch, batch)
+            for reads, measured in (("hit", s["t_hit"]), ("miss", s["t_miss"])):
+                if measured is not None:
+                    probed.add_metric([*key, reads], measured)
+            if s["benefit"] is not None:
+                benefit.add_metric(key, s["benefit"])
+        yield from (hits, fetched, epoch, batch, probed, benefit)
 
 
 def _local_misses(counters: collections.Counter[str]) -> int:

@@ -5,12 +5,13 @@ import argparse
 import logging
 import sys
 
-from quiverfs import __version__
+from quiverfs import __version__, config
 from quiverfs.errors import ExitCode, QuietError
 
 EPILOG = """exit codes: 0 ok, 1 verify/diff found differences, 2 bad usage, 3 not found,
 4 bad digest, 5 bad input, 6 permission or credentials, 7 storage unreachable,
-8 daemon not running or refused, 9 mount root problem. See docs/cli.md."""
+8 daemon not running or refused, 9 mount root problem, 10 config file problem.
+See docs/cli.md; the config file is described in docs/operations.md."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default=None,
                         choices=["debug", "info", "warning", "error"],
                         help="logging verbosity (default: warning; info for daemons)")
+    parser.add_argument("--config", metavar="FILE",
+                        help=f"config file (default: ${config.PATH_VARIABLE} or "
+                        f"{config.DEFAULT_PATH}, if it exists)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     digest_cli.add_parsers(sub)
     mountd_cli.add_parsers(sub)
@@ -46,10 +50,9 @@ def setup_logging(level: str | None, daemon: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    setup_logging(args.log_level, daemon=getattr(args, "daemon", False))
     try:
+        args = config.parse_args(build_parser(), argv)
+        setup_logging(args.log_level, daemon=getattr(args, "daemon", False))
         return int(args.func(args))
     except QuietError as exc:
         print(f"quiver: error: {exc.message}", file=sys.stderr)

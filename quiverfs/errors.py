@@ -17,6 +17,7 @@ class ExitCode(enum.IntEnum):
     BACKEND = 7  # storage unreachable after retries
     DAEMON = 8  # mountd/coordinator not running, or refused the request
     MOUNT = 9  # mount root problems (missing, busy, stale)
+    CONFIG = 10  # the config file is missing, unreadable, not TOML, or has a bad key or value
 
 
 class QuietError(Exception):

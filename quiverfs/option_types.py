@@ -1,0 +1,64 @@
+"""Typed option values: argparse ``type=`` converters that the config file reuses.
+
+A converter raises QuietError (exit USAGE) naming its option, so a bad value is
+reported on one line whether it came from the command line or from the config file
+(which adds the file, table and key). ``toml_types`` says which TOML value types the
+config file may give it (see quiverfs.config).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from quiverfs.errors import ExitCode, QuietError
+from quiverfs.rpc import parse_address
+from quiverfs.sizes import parse_size
+
+
+@dataclasses.dataclass(frozen=True)
+class IntAtLeast:
+    """An integer of at least ``minimum``."""
+
+    option: str
+    minimum: int
+    toml_types: ClassVar[tuple[type, ...]] = (int,)
+
+    def __call__(self, value: str | int) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise QuietError(f"{self.option} must be an integer, not {value!r}",
+                             ExitCode.USAGE) from None
+        if n < self.minimum:
+            raise QuietError(f"{self.option} must be at least {self.minimum}, not {n}",
+                             ExitCode.USAGE)
+        return n
+
+
+@dataclasses.dataclass(frozen=True)
+class ByteSize:
+    """A positive number of bytes, written like ``200G`` (or a plain integer)."""
+
+    option: str
+    toml_types: ClassVar[tuple[type, ...]] = (str, int)
+
+    def __call__(self, value: str | int) -> int:
+        n = parse_size(str(value), self.option)
+        if n <= 0:
+            raise QuietError(f"{self.option} must be positive, not {value!r}", ExitCode.USAGE)
+        return n
+
+
+@dataclasses.dataclass(frozen=True)
+class Address:
+    """``HOST:PORT`` to listen on; port 0 takes any free one."""
+
+    option: str
+    toml_types: ClassVar[tuple[type, ...]] = (str,)
+
+    def __call__(self, value: str) -> tuple[str, int]:
+        host, port = parse_address(value, self.option)
+        if port > 65535:
+            raise QuietError(f"{self.option} port must be at most 65535, not {port}",
+                             ExitCode.USAGE)
+        return host, port

@@ -1,0 +1,234 @@
+"""mountd's Prometheus endpoint, run with the config file docs/operations.md shows."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from mountd.content_store import ContentStore
+from mountd.item_reader import ItemReader
+from mountd.jobs import JobManager
+from mountd.metrics import MountdCollector
+from mountd.mount_table import MountTable
+from quiverfs import digest as digest_format
+from quiverfs.bench_data import Tree
+from quiverfs.chunk_plan import make_plan
+from quiverfs.errors import ExitCode
+from quiverfs.mountd_process import free_port
+from tests.notify_daemon import notify_daemon  # noqa: F401
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
+
+OPERATIONS = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
+QUIVER = os.path.join(os.path.dirname(sys.executable), "quiver")
+SCRAPE_DEADLINE = 20.0  # seconds to wait for state that settles in the background
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def documented_config(tmp_path: Path, port: int) -> str:
+    """The docs' example config with its paths in ``tmp_path`` and the metrics ``port``."""
+    text = OPERATIONS.read_text(encoding="utf-8")
+    (example,) = re.findall(r"A full example.*?```toml\n(.*?)```", text, re.S)
+    for original, moved in (("/mnt/quiver", f"{tmp_path}/mnt"),
+                            ("/var/cache/quiver", f"{tmp_path}/cache"),
+                            ("127.0.0.1:9100", f"127.0.0.1:{port}")):
+        assert original in example, f"the example no longer shows {original}"
+        example = example.replace(original, moved)
+    # The default socket is derived from the root, under /run/quiver; keep it here.
+    return f'control-socket = "{tmp_path}/ctl.sock"\n' + example
+
+
+def scrape(port: int, path: str = "/metrics") -> Samples:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as reply:
+        assert reply.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = reply.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(name, frozenset(labels.items()))]
+
+
+def read_tree(root: Path) -> int:
+    """Read every file under ``root`` once; the number of files."""
+    n = 0
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            path.read_bytes()
+            n += 1
+    return n
+
+
+@pytest.fixture
+def documented_mountd(notify_daemon, quiver, tmp_path) -> Callable[..., tuple[str, int]]:
+    """mountd started as the unit starts it, with the docs' config; (config path, port)."""
+    def start() -> tuple[str, int]:
+        (tmp_path / "mnt").mkdir()
+        port = free_port()
+        cfg = tmp_path / "quiver.toml"
+        cfg.write_text(documented_config(tmp_path, port), encoding="utf-8")
+        notify_daemon([QUIVER, "--config", str(cfg), "mountd", "--foreground"],
+                      str(tmp_path), str(tmp_path / "mnt"))
+        return str(cfg), port
+
+    return start
+
+
+def register(quiver, cfg: str, src: str, digest: str, *names: str) -> None:
+    r = quiver("--config", cfg, "digest", "create", src, "-o", digest)
+    assert r.returncode == 0, r.stderr
+    for name in names:
+        r = quiver("--config", cfg, "mount", digest, "--name", name)
+        assert r.returncode == 0, r.stderr
+
+
+def test_read_and_cache_metrics_count_real_reads(documented_mountd, quiver, synthetic_tree:
+                                                 Tree, tmp_path):
+    cfg, port = documented_mountd()
+    digest = str(tmp_path / "syn.qd")
+    # The same content under two names: reading the second copy can only hit the cache
+    # (different inodes, so the kernel's page cache does not answer for mountd).
+    register(quiver, cfg, synthetic_tree.root, digest, "cold", "warm")
+    mnt = tmp_path / "mnt"
+    n = read_tree(mnt / "cold")
+    assert read_tree(mnt / "warm") == n == 40
+    total = digest_format.load(digest).total_bytes
+
+    m = scrape(port)
+    assert value(m, "quiver_hits_total", tier="bucket") == n
+    assert value(m, "quiver_hits_total", tier="local") == n
+    assert value(m, "quiver_hits_total", tier="peer") == 0
+    assert value(m, "quiver_misses_total", tier="local") == n
+    assert value(m, "quiver_bytes_total", tier="local") == total
+    assert value(m, "quiver_bytes_total", tier="bucket") == total
+    assert value(m, "quiver_read_errors_total", tier="bucket") == 0
+    assert value(m, "quiver_read_seconds_count", tier="local") == n
+    assert value(m, "quiver_read_seconds_count", tier="bucket") == n
+    assert value(m, "quiver_read_seconds_bucket", tier="local", le="+Inf") == n
+    assert value(m, "quiver_dataset_hits_total", dataset="warm", tier="local") == n
+    assert value(m, "quiver_dataset_hits_total", dataset="warm", tier="bucket") == 0
+    assert value(m, "quiver_dataset_misses_total", dataset="cold", tier="local") == n
+    assert value(m, "quiver_dataset_size_bytes", dataset="cold") == total
+    assert value(m, "quiver_datasets") == 2
+    assert value(m, "quiver_cache_items") == n
+    assert value(m, "quiver_cache_used_bytes") >= total
+    assert value(m, "quiver_cache_limit_bytes") == 200 << 30  # the docs' cache-size
+
+    status = json.loads(quiver("--config", cfg, "status", "--json").stdout)
+    assert status["counters"]["local_hits"] == value(m, "quiver_hits_total", tier="local")
+
+
+def test_job_and_chunk_metrics(documented_mountd, quiver, synthetic_tree: Tree, tmp_path):
+    cfg, port = documented_mountd()
+    digest = str(tmp_path / "syn.qd")
+    register(quiver, cfg, synthetic_tree.root, digest, "syn")
+    job = tmp_path / "mnt" / ".quiver" / "jobs" / "j1"
+    job.mkdir()
+    fd = os.open(job / "config", os.O_WRONLY)
+    try:
+        os.write(fd, json.dumps({"dataset": "syn", "batch_size": 8}).encode())
+    finally:
+        os.close(fd)
+    manifest = json.loads((job / "e0-b0").read_bytes())
+    fd = os.open(job / "report", os.O_WRONLY)
+    try:
+        os.write(fd, b"0 0 0.25\n0 1 0.75\n")
+    finally:
+        os.close(fd)
+
+    n_chunks = make_plan(digest_format.load(digest), None).n_chunks
+    deadline = time.monotonic() + SCRAPE_DEADLINE
+    while True:  # the chunk cycle's state arrives from the coordinator logic
+        m = scrape(port)
+        states = {dict(labels)["state"]: v for (name, labels), v in m.items()
+                  if name == "quiver_chunks" and dict(labels)["dataset"] == "syn"}
+        if states or time.monotonic() > deadline:
+            break
+    assert set(states) == {"loading", "active", "marked", "evicted"}
+    assert sum(states.values()) == n_chunks
+
+    labels = {"job": "j1", "dataset": "syn"}
+    assert value(m, "quiver_jobs") == 1
+    assert value(m, "quiver_job_hits_total", **labels) == manifest["hits"]
+    assert (value(m, "quiver_job_hits_total", **labels)
+            + value(m, "quiver_job_fetched_total", **labels)) == 8
+    assert value(m, "quiver_job_epoch", **labels) == 0
+    assert value(m, "quiver_job_mean_batch_seconds", **labels) == pytest.approx(0.5)
+    os.rmdir(job)
+    assert value(scrape(port), "quiver_jobs") == 0
+
+
+def test_http_surface(documented_mountd):
+    _, port = documented_mountd()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={
+        "Accept": "application/openmetrics-text;version=1.0.0,text/plain;q=0.5"})
+    with urllib.request.urlopen(request, timeout=10) as reply:  # what Prometheus asks for
+        assert reply.headers["Content-Type"].startswith("application/openmetrics-text")
+        assert reply.read().endswith(b"# EOF\n")
+    with pytest.raises(urllib.error.HTTPError) as info:
+        scrape(port, "/other")
+    assert info.value.code == 404
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", data=b"x")
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=10)
+    assert info.value.code == 405
+    with socket.create_connection(("127.0.0.1", port)) as s:  # a client that hangs up
+        s.sendall(b"GET /metr")
+    assert value(scrape(port), "quiver_datasets") == 0  # and mountd still answers
+
+
+def test_taken_metrics_port_fails_before_mounting(quiver, tmp_path):
+    (tmp_path / "mnt").mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = quiver("mountd", "--foreground", "--root", str(tmp_path / "mnt"),
+                   "--cache-dir", str(tmp_path / "cache"), "--cache-size", "64M",
+                   "--control-socket", str(tmp_path / "ctl.sock"),
+                   "--metrics", f"127.0.0.1:{port}")
+    assert r.returncode == ExitCode.USAGE, r.stderr
+    assert f"cannot serve metrics on 127.0.0.1:{port}: Address already in use" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not os.path.ismount(tmp_path / "mnt")
+
+
+def test_job_benefit_once_probed(tmp_path):
+    """The benefit families, from a real JobManager's job (probing needs a coordinator
+    and a training loop; its outcome, the batch times, is what the collector reads)."""
+    store = ContentStore(str(tmp_path / "store"), 1 << 20)
+    reader = ItemReader(store, trio.CapacityLimiter(1))
+    jobs = JobManager(MountTable(), reader)
+    job = jobs.create("j1", 1000, 1000)
+    collector = MountdCollector(reader, MountTable(), jobs)
+
+    def samples() -> Samples:
+        return {(s.name, frozenset(s.labels.items())): s.value
+                for family in collector.collect() for s in family.samples}
+
+    key = {"job": "j1", "dataset": ""}
+    assert ("quiver_job_benefit", frozenset(key.items())) not in samples()
+    for seconds in (0.2, 0.3, 0.25):  # batches whose reads were all hits
+        job.record_time(seconds)
+    for seconds in (1.0, 0.9, 1.1):  # batches that read forced misses
+        job.forced_reads = 1
+        job.record_time(seconds)
+    m = samples()
+    assert value(m, "quiver_job_probed_batch_seconds", reads="hit", **key) == pytest.approx(0.25)
+    assert value(m, "quiver_job_probed_batch_seconds", reads="miss", **key) == pytest.approx(1.0)
+    assert value(m, "quiver_job_benefit", **key) == pytest.approx(4.0)
+    assert value(m, "quiver_job_mean_batch_seconds", **key) == pytest.approx(3.75 / 6)
+    store.close()
