@@ -87,6 +87,17 @@ class Controller:
                 raise QuietError(f"uid {peer.uid} cannot read {path}: a digest can only name "
                                  "files its owner can read", ExitCode.PERMISSION)
 
+    @staticmethod
+    def _check_gcs_credentials(digest: Digest, options: StorageOptions, peer: Peer) -> None:
+        """A user's gs:// registration must bring its own access: mountd's credentials
+        (root's, or the VM's service account) are never lent to another user."""
+        if (digest.source.startswith("gs://") and peer.uid != 0
+                and options.credentials_info is None and not options.anonymous
+                and not options.emulator_host):
+            raise QuietError(f"{digest.source}: pass --credentials FILE (a service-account "
+                             "key you may use) or --anonymous for a public bucket; mountd "
+                             "does not lend its own credentials", ExitCode.PERMISSION)
+
     # -- requests ---------------------------------------------------------------------
     async def mount(self, peer: Peer, req: dict[str, Any]) -> dict[str, Any]:
         name = check_name(str(req["name"]))
@@ -100,6 +111,7 @@ class Controller:
             self._check_free(name)
             digest = await trio.to_thread.run_sync(self.registry.store_digest, data)
             await trio.to_thread.run_sync(self._check_local_access, digest, peer)
+            self._check_gcs_credentials(digest, options, peer)
             reg = new_registration(name, digest.identity, peer.uid, peer.gid, options)
             self.registry.store_credentials(name, options.credentials_info)
             ds = await trio.to_thread.run_sync(self._build, reg, digest)

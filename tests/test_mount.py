@@ -299,3 +299,18 @@ def test_stat_and_readdir_need_no_backend(mountd_factory, synthetic_tree, tmp_pa
              for d, _, fs in os.walk(os.path.join(m.root, "syn")) for f in fs}
     assert len(sizes) == 40 and all(20_000 <= s <= 300_000 for s in sizes.values())
     assert dataset_counters(m, "syn").get("bucket_fetches", 0) == 0
+
+
+def test_gcs_registration_by_a_user_must_bring_credentials(shared_workdir, mountd_factory,
+                                                           synthetic_tree, upload,
+                                                           gcs_emulator):
+    uri = upload(synthetic_tree.root, "syn")
+    data = make_digest(uri, "syn", gcs_emulator.host)
+    m = mountd_factory(workdir=shared_workdir, cache_dir=os.path.join(shared_workdir, "cache"))
+    os.chmod(m.cache_dir, 0o755)
+    refused = call_as(1000, 1000, m.socket, {"op": "mount", "name": "theirs", "digest": data})
+    assert not refused["ok"] and refused["code"] == 6 and "--credentials" in refused["error"]
+    allowed = call_as(1000, 1000, m.socket, {"op": "mount", "name": "public", "digest": data,
+                                             "anonymous": True,
+                                             "emulator_host": gcs_emulator.host})
+    assert allowed["ok"], allowed
