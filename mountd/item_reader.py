@@ -102,6 +102,7 @@ class ItemReader:
                 self.count(ds, "peer_hits")
                 self.count(ds, "peer_bytes", len(data))
                 return data
+            self.count(ds, "peer_misses")
         self.count(ds, "misses")
         return await self.fetch(ds, index)
 

@@ -95,6 +95,7 @@ class MountdCollector:
             hits.add_metric([tier], c[key])
             nbytes.add_metric([tier], c[BYTES[tier]])
         misses.add_metric(["local"], _local_misses(c))
+        misses.add_metric(["peer"], c["peer_misses"] + c["peer_errors"])
         for tier, key in ERRORS.items():
             errors.add_metric([tier], c[key])
         yield from (hits, misses, nbytes, errors)
@@ -135,6 +136,8 @@ class MountdCollector:
                 hits.add_metric([ds.name, tier], ds.counters[key])
                 nbytes.add_metric([ds.name, tier], ds.counters[BYTES[tier]])
             misses.add_metric([ds.name, "local"], _local_misses(ds.counters))
+            misses.add_metric([ds.name, "peer"],
+                              ds.counters["peer_misses"] + ds.counters["peer_errors"])
         yield from (items, size, hits, misses, nbytes)
 
     def _chunks(self) -> Iterator[Metric]:
