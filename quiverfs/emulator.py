@@ -34,6 +34,17 @@ STOP_TIMEOUT = 5.0  # seconds to wait after SIGTERM before SIGKILL
 START_ATTEMPTS = 3  # a free port can be taken between choosing and binding it
 
 
+# The emulator rewrites all its metadata as indented JSON after every change, so each
+# upload costs time in proportion to the objects already stored (1797 uploads: 37 s;
+# 3.5 s without). In memory that copy is never read back (only at start), so skip it.
+_LAUNCHER = """
+import sys
+from gcp_storage_emulator import __main__ as cli, storage
+storage.Storage._write_config_to_file = lambda self: None
+cli.main(sys.argv[1:])
+"""
+
+
 def emulator_available() -> bool:
     """Whether the ``gcp_storage_emulator`` package is importable by this interpreter."""
     return importlib.util.find_spec("gcp_storage_emulator") is not None
@@ -90,8 +101,8 @@ def _start(log_file: int) -> Emulator | None:
     host = f"http://127.0.0.1:{_free_port()}"
     port = host.rsplit(":", 1)[1]
     process = subprocess.Popen(
-        [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1",
-         "--port", port, "--in-memory", "--quiet"],
+        [sys.executable, "-c", _LAUNCHER, "start", "--host", "127.0.0.1", "--port", port,
+         "--in-memory", "--quiet"],
         stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file)
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline and process.poll() is None:
