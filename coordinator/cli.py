@@ -7,13 +7,15 @@ import os
 import trio
 
 from quiverfs.errors import ExitCode, QuietError
+from quiverfs.option_types import Address
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("coordinator", help="run the cluster coordinator (foreground)",
                        description="Keep cluster membership, datasets by digest identity "
                        "and their chunk cycles; mountd nodes join with --coordinator.")
-    p.add_argument("--listen", required=True, metavar="HOST:PORT", help="where to listen")
+    p.add_argument("--listen", required=True, metavar="HOST:PORT", type=Address("--listen"),
+                   help="where to listen")
     p.add_argument("--state-dir", required=True, help="where state is persisted")
     p.add_argument("--cluster-secret-file", help="shared secret of the cluster (or "
                    "$QUIVER_CLUSTER_SECRET); at least 16 bytes")
@@ -27,15 +29,19 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="mini-batches a job runs without cache hits when probed (default 100)")
     p.add_argument("--reprobe-after", type=float, default=600.0,
                    help="seconds between probes of a job (default 600)")
+    p.add_argument("--metrics", metavar="HOST:PORT", type=Address("--metrics"),
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     p.set_defaults(func=cmd_coordinator, daemon=True)
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
+    from coordinator.metrics import CoordinatorCollector
     from coordinator.server import CoordinatorServer
     from coordinator.state import CoordinatorState
-    from quiverfs.rpc import load_secret, parse_address
+    from mountd.metrics import MetricsEndpoint
+    from quiverfs.rpc import load_secret
 
-    host, port = parse_address(args.listen, "--listen")
+    host, port = args.listen
     secret = load_secret(args.cluster_secret_file)
     from quiverfs.sizes import parse_size
 
@@ -45,5 +51,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         os.path.abspath(args.state_dir), args.heartbeat_timeout, args.force_evict_after,
         budget=parse_size(args.cache_budget, "--cache-budget") if args.cache_budget else None,
         probe_batches=args.probe_batches, reprobe_after=args.reprobe_after)
-    trio.run(CoordinatorServer(state, secret).serve, host, port)
+    metrics = (MetricsEndpoint(args.metrics, CoordinatorCollector(state))
+               if args.metrics else None)
+    trio.run(CoordinatorServer(state, secret, metrics).serve, host, port)
     return ExitCode.OK

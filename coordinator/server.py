@@ -17,8 +17,9 @@ log = logging.getLogger(__name__)
 class CoordinatorServer:
     """RPC ops: join, heartbeat, status."""
 
-    def __init__(self, state: CoordinatorState, secret: bytes) -> None:
+    def __init__(self, state: CoordinatorState, secret: bytes, metrics: Any = None) -> None:
         self.state = state
+        self.metrics = metrics  # a mountd.metrics.MetricsEndpoint, or None
         self.rpc = RpcServer(secret, {"join": self.join, "heartbeat": self.heartbeat,
                                       "status": self.status})
 
@@ -39,6 +40,8 @@ class CoordinatorServer:
         async with trio.open_nursery() as nursery:
             bound = await nursery.start(self.rpc.serve, host, port)
             log.info("coordinator listening on %s:%d", host, bound)
+            if self.metrics is not None:
+                await nursery.start(self.metrics.serve)
             sd_notify.notify("READY=1")
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for signum in signals:

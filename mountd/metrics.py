@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import socket
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
@@ -188,10 +188,18 @@ def _local_misses(counters: collections.Counter[str]) -> int:
     return counters["peer_hits"] + counters["misses"]
 
 
+class Collector(Protocol):
+    """A prometheus collector whose numbers may need a blocking read before a scrape."""
+
+    async def refresh(self) -> None: ...
+
+    def collect(self) -> Iterator[Metric]: ...
+
+
 class MetricsEndpoint:
     """A minimal HTTP/1.1 responder: ``GET /metrics`` gets the exposition text."""
 
-    def __init__(self, address: tuple[str, int], collector: MountdCollector) -> None:
+    def __init__(self, address: tuple[str, int], collector: Collector) -> None:
         self.collector = collector
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(collector)

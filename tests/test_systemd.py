@@ -16,6 +16,7 @@ from tests.notify_daemon import notify_daemon  # noqa: F401
 UNITS = Path(__file__).resolve().parent.parent / "systemd"
 MOUNTD_UNIT = UNITS / "quiver-mountd.service"
 DATASET_UNIT = UNITS / "quiver-dataset@.service"
+COORDINATOR_UNIT = UNITS / "quiver-coordinator.service"
 INSTALLED_QUIVER = "/opt/quiver/.venv/bin/quiver"  # where the units expect the venv
 QUIVER = os.path.join(os.path.dirname(sys.executable), "quiver")  # this venv's
 ETC = "/etc/quiver"
@@ -99,7 +100,8 @@ def test_units_verify(tmp_path, etc):
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
         pytest.skip("systemd-analyze is not installed (apt-get install systemd)")
-    units = [render(u, tmp_path / "units", etc) for u in (MOUNTD_UNIT, DATASET_UNIT)]
+    units = [render(u, tmp_path / "units", etc)
+             for u in (MOUNTD_UNIT, DATASET_UNIT, COORDINATOR_UNIT)]
     r = subprocess.run([analyze, "verify", *map(str, units)], capture_output=True, text=True,
                        timeout=60)
     # verify only warns about unknown keys or bad values: any output is a failure.

@@ -1,0 +1,63 @@
+"""The coordinator's Prometheus metrics: members, chunk states, allocation, benefits.
+
+Served by mountd's endpoint class from the coordinator's trio loop, which is the only
+place its state changes, so every scrape sees one consistent moment.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from coordinator.state import CoordinatorState
+from mountd.chunk_cycle import ChunkState
+
+MODES = ("coop", "full", "none")
+
+
+class CoordinatorCollector:
+    """Metric families read from the coordinator's state at scrape time."""
+
+    def __init__(self, state: CoordinatorState) -> None:
+        self.state = state
+
+    async def refresh(self) -> None:
+        """Nothing to read outside the loop."""
+
+    def collect(self) -> Iterator[Metric]:
+        state, now = self.state, time.time()
+        live = {n.id for n in state.live(now)}
+        nodes = GaugeMetricFamily("quiver_coordinator_nodes", "Members, live or dead",
+                                  labels=["state"])
+        nodes.add_metric(["live"], len(live))
+        nodes.add_metric(["dead"], len(state.nodes) - len(live))
+        budget = GaugeMetricFamily("quiver_coordinator_budget_bytes",
+                                   "Cache bytes the allocation shares out")
+        budget.add_metric([], state.budget if state.budget is not None else sum(
+            n.capacity for n in state.nodes.values() if n.id in live))
+        chunks = GaugeMetricFamily("quiver_coordinator_chunks", "Chunks of a dataset in "
+                                   "each state", labels=["dataset", "state"])
+        resident = GaugeMetricFamily("quiver_coordinator_max_resident_chunks",
+                                     "Most chunks of a dataset resident at once",
+                                     labels=["dataset"])
+        mode = GaugeMetricFamily("quiver_coordinator_dataset_mode", "The dataset's cache "
+                                 "allocation (1 for the mode in force)",
+                                 labels=["dataset", "mode"])
+        gain = GaugeMetricFamily("quiver_coordinator_dataset_gain", "G: GPU shares the "
+                                 "dataset's jobs save with the cache", labels=["dataset"])
+        benefit = GaugeMetricFamily("quiver_coordinator_job_benefit", "b = t_miss / t_hit "
+                                    "of a probed job", labels=["dataset", "node", "job"])
+        for ds in state.datasets.values():
+            for s in ChunkState:
+                chunks.add_metric([ds.name, s.value],
+                                  sum(st is s for st in ds.cycle.states))
+            resident.add_metric([ds.name], ds.cycle.max_resident)
+            for m in MODES:
+                mode.add_metric([ds.name, m], float(ds.mode == m))
+            gain.add_metric([ds.name], ds.gain)
+            for node, report in ds.reports.items():
+                for job in report.get("jobs", []):
+                    if job.get("benefit") is not None:
+                        benefit.add_metric([ds.name, node, job["id"]], job["benefit"])
+        yield from (nodes, budget, chunks, resident, mode, gain, benefit)
