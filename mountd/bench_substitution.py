@@ -1,23 +1,23 @@
 """``quiver bench substitution``: substitutable reads against exact (LRU) reads.
 
-Single node, one mountd, the cache at 10% and 20% of a synthetic ImageFolder dataset
-kept in the GCS emulator behind a bandwidth-capped proxy (``throttle_proxy``), so the
-"bucket" is slower than the local cache as a shared bucket is. For each cache size and
-1 or 4 concurrent jobs, each job is a separate process reading through the real mount:
+Single node, one mountd per configuration, the cache at 10% or 20% of a synthetic
+ImageFolder dataset kept in the GCS emulator behind a bandwidth-capped proxy
+(``throttle_proxy``), so the "bucket" is slower than the local cache, as a shared
+bucket is. Each job is a separate process reading through the real mount:
 
-- ``sub``: batches from ``QuiverBatchSampler`` manifests (one job per process, each its
-  own seed, world size 1);
+- ``sub``: batches from ``QuiverBatchSampler`` (iterated as a DataLoader does; one job
+  per process, each its own seed, world size 1);
 - ``lru``: the job's own seeded permutation of the same files (a plain global shuffle,
   exact reads; the store evicts least-recently-used).
 
 A job reads each batch's files with a few threads (like DataLoader workers, one batch
-ahead) and sleeps a simulated compute time per batch. The parent holds all jobs at
-every epoch boundary, so mountd's counters can be read per epoch; epoch 0 (cold
-cache) is left out of the steady-state numbers.
+ahead), drops their pages from the kernel's cache, and sleeps a simulated compute time
+per batch. The parent holds all jobs at every epoch boundary, so mountd's counters can
+be read per epoch; epoch 0 (cold cache) is left out of the steady-state numbers.
 
 Then a small CNN (``quiverfs.demo.small_cnn``) is trained on the scikit-learn digits
-over a real mount, with a global shuffle and with ``QuiverBatchSampler`` (cache at
-20%), and its test accuracy on a held-out split compared.
+over a real mount, with a global shuffle and with ``QuiverBatchSampler``, and its test
+accuracy on a held-out split compared.
 
 Run as ``python -m mountd.bench_substitution SPEC`` this module is one job (the worker).
 """
@@ -57,10 +57,21 @@ DATASET = "syn"
 BUCKET_RATE = 20e6  # bytes/s the proxy lets through from the bucket (all connections)
 READERS = 4  # reader threads per job, like DataLoader workers
 PREFETCH_BATCHES = 2  # batches a job's readers may run ahead of its compute
+# Chunks of 40% of the cache: two (double buffering) fit with room for cooperative
+# fetches. mountd's default, 10% of the dataset, does not fit twice in a 10% or 20%
+# cache, and the allocation then gives substitutable jobs no cache at all.
+CHUNK_OF_CACHE = 0.4
+# Benefit probing (paper §5.3) is off: it forces 100 batches of misses per job (more
+# than an epoch here) whose fetches flush the resident chunks from the store, and its
+# verdict can switch the dataset's cache off mid-run. Unprobed jobs count as benefiting.
+PROBE_BATCHES = 0
 EPOCH_TIMEOUT = 600.0  # seconds a job may take for one epoch (or to start)
 JOB_STOP_TIMEOUT = 30.0  # seconds a job may take to unregister and exit
 DIGITS_TEST_FRACTION = 0.2
 ACCURACY_BATCH = 64
+# Simulated compute per training step on the digits, standing for a model that takes
+# longer per batch than reading it (the small CNN on 8x8 images takes ~1 ms).
+ACCURACY_STEP_S = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,19 +83,17 @@ class Size:
     epochs: int  # per configuration; epoch 0 is the warm-up
     batch_size: int
     compute_s: float  # simulated compute per batch (seconds)
-    cache_fractions: tuple[float, ...]
-    job_counts: tuple[int, ...]
+    configs: tuple[tuple[float, int], ...]  # (cache fraction, concurrent jobs); first: summary
     window: int  # items per label-histogram window
     accuracy_seeds: tuple[int, ...]
     accuracy_epochs: int
 
 
 SIZES = {
-    "full": Size(2000, 10, 3, 32, 0.25, (0.1, 0.2), (1, 4), 1000, (0, 1, 2), 4),
-    "quick": Size(600, 10, 3, 32, 0.25, (0.2,), (1, 4), 250, (0,), 2),
-    "tiny": Size(200, 10, 3, 16, 0.05, (0.2,), (2,), 50, (0,), 1),
+    "full": Size(1200, 10, 3, 8, 0.125, ((0.2, 4), (0.1, 4), (0.2, 1)), 1000, (0, 1, 2), 3),
+    "quick": Size(300, 10, 3, 8, 0.125, ((0.2, 4),), 100, (0,), 1),
+    "tiny": Size(120, 10, 3, 8, 0.02, ((0.5, 2),), 30, (0,), 1),
 }
-SUMMARY_JOBS, SUMMARY_FRACTION = 4, 0.2
 
 
 # -- the job (a separate process) ------------------------------------------------------
@@ -101,8 +110,12 @@ class JobSpec:
 
 
 def _read(path: str) -> int:
+    """Read a file, then drop its pages: with a dataset larger than RAM the kernel's page
+    cache could not hold it either (else it would serve later epochs, not mountd)."""
     with open(path, "rb", buffering=0) as f:
-        return len(f.read())
+        n = len(f.read())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    return n
 
 
 class _Loader:
@@ -112,17 +125,16 @@ class _Loader:
         self.root = root
         self.pool = concurrent.futures.ThreadPoolExecutor(readers)
 
-    def batches(self, plans: Iterator[tuple[list[str], int]]
-                ) -> Iterator[tuple[list[str], int, int]]:
-        """(paths, hits, bytes read) per planned batch (paths relative to the root)."""
-        ready: queue.Queue[tuple[list[str], int, int] | BaseException | None] = queue.Queue(
+    def batches(self, plans: Iterator[list[str]]) -> Iterator[tuple[list[str], int]]:
+        """(paths, bytes read) per planned batch (paths relative to the root)."""
+        ready: queue.Queue[tuple[list[str], int] | BaseException | None] = queue.Queue(
             PREFETCH_BATCHES)
 
         def produce() -> None:
             try:
-                for paths, hits in plans:
+                for paths in plans:
                     files = [os.path.join(self.root, p) for p in paths]
-                    ready.put((paths, hits, sum(self.pool.map(_read, files))))
+                    ready.put((paths, sum(self.pool.map(_read, files))))
                 ready.put(None)
             except BaseException as exc:  # handed to the consumer, which raises it
                 ready.put(exc)
@@ -140,36 +152,57 @@ class _Loader:
 
 
 class _SubPlans:
-    """Batches from mountd's substitutable sampler (the manifests' paths and hits)."""
+    """Batches from ``QuiverBatchSampler``, iterated as a DataLoader does (so per-batch
+    times are reported to mountd); hits per epoch from the job's ``stats`` file."""
 
     def __init__(self, spec: JobSpec) -> None:
-        from quiverfs.torch import QuiverBatchSampler
+        from quiverfs.torch import QuiverBatchSampler, image_folder_samples
 
+        self.paths = [os.path.relpath(p, spec.root) for p, _ in image_folder_samples(spec.root)]
         self.sampler = QuiverBatchSampler(spec.root, spec.batch_size, seed=spec.seed)
+        self._hits = 0
+        self.wait_s = 0.0  # time spent waiting for the sampler's next batch
 
-    def epoch(self, epoch: int) -> Iterator[tuple[list[str], int]]:
+    def epoch(self, epoch: int) -> Iterator[list[str]]:
         self.sampler.set_epoch(epoch)
-        for b in range(len(self.sampler)):
-            m = self.sampler.manifest(b)
-            yield m["paths"], m["hits"]
+        batches = iter(self.sampler)
+        while True:
+            asked = time.monotonic()
+            indices = next(batches, None)
+            self.wait_s += time.monotonic() - asked
+            if indices is None:
+                return
+            yield [self.paths[i] for i in indices]
+
+    def hits(self) -> int:
+        """Items the manifests listed as hits since the last call."""
+        with open(os.path.join(self.sampler.job_dir, "stats"), encoding="utf-8") as f:
+            total = int(json.load(f)["counters"].get("hits", 0))
+        new, self._hits = total - self._hits, total
+        return new
 
     def close(self) -> None:
         self.sampler.close()
 
 
 class _GlobalShufflePlans:
-    """Batches of a seeded permutation of every file (exact reads; hits unknown: -1)."""
+    """Batches of a seeded permutation of every file (exact reads)."""
 
     def __init__(self, spec: JobSpec) -> None:
         self.spec = spec
         self.paths = sorted(os.path.relpath(os.path.join(d, f), spec.root)
                             for d, _, fs in os.walk(spec.root) for f in fs)
 
-    def epoch(self, epoch: int) -> Iterator[tuple[list[str], int]]:
+    def epoch(self, epoch: int) -> Iterator[list[str]]:
         order = np.random.default_rng([self.spec.seed, epoch]).permutation(len(self.paths))
         size = self.spec.batch_size
         for start in range(0, len(order), size):
-            yield [self.paths[i] for i in order[start:start + size]], -1
+            yield [self.paths[i] for i in order[start:start + size]]
+
+    wait_s = 0.0  # batches are planned locally
+
+    def hits(self) -> int:
+        return -1  # exact reads: mountd's counters tell
 
     def close(self) -> None:
         pass
@@ -177,7 +210,8 @@ class _GlobalShufflePlans:
 
 def job_main(argv: list[str]) -> int:
     """One job: announce readiness, then run an epoch for each ``go`` line on stdin,
-    answering with a JSON line (paths in order, manifest hits, seconds)."""
+    answering with a JSON line (paths in order, manifest hits, seconds, and the seconds
+    spent waiting for the sampler's batches)."""
     spec = JobSpec(**json.loads(argv[0]))
     plans = _SubPlans(spec) if spec.mode == "sub" else _GlobalShufflePlans(spec)
     loader = _Loader(spec.root)
@@ -188,14 +222,15 @@ def job_main(argv: list[str]) -> int:
                 return 1
             start = time.monotonic()
             paths: list[str] = []
-            hits = nbytes = 0
-            for batch, batch_hits, batch_bytes in loader.batches(plans.epoch(epoch)):
+            nbytes = 0
+            for batch, batch_bytes in loader.batches(plans.epoch(epoch)):
                 time.sleep(spec.compute_s)  # the simulated training step
                 paths += batch
-                hits += batch_hits
                 nbytes += batch_bytes
             print(json.dumps({"epoch": epoch, "seconds": time.monotonic() - start,
-                              "paths": paths, "hits": hits, "bytes": nbytes}), flush=True)
+                              "paths": paths, "hits": plans.hits(), "bytes": nbytes,
+                              "manifest_s": plans.wait_s}), flush=True)
+            plans.wait_s = 0.0
         sys.stdin.readline()  # the parent reads mountd's status before we unregister
     finally:
         loader.close()
@@ -292,6 +327,11 @@ class Dataset:
                    [d.label(i) for i in range(len(d))], d.total_bytes)
 
 
+def mountd_args(chunk_bytes: int) -> tuple[str, ...]:
+    """mountd's options for a run: no probing, chunks of ``chunk_bytes`` item bytes."""
+    return ("--probe-batches", str(PROBE_BATCHES), "--chunk-size", str(chunk_bytes))
+
+
 @dataclasses.dataclass
 class ConfigRun:
     """What one configuration measured: per-epoch records, and each job's epoch orders."""
@@ -303,7 +343,8 @@ class ConfigRun:
 def _snapshot(m: MountdProcess, proxy: ThrottleProxy) -> dict[str, int]:
     status = m.status()
     counters = next(ds["counters"] for ds in status["datasets"] if ds["name"] == DATASET)
-    keys = ("local_hits", "misses", "bucket_fetches", "bucket_bytes", "coalesced")
+    keys = ("local_hits", "misses", "probe_misses", "bucket_fetches", "bucket_bytes",
+            "coalesced")
     return {**{k: int(counters.get(k, 0)) for k in keys}, "proxy_bytes": proxy.bytes_down}
 
 
@@ -313,6 +354,7 @@ def _epoch_record(epoch: int, seconds: float, replies: list[dict[str, Any]],
     return {"epoch": epoch, "seconds": round(seconds, 2), "items": sum(items),
             "job_seconds": [round(r["seconds"], 2) for r in replies],
             "job_hits": [r["hits"] for r in replies], "job_items": items,
+            "job_manifest_s": [round(r["manifest_s"], 2) for r in replies],
             "bytes_read": sum(r["bytes"] for r in replies),
             **{k: after[k] - before[k] for k in after}}
 
@@ -322,11 +364,12 @@ def _steady_state(mode: str, epochs: list[dict[str, Any]], dataset_bytes: int
     """Rates over the epochs after the first."""
     steady = epochs[1:]
     n = len(steady)
-    total = collections.Counter()
+    total: collections.Counter[str] = collections.Counter()
     for e in steady:
         total.update({k: e[k] for k in ("items", "seconds", "local_hits", "misses",
-                                         "bucket_bytes", "proxy_bytes", "bucket_fetches")})
-    reads = total["local_hits"] + total["misses"]
+                                         "probe_misses", "bucket_bytes", "proxy_bytes",
+                                         "bucket_fetches")})
+    reads = total["local_hits"] + total["misses"] + total["probe_misses"]
     read_hit_ratio = total["local_hits"] / reads if reads else None
     out: dict[str, Any] = {
         "epochs": n, "read_hit_ratio": read_hit_ratio,
@@ -349,10 +392,11 @@ def run_config(mode: str, fraction: float, n_jobs: int, data: Dataset, proxy: Th
     """One mountd with the cache at ``fraction`` of the dataset, ``n_jobs`` jobs of ``mode``."""
     name = f"{mode}-{round(fraction * 100)}pct-{n_jobs}jobs"
     cache_bytes = int(fraction * data.bytes)
-    log.info("%s: cache %d bytes", name, cache_bytes)
+    extra = mountd_args(int(CHUNK_OF_CACHE * cache_bytes))
+    log.info("%s: cache %d bytes, mountd %s", name, cache_bytes, " ".join(extra))
     epochs: list[dict[str, Any]] = []
     orders: list[list[list[str]]] = [[] for _ in range(n_jobs)]
-    with running_mountd(workdir, cache_size=str(cache_bytes), name=name) as m:
+    with running_mountd(workdir, cache_size=str(cache_bytes), name=name, extra_args=extra) as m:
         m.call({"op": "mount", "name": DATASET, "digest": data.digest,
                 "emulator_host": proxy.url})
         root = os.path.join(m.root, DATASET)
@@ -382,6 +426,9 @@ def run_config(mode: str, fraction: float, n_jobs: int, data: Dataset, proxy: Th
               "exactly_once": all(sorted(paths) == expected
                                   for job in orders for paths in job),
               "chunks": chunks[0]["chunks"] if chunks else None,
+              "cache_mode": chunks[0].get("mode") if chunks else None,
+              # a job whose dataset group never heard from the coordinator gets no hits
+              "jobs_without_cycle": sum(j.get("chunks") is None for j in status["jobs"]),
               "max_resident_chunks": max((c["max_resident"] for c in chunks), default=None)}
     return ConfigRun(report, orders)
 
@@ -432,8 +479,23 @@ def write_digits_split(dest: str, seed: int = 0) -> int:
     return tree.bytes
 
 
+def stored_bytes(digest: bytes, workdir: str) -> int:
+    """Bytes the store uses for the whole dataset. Items under 32 KiB live in SQLite,
+    whose rows cost more than the 120-byte digits themselves, so a cache sized from the
+    dataset's bytes would hold far fewer items than that fraction."""
+    with running_mountd(workdir, cache_size="1G", name="footprint") as m:
+        m.call({"op": "mount", "name": "d", "digest": digest, "emulator_host": None})
+        root = os.path.join(m.root, "d")
+        files = [os.path.join(dirpath, f) for dirpath, _, fs in os.walk(root) for f in fs]
+        with concurrent.futures.ThreadPoolExecutor(READERS) as pool:
+            sum(pool.map(_read, files))
+        used = int(m.status()["cache"]["used_bytes"])
+    shutil.rmtree(os.path.join(workdir, "footprint-cache"), ignore_errors=True)
+    return used
+
+
 def train_digits(root: str, seed: int, epochs: int, substitutable: bool,
-                 m: MountdProcess) -> dict[str, Any]:
+                 m: MountdProcess, step_s: float = ACCURACY_STEP_S) -> dict[str, Any]:
     """Train ``small_cnn`` on ``root/train`` (global shuffle, or QuiverBatchSampler);
     return the test accuracy (%) on ``root/test`` and the sampler's hit counters."""
     import torch
@@ -467,6 +529,7 @@ def train_digits(root: str, seed: int, epochs: int, substitutable: bool,
                 opt.zero_grad()
                 nn.functional.cross_entropy(model(x), y).backward()
                 opt.step()
+                time.sleep(step_s)
         if sampler is not None:
             counters = next(j["counters"] for j in m.status()["jobs"]
                             if j["job"] == sampler.job_id)
@@ -482,14 +545,18 @@ def train_digits(root: str, seed: int, epochs: int, substitutable: bool,
 
 
 def accuracy(size: Size, workdir: str) -> dict[str, Any]:
-    """Test accuracy with a global shuffle and with substitutable batches (cache 20%)."""
+    """Test accuracy with a global shuffle and with substitutable batches, the cache at
+    the summary configuration's fraction of the digits."""
     src = os.path.join(workdir, "digits")
     total = write_digits_split(src)
     digest = create_digest(src, "digits", workers=2)
-    cache_bytes = int(SUMMARY_FRACTION * total)
+    stored = stored_bytes(digest, workdir)
+    cache_bytes = int(size.configs[0][0] * stored)
     runs: dict[str, list[dict[str, Any]]] = {"global": [], "sub": []}
     start = time.monotonic()
-    with running_mountd(workdir, cache_size=str(cache_bytes), name="digits") as m:
+    chunk_bytes = int(CHUNK_OF_CACHE * size.configs[0][0] * total)  # in item bytes
+    with running_mountd(workdir, cache_size=str(cache_bytes), name="digits",
+                        extra_args=mountd_args(chunk_bytes)) as m:
         m.call({"op": "mount", "name": "digits", "digest": digest, "emulator_host": None})
         root = os.path.join(m.root, "digits")
         for seed in size.accuracy_seeds:
@@ -497,7 +564,7 @@ def accuracy(size: Size, workdir: str) -> dict[str, Any]:
                 runs[mode].append({"seed": seed, **train_digits(
                     root, seed, size.accuracy_epochs, mode == "sub", m)})
     means = {mode: float(np.mean([r["accuracy"] for r in rs])) for mode, rs in runs.items()}
-    return {"dataset_bytes": total, "cache_bytes": cache_bytes,
+    return {"dataset_bytes": total, "stored_bytes": stored, "cache_bytes": cache_bytes,
             "epochs": size.accuracy_epochs, "batch_size": ACCURACY_BATCH, "runs": runs,
             "accuracy_global": means["global"], "accuracy_sub": means["sub"],
             "seconds": round(time.monotonic() - start, 1)}
@@ -514,7 +581,7 @@ def _upload_dataset(emulator_host: str, size: Size, workdir: str) -> Dataset:
         options=StorageOptions(emulator_host=emulator_host)))
 
 
-def run(quick: bool, workdir: str, size: str | None = None) -> dict:
+def run(quick: bool, workdir: str, size: str | None = None) -> dict[str, Any]:
     """The benchmark; ``size`` ("full", "quick", "tiny") overrides ``quick``."""
     s = SIZES[size or ("quick" if quick else "full")]
     configs: dict[tuple[str, float, int], ConfigRun] = {}
@@ -522,13 +589,12 @@ def run(quick: bool, workdir: str, size: str | None = None) -> dict:
         emulator.create_bucket(BUCKET)
         data = _upload_dataset(emulator.host, s, workdir)
         with throttled(emulator.host, BUCKET_RATE) as proxy:
-            for fraction in s.cache_fractions:
-                for n_jobs in s.job_counts:
-                    for mode in ("sub", "lru"):
-                        configs[mode, fraction, n_jobs] = run_config(
-                            mode, fraction, n_jobs, data, proxy, s, workdir)
+            for fraction, n_jobs in s.configs:
+                for mode in ("sub", "lru"):
+                    configs[mode, fraction, n_jobs] = run_config(
+                        mode, fraction, n_jobs, data, proxy, s, workdir)
     acc = accuracy(s, workdir)
-    key_jobs, key_fraction = max(s.job_counts), max(s.cache_fractions)
+    key_fraction, key_jobs = s.configs[0]
     sub, lru = (configs[mode, key_fraction, key_jobs] for mode in ("sub", "lru"))
     summary = {
         "hit_ratio_sub": round(sub.report["steady"]["hit_ratio"], 4),
@@ -552,12 +618,15 @@ def run(quick: bool, workdir: str, size: str | None = None) -> dict:
                     "classes": len(set(data.labels))},
         "settings": {**dataclasses.asdict(s), "bucket_rate_bytes_s": BUCKET_RATE,
                      "readers_per_job": READERS, "prefetch_batches": PREFETCH_BATCHES,
+                     "chunk_of_cache": CHUNK_OF_CACHE, "probe_batches": PROBE_BATCHES,
+                     "accuracy_step_s": ACCURACY_STEP_S,
                      "summary_config": {"jobs": key_jobs, "cache_fraction": key_fraction}},
         "definitions": {
             "hit_ratio": "steady state (epochs after the first), mean over jobs; sub: the "
                          "manifests' hits / items; lru: mountd's local_hits / (local_hits + "
                          "misses)",
-            "read_hit_ratio": "mountd's local_hits / (local_hits + misses) of the jobs' reads",
+            "read_hit_ratio": "mountd's local_hits / all reads of the jobs (what the manifests "
+                              "listed as hits may have been evicted before the read)",
             "bucket_bytes_ratio": "mountd's bucket_bytes per steady-state epoch, all jobs, "
                                   "/ dataset bytes (proxy_bytes_ratio: bytes through the "
                                   "proxy, HTTP included)",

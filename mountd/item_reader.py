@@ -25,6 +25,8 @@ from quiverfs.rpc import Unavailable
 
 log = logging.getLogger(__name__)
 
+MAX_STAGED = 512 << 20  # bytes of staged items waiting for their read
+
 
 class ReadFailed(Exception):
     """An item could not be served (storage error or integrity failure); maps to EIO."""
@@ -51,6 +53,8 @@ class ItemReader:
         self.counters: Counter[str] = Counter()
         self.latency = read_latency()  # seconds per read served, by tier
         self._forced: dict[bytes, Any] = {}  # next read is a miss, for this probed job
+        self._staged: dict[bytes, bytes] = {}  # fetched for one coming read, not cached
+        self._staged_bytes = 0
         self.cluster: Any = None  # mountd.cluster.Cluster, set once the daemon wires it
         self.background: trio.Nursery | None = None  # where puts to owners run
 
@@ -77,12 +81,17 @@ class ItemReader:
     async def read(self, ds: MountedDataset, index: int) -> bytes:
         """The verified content of entry ``index`` of ``ds``."""
         digest = ds.digest.hash(index)
+        staged = self._staged.pop(digest, None)
+        if staged is not None:
+            self._staged_bytes -= len(staged)
+            self.count(ds, "staged_hits")
+            return staged
         job = self._forced.pop(digest, None)
         if job is not None:
             job.forced_outstanding -= 1
             job.forced_reads += 1
             self.count(ds, "probe_misses")
-            return await self.fetch(ds, index)
+            return await self.fetch(ds, index, keep=False)  # a probe must not fill the cache
         started = time.perf_counter()
         data = await trio.to_thread.run_sync(self.store.get, digest, limiter=self.limiter)
         if data is not None:
@@ -106,8 +115,22 @@ class ItemReader:
         self.count(ds, "misses")
         return await self.fetch(ds, index)
 
-    async def fetch(self, ds: MountedDataset, index: int) -> bytes:
-        """Fetch entry ``index`` from storage into the store; concurrent callers share one fetch."""
+    async def stage(self, ds: MountedDataset, index: int) -> None:
+        """Fetch an item for one coming read without caching it: it is kept in memory
+        until read once (a substitutable job's miss outside the resident chunks, which
+        would otherwise push the chunks' items out of the store)."""
+        if self._staged_bytes >= MAX_STAGED:
+            await self.fetch(ds, index)  # too much waiting to be read: cache it instead
+            return
+        data = await self.fetch(ds, index, keep=False)
+        digest = ds.digest.hash(index)
+        if digest not in self._staged:
+            self._staged[digest] = data
+            self._staged_bytes += len(data)
+
+    async def fetch(self, ds: MountedDataset, index: int, keep: bool = True) -> bytes:
+        """Fetch entry ``index`` from storage (into the store unless not ``keep``);
+        concurrent callers share one fetch."""
         digest = ds.digest.hash(index)
         flight = self._inflight.get(digest)
         if flight is not None:
@@ -119,7 +142,7 @@ class ItemReader:
         flight = self._inflight[digest] = _Flight()
         started = time.perf_counter()
         try:
-            data = await trio.to_thread.run_sync(self._fetch_blocking, ds, index,
+            data = await trio.to_thread.run_sync(self._fetch_blocking, ds, index, keep,
                                                  limiter=self.limiter)
         except ReadFailed as exc:
             flight.error = exc
@@ -135,7 +158,7 @@ class ItemReader:
         flight.data = data
         return data
 
-    def _fetch_blocking(self, ds: MountedDataset, index: int) -> bytes:
+    def _fetch_blocking(self, ds: MountedDataset, index: int, keep: bool) -> bytes:
         """Read from storage and check the hash; keep it here if this node owns it,
         else hand it to its owner (in the background)."""
         loc = ds.digest.location(index)
@@ -148,7 +171,7 @@ class ItemReader:
         digest = ds.digest.hash(index)
         owner = self.owner(digest)
         try:
-            keep = ds.cache_mode != "none"  # a dataset allotted no cache keeps nothing
+            keep = keep and ds.cache_mode != "none"  # a dataset allotted no cache keeps none
             if keep and owner is None:
                 self.store.put(digest, data)  # checks the hash
             elif hashlib.sha256(data).digest() != digest:

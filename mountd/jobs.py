@@ -256,9 +256,12 @@ class JobManager:
         job.epoch, job.sampler, job.ref = -1, None, None
         group = self.groups.get(ds.name)
         if group is None or group.ds is not ds:
-            group = self.groups[ds.name] = await trio.to_thread.run_sync(
+            made = await trio.to_thread.run_sync(
                 DatasetJobs, ds, self.chunk_bytes, self.max_chunk_bytes,
                 limiter=self.reader.limiter)
+            group = self.groups.get(ds.name)  # another job may have made it meanwhile
+            if group is None or group.ds is not ds:
+                group = self.groups[ds.name] = made
         group.jobs[job.id] = job
         job.group = group
         log.info("job %s (uid %d) reads %s/%s: %d items, batch %d, rank %d/%d", job.id,
@@ -328,8 +331,10 @@ class JobManager:
             return held
 
         def prefer(items: np.ndarray) -> np.ndarray:
-            loading = group.snap["loading"] if group.snap is not None else None
-            return chunk_of[items] == (loading if loading is not None else -1)
+            # Misses in the resident chunks first: the loading chunk's, and items of the
+            # active or marked chunks that were culled (refilling them lets those
+            # chunks be consumed, released and replaced).
+            return np.isin(chunk_of[items], group.usable(ref))
 
         batch = await trio.to_thread.run_sync(sampler.plan, is_cached, prefer,
                                               limiter=self.reader.limiter)
@@ -337,7 +342,8 @@ class JobManager:
             job.probe_left -= 1
             await self.reader.force_misses(group.ds, batch.items, job)
         elif group.mode != "none":
-            await self._fetch_all(group.ds, batch.fetch, job.counters)
+            resident = set(group.usable(ref)) if group.mode == "coop" else None
+            await self._fetch_all(group.ds, batch.fetch, job.counters, resident)
         np.subtract.at(ref.remaining_chunks, chunk_of[batch.items], 1)
         job.counters["hits"] += len(batch.hits)
         job.counters["fetched"] += len(batch.fetch)
@@ -373,13 +379,20 @@ class JobManager:
         return out
 
     async def _fetch_all(self, ds: MountedDataset, items: list[int],
-                         counters: collections.Counter[str]) -> None:
+                         counters: collections.Counter[str],
+                         resident: set[int] | None = None) -> None:
+        """Fetch items into the cache; with ``resident`` (coop mode), items of other
+        chunks are only staged for their one read, so they cannot evict the chunks."""
         slots = trio.Semaphore(FETCH_CONCURRENCY)
+        chunk_of = self.groups[ds.name].plan.chunk_of if resident is not None else None
 
         async def one(i: int) -> None:
             async with slots:
                 try:
-                    await self.reader.fetch(ds, i)
+                    if chunk_of is not None and int(chunk_of[i]) not in resident:
+                        await self.reader.stage(ds, i)
+                    else:
+                        await self.reader.fetch(ds, i)
                 except ReadFailed:
                     counters["fetch_errors"] += 1  # the worker's own read will report it
 

@@ -3,22 +3,30 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import os
 import platform
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 from quiverfs.errors import ExitCode, QuietError
 
-# name -> ("module:function", help). Each function takes (quick: bool, workdir: str)
-# and returns a dict holding at least "summary".
+# name -> ("module:function", help). Each function takes (quick: bool, workdir: str),
+# and plot: str | None if it draws a figure, and returns a dict holding at least "summary".
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "digest": ("digest_tools.bench:run",
                "digest load time and memory at 1.3 M entries, hashing throughput"),
     "read": ("mountd.bench_read:run",
              "exact reads through the mount vs local files (warm) and the bucket (cold)"),
+    "substitution": ("mountd.bench_substitution:run", "substitutable vs exact reads, cache 10-20%"),
+    "cluster": ("coordinator.bench_cluster:run",
+                "coordinated chunks on 3 nodes vs direct and LRU reads, cache 20%"),
+    "allocation": ("coordinator.bench_allocation:run",
+                   "benefit-aware allocation vs LRU, 3 job types, cache 15/30/90%"),
+    "compare": ("quiverfs.bench_compare:run", "Quiver vs direct reads and rclone, cache 10-100%"),
 }
 
 
@@ -27,11 +35,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                        description="Run a benchmark side by side with its baseline and write "
                        "a JSON report whose 'summary' holds the headline numbers.")
     p.add_argument("name", choices=sorted(BENCHMARKS) + ["all"],
-                   help="; ".join(f"{k}: {v[1]}" for k, v in sorted(BENCHMARKS.items())))
+                   help="; ".join(f"{k}: {v[1]}" for k, v in sorted(BENCHMARKS.items()))
+                   .replace("%", "%%"))  # argparse formats help with %
     p.add_argument("--json", metavar="OUT", required=True, help="where to write the report")
     p.add_argument("--quick", action="store_true", help="a small version that runs in about "
                    "a minute")
     p.add_argument("--workdir", help="scratch directory (default: a temporary one)")
+    p.add_argument("--plot", metavar="OUT.png", help="draw the benchmark's figure into this "
+                   "PNG (cluster: the timeline of resident chunks)")
     p.set_defaults(func=cmd_bench)
 
 
@@ -42,13 +53,21 @@ def machine() -> dict:
             "platform": platform.platform(), "python": platform.python_version()}
 
 
-def run_one(name: str, quick: bool, workdir: str | None) -> dict:
-    target, _ = BENCHMARKS[name]
-    module, func = target.split(":")
-    fn = importlib.import_module(module).__dict__[func]
+def _function(name: str) -> Callable[..., dict]:
+    module, func = BENCHMARKS[name][0].split(":")
+    return importlib.import_module(module).__dict__[func]
+
+
+def draws_plot(name: str) -> bool:
+    return "plot" in inspect.signature(_function(name)).parameters
+
+
+def run_one(name: str, quick: bool, workdir: str | None, plot: str | None = None) -> dict:
+    fn = _function(name)
+    extra = {"plot": plot} if plot and draws_plot(name) else {}
     with tempfile.TemporaryDirectory(prefix=f"quiver-bench-{name}-", dir=workdir) as tmp:
         started = time.time()
-        report = fn(quick=quick, workdir=tmp)
+        report = fn(quick=quick, workdir=tmp, **extra)
     report.update({"benchmark": name, "quick": quick, "machine": machine(),
                    "seconds": round(time.time() - started, 1),
                    "command": "quiver " + " ".join(sys.argv[1:])})
@@ -59,7 +78,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.workdir and not os.path.isdir(args.workdir):
         raise QuietError(f"--workdir {args.workdir} is not a directory", ExitCode.NOT_FOUND)
     names = sorted(BENCHMARKS) if args.name == "all" else [args.name]
-    reports = {n: run_one(n, args.quick, args.workdir) for n in names}
+    if args.plot and not any(draws_plot(n) for n in names):
+        raise QuietError(f"--plot: the {args.name} benchmark draws no figure (these do: "
+                         f"{', '.join(n for n in sorted(BENCHMARKS) if draws_plot(n))})",
+                         ExitCode.USAGE)
+    reports = {n: run_one(n, args.quick, args.workdir, args.plot) for n in names}
     out = reports[names[0]] if len(names) == 1 else {"summary": {
         n: r["summary"] for n, r in reports.items()}, "reports": reports}
     tmp = args.json + ".tmp"

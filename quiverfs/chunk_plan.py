@@ -58,8 +58,12 @@ def make_plan(digest: Digest, chunk_bytes: int | None = None,
     elif sort_key is not None:
         raise ValueError(f"unknown sort key {sort_key!r} (known: {', '.join(SORT_KEYS)})")
     units: list[list[np.ndarray]] = [[] for _ in range(k)]
-    for partition in np.array_split(order, k):
-        for j, unit in enumerate(np.array_split(partition, k)):
+    for p, partition in enumerate(np.array_split(order, k)):
+        # The leftover items of each partition go to different units in turn, so chunk
+        # sizes differ by at most one item.
+        base, extra = divmod(len(partition), k)
+        counts = [base + ((j - p) % k < extra) for j in range(k)]
+        for j, unit in enumerate(np.split(partition, np.cumsum(counts)[:-1])):
             units[j].append(unit)
     members = tuple(np.concatenate(u).astype(np.int64) for u in units)
     chunk_of = np.empty(n, dtype=np.int32)

@@ -39,6 +39,8 @@ def test_chunk_plan_is_deterministic_uniform_and_complete():
         assert len(set(labels[members].tolist())) >= 48
     again = make_plan(class_sorted_digest(5000, 50))
     assert all(np.array_equal(a, b) for a, b in zip(plan.members, again.members))
+    uneven = make_plan(class_sorted_digest(1003, 10))  # leftovers spread over chunks
+    assert sorted({len(m) for m in uneven.members}) == [100, 101]
 
 
 def test_chunk_plan_sort_key_gives_stripe_units_of_similar_size():
