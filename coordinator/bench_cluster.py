@@ -54,7 +54,7 @@ from quiverfs.bench_data import write_synthetic_tree
 from quiverfs.chunk_plan import make_plan
 from quiverfs.emulator import gcs_client, running_emulator, upload_tree
 from quiverfs.errors import QuietError
-from quiverfs.mountd_process import CoordinatorProcess, MountdProcess, unmount
+from quiverfs.mountd_process import CoordinatorProcess, MountdProcess
 from quiverfs.rpc import call_once
 from quiverfs.throttle_proxy import ThrottleProxy, throttled
 
@@ -96,10 +96,13 @@ class Size:
     epochs_cached: int  # lru and sub; epoch 0 is the warm-up
 
 
+# One job alone reads slower than the bucket's cap (in full ~36 items/s against ~60): each
+# job is compute-bound on cache hits, the jobs together are I/O-bound on the bucket, which
+# is where a shared cache pays. tiny only checks that everything works end to end.
 SIZES = {
-    "full": Size(1500, 10, 100_000, 6, 32, 0.05, 6e6, 1, 3),
-    "quick": Size(400, 10, 60_000, 4, 16, 0.05, 3e6, 1, 2),
-    "tiny": Size(450, 5, 30_000, 3, 8, 0.02, 4e6, 1, 2),
+    "full": Size(1200, 10, 100_000, 6, 32, 0.9, 6e6, 1, 3),
+    "quick": Size(400, 10, 40_000, 4, 16, 0.42, 2.4e6, 1, 2),
+    "tiny": Size(420, 5, 30_000, 2, 8, 0.01, 16e6, 1, 2),
 }
 
 
@@ -176,18 +179,28 @@ class _BucketSource:
 
 
 class _SubPlans:
-    """Batches from mountd's substitutable sampler (the manifests' paths and hits)."""
+    """Batches from ``QuiverBatchSampler``, iterated as a DataLoader does (so mountd gets
+    the per-batch times its benefit probing uses); hits from the job's ``stats`` file."""
 
     def __init__(self, spec: JobSpec) -> None:
-        from quiverfs.torch import QuiverBatchSampler
+        from quiverfs.torch import QuiverBatchSampler, image_folder_samples
 
+        self.paths = [os.path.relpath(p, spec.source)
+                      for p, _ in image_folder_samples(spec.source)]
         self.sampler = QuiverBatchSampler(spec.source, spec.batch_size, seed=spec.seed)
+        self._hits = 0
 
-    def epoch(self, epoch: int) -> Iterator[tuple[list[str], int]]:
+    def epoch(self, epoch: int) -> Iterator[list[str]]:
         self.sampler.set_epoch(epoch)
-        for b in range(len(self.sampler)):
-            m = self.sampler.manifest(b)
-            yield m["paths"], m["hits"]
+        for indices in self.sampler:
+            yield [self.paths[i] for i in indices]
+
+    def hits(self) -> int | None:
+        """Items the manifests listed as hits since the last call."""
+        with open(os.path.join(self.sampler.job_dir, "stats"), encoding="utf-8") as f:
+            total = int(json.load(f)["counters"].get("hits", 0))
+        new, self._hits = total - self._hits, total
+        return new
 
     def close(self) -> None:
         self.sampler.close()
@@ -200,28 +213,30 @@ class _ShufflePlans:
         self.spec = spec
         self.paths = paths
 
-    def epoch(self, epoch: int) -> Iterator[tuple[list[str], int | None]]:
+    def epoch(self, epoch: int) -> Iterator[list[str]]:
         order = np.random.default_rng([self.spec.seed, epoch]).permutation(len(self.paths))
         size = self.spec.batch_size
         for start in range(0, len(order), size):
-            yield [self.paths[i] for i in order[start:start + size]], None
+            yield [self.paths[i] for i in order[start:start + size]]
+
+    def hits(self) -> int | None:
+        return None
 
     def close(self) -> None:
         pass
 
 
 def _loaded_batches(read: Callable[[str], int], pool: concurrent.futures.Executor,
-                    plans: Iterator[tuple[list[str], int | None]]
-                    ) -> Iterator[tuple[list[str], int | None, int]]:
-    """(paths, hits, bytes read) per planned batch, read by ``pool`` up to
-    PREFETCH_BATCHES batches ahead of the consumer."""
-    ready: queue.Queue[tuple[list[str], int | None, int] | BaseException | None] = queue.Queue(
+                    plans: Iterator[list[str]]) -> Iterator[tuple[list[str], int]]:
+    """(paths, bytes read) per planned batch, read by ``pool`` up to PREFETCH_BATCHES
+    batches ahead of the consumer."""
+    ready: queue.Queue[tuple[list[str], int] | BaseException | None] = queue.Queue(
         PREFETCH_BATCHES)
 
     def produce() -> None:
         try:
-            for paths, hits in plans:
-                ready.put((paths, hits, sum(pool.map(read, paths))))
+            for paths in plans:
+                ready.put((paths, sum(pool.map(read, paths))))
             ready.put(None)
         except BaseException as exc:  # handed to the consumer, which raises it
             ready.put(exc)
@@ -250,17 +265,14 @@ def job_main(argv: list[str]) -> int:
                 return 1
             start = time.monotonic()
             paths: list[str] = []
-            hits: int | None = 0 if spec.mode == "sub" else None
             nbytes = 0
-            for batch, batch_hits, batch_bytes in _loaded_batches(source.read, pool,
-                                                                  plans.epoch(epoch)):
+            for batch, batch_bytes in _loaded_batches(source.read, pool, plans.epoch(epoch)):
                 time.sleep(spec.compute_s)  # the simulated training step
                 paths += batch
-                if hits is not None and batch_hits is not None:
-                    hits += batch_hits
                 nbytes += batch_bytes
             print(json.dumps({"epoch": epoch, "seconds": time.monotonic() - start,
-                              "paths": paths, "hits": hits, "bytes": nbytes}), flush=True)
+                              "paths": paths, "hits": plans.hits(), "bytes": nbytes}),
+                  flush=True)
         sys.stdin.readline()  # the parent reads the cluster's status before we unregister
     finally:
         pool.shutdown()
@@ -374,8 +386,7 @@ class Cluster:
 
 
 def _stop_node(m: MountdProcess) -> None:
-    rc = m.stop()
-    unmount(m.root)
+    rc = m.stop()  # unmounts
     if rc != 0:
         log.warning("mountd %s exited %s: %s", m.root, rc, m.log_tail())
 
@@ -425,13 +436,14 @@ def running_cluster(base: str, data: Dataset, node_cache: int, chunk_bytes: int,
 
 class TimelineRecorder:
     """Polls the coordinator's status in a thread, keeping every chunk-state event of
-    the dataset (status returns only the latest ones) and its cycle's ``max_resident``."""
+    the dataset (status returns only the latest ones), its cycle's ``max_resident``, and
+    when its cache allocation (coop, full or none) changed."""
 
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
         self.events: dict[tuple[float, int, str], None] = {}  # ordered, without repeats
         self.max_resident = 0
-        self.chunks = 0
+        self.modes: list[tuple[float, str]] = []  # (time, allocation) at each change
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="timeline", daemon=True)
 
@@ -456,13 +468,15 @@ class TimelineRecorder:
             return
         for ds in status["datasets"]:
             if ds["name"] == DATASET:
-                self.chunks = int(ds["chunks"])
                 self.max_resident = max(self.max_resident, int(ds["max_resident"]))
+                if not self.modes or self.modes[-1][1] != ds["mode"]:
+                    self.modes.append((time.time(), str(ds["mode"])))
                 for t, chunk, state in ds["timeline"]:
                     self.events[float(t), int(chunk), str(state)] = None
 
     def timeline(self) -> list[tuple[float, int, str]]:
-        return sorted(self.events)
+        """The events in the coordinator's order (each poll's are, and overlap)."""
+        return list(self.events)
 
 
 def max_resident_from(timeline: list[tuple[float, int, str]]) -> int:
@@ -559,13 +573,15 @@ def _steady(records: list[dict[str, Any]], warmup: int, dataset_bytes: int) -> d
     return out
 
 
-def run_mode(mode: str, data: Dataset, proxy: ThrottleProxy, size: Size, workdir: str
-             ) -> ModeRun:
+def run_mode(mode: str, data: Dataset, proxy: ThrottleProxy, size: Size, workdir: str,
+             node_cache: int, chunk_bytes: int) -> ModeRun:
     """The jobs of ``mode``, spread round-robin over the nodes (no nodes for direct)."""
     base = os.path.join(workdir, mode)
     os.makedirs(base, exist_ok=True)
     n_epochs = size.epochs_direct if mode == "direct" else size.epochs_cached
-    report: dict[str, Any] = {"mode": mode, "jobs": size.jobs}
+    # other work on the machine skews the rates: note how busy it was
+    report: dict[str, Any] = {"mode": mode, "jobs": size.jobs,
+                              "load_average_before": os.getloadavg()[0]}
 
     def specs(roots: list[str]) -> list[JobSpec]:
         return [JobSpec(mode, roots[i % len(roots)], seed=i, batch_size=size.batch_size,
@@ -574,30 +590,33 @@ def run_mode(mode: str, data: Dataset, proxy: ThrottleProxy, size: Size, workdir
     log.info("%s: %d jobs, %d epochs", mode, size.jobs, n_epochs)
     if mode == "direct":
         with running_jobs(specs([proxy.url]), base) as jobs:
-            records, orders = _epochs(jobs, n_epochs, proxy, dict)
+            records, orders = _epochs(jobs, n_epochs, proxy, dict)  # no nodes to count
             for job in jobs:
                 job.finish()
-        report.update(epochs=records, steady=_steady(records, 0, data.bytes))
+        report.update(epochs=records, steady=_steady(records, 0, data.bytes),
+                      load_average_after=os.getloadavg()[0])
         return ModeRun(report, orders)
 
-    node_cache = int(CACHE_FRACTION * data.bytes / len(NODES))
-    chunk_bytes, chunking = choose_chunk_bytes(data, node_cache)
-    report.update(node_cache_bytes=node_cache, **chunking)
     with running_cluster(base, data, node_cache, chunk_bytes, proxy.url) as cluster:
         roots = [os.path.join(cluster.nodes[n].root, DATASET) for n in NODES]
         with running_jobs(specs(roots), base) as jobs, TimelineRecorder(cluster) as recorder:
             report["jobs_on"] = [NODES[i % len(NODES)] for i in range(size.jobs)]
             records, orders = _epochs(jobs, n_epochs, proxy, cluster.counters)
-            report["nodes"] = {n: m.status()["cache"] for n, m in cluster.nodes.items()}
+            statuses = {n: m.status() for n, m in cluster.nodes.items()}
+            report["nodes"] = {n: st["cache"] for n, st in statuses.items()}
+            report["node_jobs"] = {n: [{k: v for k, v in j.items() if k != "chunks"}
+                                       for j in st["jobs"]] for n, st in statuses.items()}
             for job in jobs:
                 job.finish()
     for name in NODES:
         shutil.rmtree(os.path.join(base, f"{name}-cache"), ignore_errors=True)
-    report.update(epochs=records, steady=_steady(records, 1, data.bytes))
+    report.update(epochs=records, steady=_steady(records, 1, data.bytes),
+                  load_average_after=os.getloadavg()[0])
     if mode == "sub":
         timeline = recorder.timeline()
         report.update(max_resident_coordinator=recorder.max_resident,
                       max_resident_timeline=max_resident_from(timeline),
+                      allocation=[list(m) for m in recorder.modes],
                       timeline=[list(e) for e in timeline])
     return ModeRun(report, orders)
 
@@ -635,9 +654,12 @@ def measure(size: Size, workdir: str) -> Measurement:
         started = time.monotonic()
         data = _upload_dataset(emulator.host, size, workdir)
         upload_s = time.monotonic() - started
+        node_cache = int(CACHE_FRACTION * data.bytes / len(NODES))
+        chunk_bytes, chunking = choose_chunk_bytes(data, node_cache)
         with throttled(emulator.host, size.bucket_rate) as proxy:
             for mode in MODES:
-                runs[mode] = run_mode(mode, data, proxy, size, workdir)
+                runs[mode] = run_mode(mode, data, proxy, size, workdir, node_cache,
+                                      chunk_bytes)
     steady = {mode: r.report["steady"] for mode, r in runs.items()}
     sub = runs["sub"].report
     expected = sorted(data.paths)
@@ -659,6 +681,7 @@ def measure(size: Size, workdir: str) -> Measurement:
     report = {
         "dataset": {"items": len(data.paths), "bytes": data.bytes,
                     "upload_seconds": round(upload_s, 1)},
+        "cache": {"node_cache_bytes": node_cache, **chunking},
         "settings": {**dataclasses.asdict(size), "nodes": len(NODES),
                      "cache_fraction": CACHE_FRACTION, "readers_per_job": READERS,
                      "prefetch_batches": PREFETCH_BATCHES,
@@ -696,6 +719,7 @@ def plot_timeline(report: dict[str, Any], out: str) -> None:
     from matplotlib.patches import Patch
 
     sub = report["modes"]["sub"]
+    chunks = report["cache"]["chunks"]
     t0 = sub["epochs"][0]["start"]
     end = sub["epochs"][-1]["start"] + sub["epochs"][-1]["seconds"] - t0
     spans: dict[str, list[tuple[int, float, float]]] = {s: [] for s in STATE_COLORS}
@@ -708,7 +732,7 @@ def plot_timeline(report: dict[str, Any], out: str) -> None:
     for chunk, (began, state) in since.items():
         if state in spans:
             spans[state].append((chunk, began - t0, max(0.0, end - (began - t0))))
-    fig, ax = plt.subplots(figsize=(10, 0.35 * sub["chunks"] + 2))
+    fig, ax = plt.subplots(figsize=(10, 0.35 * chunks + 2))
     for state, bars in spans.items():
         for chunk, start, width in bars:
             ax.broken_barh([(start, width)], (chunk - 0.4, 0.8), color=STATE_COLORS[state])
@@ -716,12 +740,12 @@ def plot_timeline(report: dict[str, Any], out: str) -> None:
         ax.axvline(e["start"] - t0, color="grey", linestyle="--", linewidth=0.8)
     s = report["summary"]
     ax.set_title(f"{sub['jobs']} jobs on {len(NODES)} nodes, cache {CACHE_FRACTION:.0%} of "
-                 f"the dataset, {sub['chunks']} chunks: at most {s['max_resident_chunks']} "
+                 f"the dataset, {chunks} chunks: at most {s['max_resident_chunks']} "
                  f"resident; bucket bytes/epoch {s['bucket_bytes_ratio']:.2f}x the dataset",
                  fontsize=9)
     ax.set_xlabel("seconds since the first epoch began (dashed: epoch boundaries)")
     ax.set_ylabel("chunk")
-    ax.set_yticks(range(sub["chunks"]))
+    ax.set_yticks(range(chunks))
     ax.set_xlim(0, end)
     ax.legend(handles=[Patch(color=c, label=st) for st, c in STATE_COLORS.items()],
               loc="upper right", fontsize=8)

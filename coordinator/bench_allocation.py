@@ -1,0 +1,690 @@
+"""``quiver bench allocation``: benefit-aware cache allocation against plain LRU (§5.3).
+
+Three synthetic ImageFolder datasets sit in the GCS emulator behind one bandwidth-capped
+proxy (``throttle_proxy``), as a cluster's jobs share a bucket's bandwidth. Three job
+types, each on its own dataset, differ in their (simulated) compute per mini-batch:
+``io`` computes nothing (I/O-bound), ``medium`` a little, ``heavy`` enough to hide its
+I/O. Every job is a separate process that reads for a fixed time, as many epochs as it
+gets through, three ways:
+
+- ``nocache``: each job's own seeded permutation, read from the bucket with the
+  google-cloud-storage client through the same proxy (no mount, no cache);
+- ``lru``: the same permutations, exact reads through one mountd whose cache holds a
+  fraction of all three datasets (its store evicts least-recently-used);
+- ``quiver``: ``QuiverBatchSampler`` manifests through one mountd with the same cache:
+  its embedded coordinator probes every job (``--probe-batches`` without hits), and
+  gives each dataset a full cache, two chunks (cooperative) or nothing by G per byte.
+
+A job reads each batch's files with a few threads (like DataLoader workers, a batch or
+two ahead of its compute) and sleeps its compute time per batch. Cluster throughput is
+the items all jobs finished per second after a warm-up (which holds the probes and the
+first, cold epoch of a cached dataset), normalized by the ``nocache`` throughput.
+
+Run as ``python -m coordinator.bench_allocation SPEC`` this module is one job (the worker).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import queue
+import selectors
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from coordinator.allocation import DatasetDemand, JobBenefit
+from digest_tools.create import create_digest
+from mountd.bench_substitution import Dataset
+from quiverfs import digest as digest_format
+from quiverfs.backends import StorageOptions
+from quiverfs.bench_data import write_synthetic_tree
+from quiverfs.chunk_plan import make_plan
+from quiverfs.emulator import gcs_client, running_emulator, upload_tree
+from quiverfs.mountd_process import MountdProcess, running_mountd
+from quiverfs.throttle_proxy import ThrottleProxy, throttled
+
+log = logging.getLogger(__name__)
+
+BUCKET = "bench"
+CACHED = ("lru", "quiver")  # the ways to read through a cache, run at every budget
+READERS = 4  # reader threads per job, like DataLoader workers
+PREFETCH_BATCHES = 2  # batches a job's readers may run ahead of its compute
+POLL_INTERVAL = 1.0  # seconds between samples of mountd's status and the proxy's bytes
+JOB_START_TIMEOUT = 180.0  # seconds a job may take to start (importing torch, registering)
+JOB_REPORT_SLACK = 120.0  # seconds past its run time a job may take to finish its batch
+JOB_STOP_TIMEOUT = 30.0  # seconds a job may take to unregister and exit
+GOAL_VS_LRU = 1.3  # Quiver / LRU throughput wanted at the constrained budgets
+CONSTRAINED = (0.15, 0.3)  # the budgets the goal is about
+
+
+@dataclasses.dataclass(frozen=True)
+class JobType:
+    """A kind of training job and the dataset it reads (named after it)."""
+
+    name: str
+    items: int  # in its dataset
+    compute_s: float  # simulated compute per batch (seconds)
+    jobs: int  # concurrent jobs of this type, each with its own seed
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """How big a run is."""
+
+    types: tuple[JobType, ...]
+    classes: int
+    mean_item_bytes: int
+    batch_size: int
+    bucket_rate: float  # bytes/s through the proxy, all connections together
+    chunk_fraction: float  # chunk bytes / all datasets' bytes (--chunk-size)
+    probe_batches: int  # --probe-batches: a probe ends early in the run
+    seconds: float  # each configuration runs its jobs this long
+    warmup_s: float  # left out of the throughput (probes, cold first epochs)
+    budgets: tuple[float, ...]  # cache bytes / all datasets' bytes
+
+
+# Chunks of 3% of all the bytes: two of a dataset (its cooperative share) fit the 15%
+# budget twice, and the io dataset in full plus two medium chunks fit 30%. The heavy
+# job's compute hides its share of the bucket; probes of 4 batches give the allocation
+# its numbers within the warm-up.
+SIZES = {
+    "full": Size((JobType("io", 250, 0.0, 4), JobType("medium", 300, 0.64, 2),
+                  JobType("heavy", 650, 3.0, 1)),
+                 10, 60_000, 16, 4e6, 0.03, 4, 90.0, 35.0, (0.15, 0.3, 0.9)),
+    "quick": Size((JobType("io", 105, 0.0, 2), JobType("medium", 125, 0.64, 1),
+                   JobType("heavy", 270, 3.0, 1)),
+                  5, 60_000, 16, 4e6, 0.03, 4, 12.0, 5.0, (0.15, 0.3, 0.9)),
+    "tiny": Size((JobType("io", 40, 0.0, 1), JobType("medium", 40, 0.02, 1),
+                  JobType("heavy", 60, 0.2, 1)),
+                 4, 30_000, 4, 4e6, 0.05, 4, 6.0, 2.0, (0.3,)),
+}
+
+
+# -- the job (a separate process) ------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """What one job process does; sent to it as JSON on its command line."""
+
+    kind: str  # "nocache", or one of CACHED
+    source: str  # the dataset's directory in the mount; for nocache "ENDPOINT BUCKET PREFIX"
+    seed: int
+    batch_size: int
+    compute_s: float
+    seconds: float  # stop after the batch that ends past this many seconds
+
+
+class _MountSource:
+    """The dataset's files in a mount."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def paths(self) -> list[str]:
+        return sorted(os.path.relpath(os.path.join(d, f), self.root)
+                      for d, _, fs in os.walk(self.root) for f in fs)
+
+    def read(self, path: str) -> int:
+        """Read a file, then drop its pages: the kernel's page cache must not stand in
+        for the cache under test (a real dataset would not fit in RAM)."""
+        with open(os.path.join(self.root, path), "rb", buffering=0) as f:
+            n = len(f.read())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        return n
+
+    def close(self) -> None:
+        pass
+
+
+class _BucketSource:
+    """The dataset's objects, read with the GCS client (one client per reader thread)."""
+
+    def __init__(self, source: str) -> None:
+        self.endpoint, self.bucket, prefix = source.split(" ")
+        self.prefix = prefix.strip("/") + "/"
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._clients: list[Any] = []
+
+    def _client(self) -> Any:
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = gcs_client(self.endpoint)
+            with self._lock:
+                self._clients.append(client)
+        return client
+
+    def paths(self) -> list[str]:
+        blobs = self._client().list_blobs(self.bucket, prefix=self.prefix)
+        return sorted(b.name[len(self.prefix):] for b in blobs)
+
+    def read(self, path: str) -> int:
+        blob = self._client().bucket(self.bucket).blob(self.prefix + path)
+        return len(blob.download_as_bytes(checksum=None))
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = self._clients, []
+        for client in clients:
+            client.close()
+
+
+class _QuiverPlans:
+    """Batches from ``QuiverBatchSampler``, iterated as a DataLoader does (so mountd gets
+    the time between batches, which its probes measure)."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        from quiverfs.torch import QuiverBatchSampler, image_folder_samples
+
+        self.paths = [os.path.relpath(p, spec.source)
+                      for p, _ in image_folder_samples(spec.source)]
+        self.sampler = QuiverBatchSampler(spec.source, spec.batch_size, seed=spec.seed)
+        self.job_id = self.sampler.job_id
+
+    def epoch(self, epoch: int) -> Iterator[list[str]]:
+        self.sampler.set_epoch(epoch)
+        for indices in self.sampler:
+            yield [self.paths[i] for i in indices]
+
+    def close(self) -> None:
+        self.sampler.close()
+
+
+class _ShufflePlans:
+    """Batches of a seeded permutation of every path (exact reads)."""
+
+    def __init__(self, spec: JobSpec, paths: list[str]) -> None:
+        self.spec = spec
+        self.paths = paths
+        self.job_id = None
+
+    def epoch(self, epoch: int) -> Iterator[list[str]]:
+        order = np.random.default_rng([self.spec.seed, epoch]).permutation(len(self.paths))
+        size = self.spec.batch_size
+        for start in range(0, len(order), size):
+            yield [self.paths[i] for i in order[start:start + size]]
+
+    def close(self) -> None:
+        pass
+
+
+_Planned = tuple[list[str], list[concurrent.futures.Future]]  # a batch and its reads
+
+
+def paths_digest(paths: list[str]) -> str:
+    """SHA-256 of the sorted paths: equal to the dataset's iff each was read exactly once."""
+    return hashlib.sha256("\n".join(sorted(paths)).encode()).hexdigest()
+
+
+class _Prefetcher:
+    """Plans batches in a thread and hands each one's files to the reader pool as soon as
+    it is planned, up to PREFETCH_BATCHES batches ahead of the consumer (as a DataLoader
+    dispatches index batches to its workers); leaving the ``with`` block stops planning
+    and waits for the reads already handed out."""
+
+    def __init__(self, read: Any, pool: concurrent.futures.Executor,
+                 plans: Iterator[list[str]]) -> None:
+        self._read = read
+        self._pool = pool
+        self._plans = plans
+        self._ready: queue.Queue[_Planned | BaseException | None] = queue.Queue(
+            PREFETCH_BATCHES)
+        self._stop = threading.Event()
+        self._ended = False
+        self._thread = threading.Thread(target=self._produce, name="planner", daemon=True)
+
+    def __enter__(self) -> _Prefetcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._stop.set()
+        while not self._ended:  # the planner ends after the batch it is planning
+            item = self._take()
+            if isinstance(item, tuple):
+                concurrent.futures.wait(item[1])
+        self._thread.join()
+
+    def _take(self) -> _Planned | BaseException | None:
+        item = self._ready.get()
+        self._ended = item is None
+        return item
+
+    def _produce(self) -> None:
+        try:
+            while not self._stop.is_set():
+                paths = next(self._plans, None)  # a manifest: mountd may fetch misses first
+                if paths is None:
+                    break
+                self._ready.put((paths, [self._pool.submit(self._read, p) for p in paths]))
+        except BaseException as exc:  # handed to the consumer, which raises it
+            self._ready.put(exc)
+        finally:
+            self._ready.put(None)
+
+    def __iter__(self) -> Iterator[list[str]]:
+        while (item := self._take()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            paths, reads = item
+            for read in reads:
+                read.result()
+            yield paths
+
+
+def _train(spec: JobSpec, source: _MountSource | _BucketSource,
+           pool: concurrent.futures.Executor, plans: _QuiverPlans | _ShufflePlans
+           ) -> dict[str, Any]:
+    """Run epochs for ``spec.seconds``: when each batch's compute ended (monotonic clock,
+    which every process shares) and its size; each epoch's items, and for a complete
+    epoch the digest of its paths."""
+    start = time.monotonic()
+    stop_at = start + spec.seconds
+    batches: list[tuple[float, int]] = []
+    epochs: list[dict[str, Any]] = []
+    epoch = 0
+    while time.monotonic() < stop_at:
+        paths: list[str] = []
+        with _Prefetcher(source.read, pool, plans.epoch(epoch)) as loaded:
+            for batch in loaded:
+                time.sleep(spec.compute_s)  # the simulated training step
+                paths += batch
+                batches.append((round(time.monotonic(), 4), len(batch)))
+                if time.monotonic() >= stop_at:
+                    break
+        complete = len(paths) == len(plans.paths)
+        epochs.append({"epoch": epoch, "items": len(paths), "complete": complete,
+                       "paths_sha256": paths_digest(paths) if complete else None})
+        epoch += 1
+    return {"start": start, "batches": batches, "epochs": epochs}
+
+
+def job_main(argv: list[str]) -> int:
+    """One job: announce readiness (and its mountd job id), train for its time after a
+    ``go`` line on stdin, answer with one JSON line, and exit after the next line."""
+    spec = JobSpec(**json.loads(argv[0]))
+    source = _BucketSource(spec.source) if spec.kind == "nocache" else _MountSource(spec.source)
+    pool = concurrent.futures.ThreadPoolExecutor(READERS)
+    plans: _QuiverPlans | _ShufflePlans | None = None
+    try:
+        plans = _QuiverPlans(spec) if spec.kind == "quiver" else _ShufflePlans(spec,
+                                                                               source.paths())
+        print(json.dumps({"ready": True, "job": plans.job_id}), flush=True)
+        if sys.stdin.readline().strip() != "go":
+            return 1
+        print(json.dumps(_train(spec, source, pool, plans)), flush=True)
+        sys.stdin.readline()  # the parent reads mountd's status before we unregister
+    finally:
+        pool.shutdown()
+        if plans is not None:
+            plans.close()
+        source.close()
+    return 0
+
+
+# -- the parent: jobs ------------------------------------------------------------------
+class JobProcess:
+    """A job child; lines to its stdin, JSON lines back from its stdout."""
+
+    def __init__(self, name: str, spec: JobSpec, log_path: str) -> None:
+        self.name = name
+        self.spec = spec
+        self.log_path = log_path
+        self.job_id: str | None = None  # mountd's, for quiver jobs
+        with open(log_path, "ab") as log_file:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "coordinator.bench_allocation",
+                 json.dumps(dataclasses.asdict(spec))],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file, bufsize=0)
+        self._buffer = b""
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line.encode() + b"\n")
+
+    def receive(self, timeout: float) -> dict[str, Any]:
+        """The next JSON line, or an error naming the job's last log lines."""
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while b"\n" not in self._buffer:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    raise RuntimeError(f"job {self.name} sent nothing for {timeout:.0f} s: "
+                                       f"{self._log_tail()}")
+                data = os.read(fd, 1 << 20)
+                if not data:
+                    raise RuntimeError(f"job {self.name} exited ({self.proc.wait()}): "
+                                       f"{self._log_tail()}")
+                self._buffer += data
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def _log_tail(self, n: int = 15) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[-n:]) or "(no output)"
+
+    def finish(self) -> None:
+        """Let the job unregister and exit; it must exit 0."""
+        self.send("exit")
+        self.proc.stdin.close()
+        rc = self.proc.wait(JOB_STOP_TIMEOUT)
+        if rc != 0:
+            raise RuntimeError(f"job {self.name} exited {rc}: {self._log_tail()}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError):
+                pipe.close()
+
+
+@contextlib.contextmanager
+def running_jobs(specs: dict[str, JobSpec], log_dir: str) -> Iterator[list[JobProcess]]:
+    """Started job processes (name -> spec), all ready; killed on exit if still there."""
+    jobs: list[JobProcess] = []
+    try:
+        for name, spec in specs.items():
+            jobs.append(JobProcess(name, spec, os.path.join(log_dir, f"job-{name}.log")))
+        for job in jobs:
+            job.job_id = job.receive(JOB_START_TIMEOUT)["job"]
+        yield jobs
+    finally:
+        for job in jobs:
+            job.kill()
+
+
+# -- the parent: one configuration -----------------------------------------------------
+COUNTER_KEYS = ("local_hits", "misses", "probe_misses", "bucket_fetches", "bucket_bytes")
+JOB_KEYS = ("dataset", "epoch", "t_miss", "t_hit", "benefit", "probing", "gpus")
+
+
+def _sample(m: MountdProcess | None, proxy: ThrottleProxy, t: float) -> dict[str, Any]:
+    """The proxy's bytes and, with a mountd, its per-dataset counters, modes and jobs."""
+    sample: dict[str, Any] = {"t": round(t, 2), "proxy_bytes": proxy.bytes_down}
+    if m is None:
+        return sample
+    status = m.status()
+    names = {d["identity"]: d["name"] for d in status["datasets"]}
+    cycles = m.call({"op": "cluster"})["cycles"]
+    sample.update(
+        cache_used=status["cache"]["used_bytes"],
+        modes={names[i]: c["mode"] for i, c in cycles.items() if i in names},
+        counters={d["name"]: {k: int(d["counters"].get(k, 0)) for k in COUNTER_KEYS}
+                  for d in status["datasets"]},
+        jobs={j["job"]: {**{k: j.get(k) for k in JOB_KEYS}, **j["counters"]}
+              for j in status["jobs"]})
+    return sample
+
+
+def _watch(jobs: list[JobProcess], m: MountdProcess | None, proxy: ThrottleProxy,
+           seconds: float) -> tuple[float, list[dict[str, Any]]]:
+    """Start the jobs; sample every POLL_INTERVAL while they run. (go time, samples)."""
+    go = time.monotonic()
+    for job in jobs:
+        job.send("go")
+    samples = []
+    while (now := time.monotonic()) < go + seconds:
+        samples.append(_sample(m, proxy, now - go))
+        time.sleep(min(POLL_INTERVAL, max(0.0, go + seconds - time.monotonic())))
+    samples.append(_sample(m, proxy, time.monotonic() - go))
+    return go, samples
+
+
+def _mode_changes(samples: list[dict[str, Any]]) -> list[list[Any]]:
+    """[seconds, dataset, mode] whenever a dataset's allocation changed."""
+    changes, last = [], {}
+    for s in samples:
+        for name, mode in sorted(s.get("modes", {}).items()):
+            if last.get(name) != mode:
+                changes.append([s["t"], name, mode])
+                last[name] = mode
+    return changes
+
+
+def _allocation_log(log_path: str) -> list[str]:
+    """The coordinator's allocation decisions, with the numbers behind them, from mountd's
+    log (the embedded coordinator logs every change of a dataset's mode)."""
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        return [line.strip() for line in f if "coordinator.state: dataset " in line]
+
+
+def _window(samples: list[dict[str, Any]], start: float) -> tuple[dict[str, Any],
+                                                                 dict[str, Any]]:
+    """The first sample at or after ``start`` seconds, and the last one."""
+    first = next((s for s in samples if s["t"] >= start), samples[-1])
+    return first, samples[-1]
+
+
+def _job_report(job: JobProcess, reply: dict[str, Any], expected: str,
+                window: tuple[float, float], info: dict[str, Any]) -> dict[str, Any]:
+    """One job's throughput in the window, its epochs, and what mountd knew of it."""
+    w0, w1 = window
+    items = sum(n for t, n in reply["batches"] if w0 < t <= w1)
+    complete = [e for e in reply["epochs"] if e["complete"]]
+    out = {"name": job.name, "seed": job.spec.seed, "compute_s": job.spec.compute_s,
+           "items_per_s": items / (w1 - w0),
+           "items": sum(e["items"] for e in reply["epochs"]),
+           "epochs_complete": len(complete),
+           "exactly_once": all(e["paths_sha256"] == expected for e in complete)}
+    if job.job_id is not None:
+        out.update(job=job.job_id, hits=info.get("hits"), fetched=info.get("fetched"),
+                   **{k: info.get(k) for k in ("t_miss", "t_hit", "benefit", "probing")})
+    return out
+
+
+def run_config(kind: str, budget: float, data: dict[str, Dataset], proxy: ThrottleProxy,
+               size: Size, workdir: str) -> dict[str, Any]:
+    """Every job of ``size`` reading ``kind``'s way, with a cache of ``budget`` of all
+    datasets' bytes (none for nocache); the configuration's report."""
+    total = sum(d.bytes for d in data.values())
+    name = kind if kind == "nocache" else f"{kind}-{round(budget * 100)}pct"
+    base = os.path.join(workdir, name)
+    os.makedirs(base)
+    cache_bytes = int(budget * total) if kind != "nocache" else 0
+    chunk_bytes = int(size.chunk_fraction * total)
+    types = {t.name: t for t in size.types}
+    log.info("%s: cache %d bytes, chunks of %d bytes, %d s", name, cache_bytes, chunk_bytes,
+             size.seconds)
+    with contextlib.ExitStack() as stack:
+        m: MountdProcess | None = None
+        if kind == "nocache":
+            sources = {t: f"{proxy.url} {BUCKET} {t}" for t in types}
+        else:
+            m = stack.enter_context(running_mountd(
+                base, cache_size=str(cache_bytes), extra_args=(
+                    "--chunk-size", str(chunk_bytes),
+                    "--probe-batches", str(size.probe_batches))))
+            for t in types:
+                m.call({"op": "mount", "name": t, "digest": data[t].digest,
+                        "emulator_host": proxy.url})
+            sources = {t: os.path.join(m.root, t) for t in types}
+        specs = {f"{t.name}{i}": JobSpec(kind, sources[t.name], i, size.batch_size,
+                                         t.compute_s, size.seconds)
+                 for t in size.types for i in range(t.jobs)}
+        jobs = stack.enter_context(running_jobs(specs, base))
+        go, samples = _watch(jobs, m, proxy, size.seconds)
+        replies = {job.name: job.receive(JOB_REPORT_SLACK) for job in jobs}
+        final = _sample(m, proxy, time.monotonic() - go)  # while the jobs are registered
+        for job in jobs:
+            job.finish()
+    shutil.rmtree(os.path.join(base, "node-cache"), ignore_errors=True)
+
+    window = (go + size.warmup_s, go + size.seconds)
+    first, last = _window(samples, size.warmup_s)
+    per_job: dict[str, list[dict[str, Any]]] = {t: [] for t in types}
+    for job in jobs:
+        t = job.name.rstrip("0123456789")
+        per_job[t].append(_job_report(job, replies[job.name], paths_digest(data[t].paths),
+                                      window, final.get("jobs", {}).get(job.job_id, {})))
+    report: dict[str, Any] = {
+        "kind": kind, "budget": budget, "cache_bytes": cache_bytes,
+        "items_per_s": sum(j["items_per_s"] for js in per_job.values() for j in js),
+        "bucket_bytes_per_s": (last["proxy_bytes"] - first["proxy_bytes"])
+        / max(1e-9, last["t"] - first["t"]),
+        "types": {t: {"items_per_s": sum(j["items_per_s"] for j in js), "jobs": js}
+                  for t, js in per_job.items()},
+        "exactly_once": all(j["exactly_once"] for js in per_job.values() for j in js)}
+    if m is not None:
+        report["window_counters"] = {
+            t: {k: last["counters"][t][k] - first["counters"][t][k] for k in COUNTER_KEYS}
+            for t in types}
+        report["cache_used_bytes"] = last["cache_used"]
+    if kind == "quiver":
+        report.update(chunk_bytes=chunk_bytes, modes=final["modes"],
+                      mode_changes=_mode_changes(samples),
+                      allocation_log=_allocation_log(os.path.join(base, "node.log")),
+                      gain={t: round(DatasetDemand(t, data[t].bytes, chunk_bytes, tuple(
+                          JobBenefit(int(j.get("gpus") or 1), j.get("t_miss"), j.get("t_hit"))
+                          for j in final["jobs"].values() if j["dataset"] == t)).gain, 3)
+                          for t in types},
+                      benefit_timeline=[{"t": s["t"], **{
+                          job.name: s["jobs"].get(job.job_id, {}).get("benefit")
+                          for job in jobs}} for s in samples])
+    log.info("%s: %.1f items/s (%s)", name, report["items_per_s"], ", ".join(
+        f"{t} {v['items_per_s']:.1f}" for t, v in report["types"].items()))
+    return report
+
+
+# -- the benchmark ---------------------------------------------------------------------
+def _upload(emulator_host: str, size: Size, workdir: str) -> dict[str, Dataset]:
+    """Write, upload and digest each job type's dataset (distinct seeds: distinct items)."""
+    data = {}
+    for seed, t in enumerate(size.types, start=11):
+        src = os.path.join(workdir, "src", t.name)
+        write_synthetic_tree(src, t.items, size.classes, seed=seed,
+                             mean_size=size.mean_item_bytes)
+        upload_tree(emulator_host, BUCKET, t.name, src)
+        data[t.name] = Dataset.from_digest(create_digest(
+            f"gs://{BUCKET}/{t.name}", t.name, workers=4,
+            options=StorageOptions(emulator_host=emulator_host)))
+    shutil.rmtree(os.path.join(workdir, "src"))
+    return data
+
+
+def _chunking(data: Dataset, chunk_bytes: int, total: int) -> dict[str, Any]:
+    """The dataset's chunks as mountd plans them, and what two of them cost."""
+    plan = make_plan(digest_format.decode(data.digest), chunk_bytes)
+    return {"chunks": plan.n_chunks, "largest_chunk_bytes": max(plan.chunk_bytes),
+            "coop_fraction": round(2 * max(plan.chunk_bytes) / total, 3)}
+
+
+def _summary(configs: list[dict[str, Any]], size: Size) -> dict[str, Any]:
+    by = {(c["kind"], c["budget"]): c for c in configs}
+    base = by["nocache", 0.0]["items_per_s"]
+    summary: dict[str, Any] = {}
+    for b in size.budgets:
+        pct = round(b * 100)
+        quiver, lru = by["quiver", b]["items_per_s"], by["lru", b]["items_per_s"]
+        summary[f"gain_vs_lru_{pct}"] = round(quiver / lru, 2)
+        summary[f"gain_vs_nocache_{pct}"] = round(quiver / base, 2)
+        summary[f"lru_vs_nocache_{pct}"] = round(lru / base, 2)
+    summary["items_per_s_nocache"] = round(base, 1)
+    summary["exactly_once"] = all(c["exactly_once"] for c in configs)
+    summary["goals_met"] = {f"gain_vs_lru_{round(b * 100)}":
+                            summary[f"gain_vs_lru_{round(b * 100)}"] >= GOAL_VS_LRU
+                            for b in size.budgets if b in CONSTRAINED}
+    return summary
+
+
+def measure(size: Size, workdir: str) -> dict[str, Any]:
+    """Upload the datasets, run no cache, then LRU and Quiver at every budget."""
+    with running_emulator() as emulator:
+        emulator.create_bucket(BUCKET)
+        started = time.monotonic()
+        data = _upload(emulator.host, size, workdir)
+        upload_s = time.monotonic() - started
+        with throttled(emulator.host, size.bucket_rate) as proxy:
+            configs = [run_config("nocache", 0.0, data, proxy, size, workdir)]
+            for budget in size.budgets:
+                for kind in CACHED:
+                    configs.append(run_config(kind, budget, data, proxy, size, workdir))
+    total = sum(d.bytes for d in data.values())
+    base = configs[0]["items_per_s"]
+    return {
+        "datasets": {t: {"items": len(d.paths), "bytes": d.bytes,
+                         "fraction": round(d.bytes / total, 3),
+                         **_chunking(d, int(size.chunk_fraction * total), total)}
+                     for t, d in data.items()},
+        "upload_seconds": round(upload_s, 1),
+        "settings": {**dataclasses.asdict(size), "readers_per_job": READERS,
+                     "prefetch_batches": PREFETCH_BATCHES, "total_bytes": total},
+        "definitions": {
+            "items_per_s": "items all jobs finished (after their compute) per second, from "
+                           "warmup_s to seconds after the jobs started",
+            "normalized": "items_per_s / items_per_s of nocache (no mount: the GCS client "
+                          "through the same proxy)",
+            "gain_vs_lru": "items_per_s of quiver / of lru at the same budget (budget: "
+                           "mountd's --cache-size as a percentage of all datasets' bytes)",
+            "modes": "the allocation per dataset when the run ended (full, coop: two "
+                     "chunks, none)",
+            "gain": "G per dataset from the jobs' final t_miss / t_hit (allocation.py)",
+            "goal": f"gain_vs_lru >= {GOAL_VS_LRU} at budgets "
+                    f"{', '.join(f'{round(b * 100)}%' for b in CONSTRAINED)}"},
+        "normalized": {kind: {str(round(c["budget"] * 100)): round(c["items_per_s"] / base, 3)
+                              for c in configs if c["kind"] == kind}
+                       for kind in CACHED},
+        "configs": configs,
+        "summary": _summary(configs, size),
+    }
+
+
+def plot_throughput(report: dict[str, Any], out: str) -> None:
+    """Normalized cluster throughput per budget, Quiver next to LRU (no cache = 1)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    budgets = list(report["normalized"]["quiver"])
+    modes = {str(round(c["budget"] * 100)): c["modes"] for c in report["configs"]
+             if c["kind"] == "quiver"}
+    x = np.arange(len(budgets))
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for offset, kind, color in ((-0.2, "lru", "tab:gray"), (0.2, "quiver", "tab:blue")):
+        values = [report["normalized"][kind][b] for b in budgets]
+        bars = ax.bar(x + offset, values, 0.4, label="Quiver" if kind == "quiver" else "LRU",
+                      color=color)
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--", label="no cache")
+    ax.set_yscale("log")
+    ax.set_xticks(x, [f"{b}% cache\n" + ", ".join(f"{t} {m}" for t, m in modes[b].items())
+                      for b in budgets], fontsize=8)
+    ax.set_ylabel("cluster throughput / no cache (log scale)")
+    size = report["settings"]
+    ax.set_title("Benefit-aware allocation vs LRU: " + ", ".join(
+        f"{t['jobs']}x {t['name']} ({t['compute_s']:g} s/batch)" for t in size["types"]),
+        fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def run(quick: bool, workdir: str, plot: str | None = None, size: str | None = None) -> dict:
+    """The benchmark; ``size`` ("full", "quick", "tiny") overrides ``quick``; ``plot``
+    names a PNG for the normalized throughput per budget."""
+    name = size or ("quick" if quick else "full")
+    report = measure(SIZES[name], workdir)
+    report["size"] = name
+    if plot:
+        plot_throughput(report, plot)
+    return report
+
+
+if __name__ == "__main__":
+    sys.exit(job_main(sys.argv[1:]))

@@ -1,0 +1,673 @@
+"""``quiver bench compare``: Quiver beside what users would pick instead, on one capped bucket.
+
+A synthetic ImageFolder dataset sits in the GCS emulator behind one bandwidth-capped
+proxy (``throttle_proxy``) that every configuration reads through, so the "bucket" is
+shared and slower than a local cache, and the proxy counts the bytes it serves. k jobs
+(separate processes, running concurrently) each train for E epochs with torchvision's
+``ImageFolder`` and a ``DataLoader`` with worker processes, sleeping a simulated compute
+time per batch. Four ways to read:
+
+- ``direct``: no cache; a Dataset whose ``__getitem__`` downloads the object with the
+  google-cloud-storage client;
+- ``rclone``: ``rclone mount`` of the bucket (GCS backend, ``--vfs-cache-mode full``,
+  ``--vfs-cache-max-size`` = the cache budget), a plain ImageFolder over it;
+- ``exact``: a plain ImageFolder over a ``quiver mountd`` mount (its LRU store of the
+  budget size);
+- ``sub``: the same mount with ``quiverfs.torch.QuiverBatchSampler``.
+
+Cache budgets are 10%, 50% and 100% of the dataset, with 1 and with 4 jobs. The parent
+holds the jobs at every epoch boundary to read the proxy's byte count, the daemon's CPU
+time and mountd's hit counters per epoch; epoch 0 (cold cache) is left out of the
+steady-state numbers.
+
+rclone downloads an object from the ``mediaLink`` in its metadata, not from its
+configured endpoint, and the emulator builds that link from the Host header of the
+request that uploaded the object. So the dataset is uploaded through the proxy: its
+links then point at the proxy, and rclone's downloads pass the same cap as everyone's.
+
+Run as ``python -m quiverfs.bench_compare`` this module is one job (the worker).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import logging
+import math
+import os
+import resource
+import selectors
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from digest_tools.create import create_digest
+from mountd.bench_substitution import Dataset
+from quiverfs.backends import StorageOptions
+from quiverfs.bench_data import write_synthetic_tree
+from quiverfs.emulator import Emulator, gcs_client, running_emulator, upload_tree
+from quiverfs.mountd_process import (MountdProcess, is_mounted, running_mountd, terminate,
+                                     unmount)
+from quiverfs.throttle_proxy import ThrottleProxy, throttled
+
+log = logging.getLogger(__name__)
+
+BUCKET = "bench"
+DATASET = "syn"
+MODES = ("direct", "rclone", "exact", "sub")
+LABELS = {"direct": "direct (no cache)", "rclone": "rclone mount", "exact": "Quiver exact",
+          "sub": "Quiver substitutable"}
+CACHED_MODES = ("rclone", "exact", "sub")
+FRACTIONS = (0.1, 0.5, 1.0)  # cache budgets, of the dataset's bytes
+# Benefit probing forces this many batches of misses per substitutable job in epoch 0
+# (mountd's default, 100, is more than an epoch of these datasets).
+PROBE_BATCHES = 5
+# rclone enforces --vfs-cache-max-size only when it polls (default every minute, longer
+# than an epoch here); polling every few seconds holds it to the budget.
+RCLONE_POLL = "500ms"
+DISK_SAMPLE_S = 0.5  # seconds between samples of a cache directory's disk usage
+CROP = 64  # pixels: every image is center-cropped to CROP x CROP before collation
+START_TIMEOUT = 120.0  # seconds for a job to import torch, or to set up a configuration
+EPOCH_TIMEOUT = 600.0  # seconds a job may take for one epoch
+JOB_STOP_TIMEOUT = 30.0  # seconds a job may take to exit after its stdin closes
+MOUNT_TIMEOUT = 30.0  # seconds for rclone's mount to appear
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """How big a run is."""
+
+    items: int  # synthetic dataset items
+    classes: int
+    mean_item_bytes: int
+    bucket_rate: float  # bytes/s through the proxy, all connections together
+    epochs: int  # per cached configuration; epoch 0 is the warm-up
+    epochs_direct: int  # without a cache every epoch counts
+    batch_size: int
+    compute_s: float  # simulated compute per batch (seconds)
+    workers: int  # DataLoader worker processes per job
+    job_counts: tuple[int, ...]  # concurrent jobs; the largest is the summary's
+
+
+SIZES = {
+    "full": Size(1250, 10, 25_000, 2.2e6, 2, 1, 8, 0.08, 1, (1, 4)),
+    "quick": Size(625, 10, 25_000, 4e6, 2, 1, 8, 0.04, 1, (4,)),
+    "tiny": Size(60, 4, 20_000, 4e6, 2, 1, 8, 0.01, 1, (2,)),
+}
+
+
+# -- the job (a separate process) ------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """One configuration as a job runs it; sent to the job as a JSON line."""
+
+    mode: str  # one of MODES
+    source: str  # the dataset's directory in a mount; for "direct" the bucket's endpoint
+    seed: int
+    batch_size: int
+    compute_s: float
+    workers: int
+
+
+def _decode(data: bytes) -> Any:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        return image.convert("RGB")
+
+
+def load_image(path: str) -> Any:
+    """ImageFolder's loader, dropping the file's pages after reading: else the kernel's
+    page cache, not the cache under test, would serve later epochs."""
+    with open(path, "rb", buffering=0) as f:
+        data = f.read()
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    return _decode(data)
+
+
+class BucketImages:
+    """The dataset as ImageFolder would list it, each item downloaded from the bucket
+    with the google-cloud-storage client (one client per DataLoader worker)."""
+
+    def __init__(self, endpoint: str, transform: Callable[[Any], Any]) -> None:
+        self.endpoint = endpoint
+        self.transform = transform
+        client = gcs_client(endpoint)
+        try:
+            names = sorted(b.name for b in client.list_blobs(BUCKET, prefix=f"{DATASET}/"))
+        finally:
+            client.close()
+        classes = sorted({name.split("/")[1] for name in names})
+        self.samples = [(name, classes.index(name.split("/")[1])) for name in names]
+        self._client: Any = None  # made in each worker process, after the fork
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        if self._client is None:
+            self._client = gcs_client(self.endpoint)
+        name, label = self.samples[index]
+        data = self._client.bucket(BUCKET).blob(name).download_as_bytes(checksum=None)
+        return self.transform(_decode(data)), label
+
+
+def _own_cpu_seconds() -> float:
+    """CPU seconds of this process and its reaped children (the DataLoader workers)."""
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+class _Training:
+    """One configuration inside a job: its dataset, DataLoader and epoch counter."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        import torch
+        from torchvision import datasets, transforms
+
+        from quiverfs.torch import QuiverBatchSampler
+
+        self.spec = spec
+        self.epoch = 0
+        transform = transforms.Compose([transforms.CenterCrop(CROP), transforms.PILToTensor()])
+        if spec.mode == "direct":
+            dataset: Any = BucketImages(spec.source, transform)
+        else:
+            dataset = datasets.ImageFolder(spec.source, transform=transform, loader=load_image)
+        # fork: the workers are this process's children, so RUSAGE_CHILDREN counts them
+        common = {"num_workers": spec.workers, "multiprocessing_context": "fork"}
+        self.sampler: QuiverBatchSampler | None = None
+        if spec.mode == "sub":
+            self.sampler = QuiverBatchSampler(dataset.root, spec.batch_size, seed=spec.seed,
+                                              dataset=dataset)
+            self.loader = torch.utils.data.DataLoader(dataset, batch_sampler=self.sampler,
+                                                      **common)
+        else:
+            self.loader = torch.utils.data.DataLoader(
+                dataset, batch_size=spec.batch_size, shuffle=True,
+                generator=torch.Generator().manual_seed(spec.seed), **common)
+
+    def run_epoch(self) -> dict[str, Any]:
+        """Train one epoch; its items, seconds and CPU seconds."""
+        if self.sampler is not None:
+            self.sampler.set_epoch(self.epoch)
+        cpu = _own_cpu_seconds()
+        start = time.monotonic()
+        items = 0
+        for _, labels in self.loader:
+            time.sleep(self.spec.compute_s)  # the simulated training step
+            items += len(labels)
+        record = {"epoch": self.epoch, "items": items, "seconds": time.monotonic() - start,
+                  "cpu_s": _own_cpu_seconds() - cpu}
+        self.epoch += 1
+        return record
+
+    def close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.close()
+
+
+def job_main() -> int:
+    """A job: one JSON line per command on stdin, one JSON line back. A JobSpec sets up a
+    configuration, ``go`` runs its next epoch, ``end`` closes it; EOF exits. The process
+    outlives configurations so that importing torch is paid once."""
+    import torch
+
+    torch.set_num_threads(1)  # two cores are shared by every job and daemon
+    print(json.dumps({"ready": True}), flush=True)
+    training: _Training | None = None
+    try:
+        for line in sys.stdin:
+            command = line.strip()
+            if command == "go" and training is not None:
+                reply = training.run_epoch()
+            elif command == "end" and training is not None:
+                training.close()
+                training = None
+                reply = {"ended": True}
+            elif command.startswith("{") and training is None:
+                training = _Training(JobSpec(**json.loads(command)))
+                reply = {"ready": True}
+            else:
+                print(f"unexpected command {command!r}", file=sys.stderr)
+                return 1
+            print(json.dumps(reply), flush=True)
+    finally:
+        if training is not None:
+            training.close()
+    return 0
+
+
+# -- the parent: jobs ------------------------------------------------------------------
+class JobProcess:
+    """A job child that runs one configuration after another: lines to its stdin, JSON
+    lines back from its stdout."""
+
+    def __init__(self, index: int, log_path: str) -> None:
+        self.index = index
+        self.log_path = log_path
+        with open(log_path, "ab") as log_file:
+            self.proc = subprocess.Popen([sys.executable, "-m", "quiverfs.bench_compare"],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=log_file, bufsize=0)
+        self._buffer = b""
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line.encode() + b"\n")
+
+    def receive(self, timeout: float) -> dict[str, Any]:
+        """The next JSON line, or an error naming the job's last log lines."""
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while b"\n" not in self._buffer:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    raise RuntimeError(f"job {self.index} sent nothing for {timeout:.0f} s: "
+                                       f"{self._log_tail()}")
+                data = os.read(fd, 1 << 20)
+                if not data:
+                    raise RuntimeError(f"job {self.index} exited ({self.proc.wait()}): "
+                                       f"{self._log_tail()}")
+                self._buffer += data
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def _log_tail(self, n: int = 15) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[-n:]) or "(no output)"
+
+    def stop(self) -> int:
+        """Close its stdin and wait for it (SIGKILL after JOB_STOP_TIMEOUT); its status."""
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(JOB_STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self.proc.stdout.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@contextlib.contextmanager
+def running_jobs(n: int, log_dir: str) -> Iterator[list[JobProcess]]:
+    """``n`` started job processes, all ready; stopped (or killed) on exit."""
+    jobs: list[JobProcess] = []
+    try:
+        for i in range(n):
+            jobs.append(JobProcess(i, os.path.join(log_dir, f"job{i}.log")))
+        for job in jobs:
+            job.receive(START_TIMEOUT)
+        yield jobs
+    finally:
+        codes = [job.stop() for job in jobs]
+    if any(codes):
+        raise RuntimeError(f"job processes exited with {codes}")
+
+
+# -- the parent: what the jobs read ----------------------------------------------------
+@dataclasses.dataclass
+class Target:
+    """Where one configuration's jobs read, and what is measured there."""
+
+    source: str  # the dataset's directory in a mount, or the bucket's endpoint
+    daemon_pid: int | None  # mountd or rclone, whose CPU time is counted
+    # A cache directory whose disk usage is sampled: rclone's, which evicts only when it
+    # polls (mountd's store evicts on every insert).
+    sampled_cache_dir: str | None = None
+    hit_counters: Callable[[], tuple[int, int]] | None = None  # mountd's (hits, lookups)
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process, all its threads."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _quiver_hits(m: MountdProcess, mode: str) -> tuple[int, int]:
+    """(hits, lookups) so far: for ``sub`` the items its manifests listed as cached, over
+    all items planned; for ``exact`` reads served from the store, over all reads."""
+    status = m.status()
+    if mode == "sub":
+        counters = [job["counters"] for job in status["jobs"]]
+        hits = sum(c.get("hits", 0) for c in counters)
+        return hits, hits + sum(c.get("fetched", 0) for c in counters)
+    c = next(ds["counters"] for ds in status["datasets"] if ds["name"] == DATASET)
+    hits = c.get("local_hits", 0)
+    return hits, hits + c.get("misses", 0) + c.get("probe_misses", 0)
+
+
+@contextlib.contextmanager
+def quiver_mount(mode: str, data: Dataset, proxy: ThrottleProxy, cache_bytes: int,
+                 workdir: str, name: str) -> Iterator[Target]:
+    """A mountd with an LRU store of ``cache_bytes`` and the dataset mounted through the
+    proxy; stopped, unmounted and its cache removed on exit."""
+    with running_mountd(workdir, cache_size=str(cache_bytes), name=name,
+                        extra_args=("--probe-batches", str(PROBE_BATCHES))) as m:
+        m.call({"op": "mount", "name": DATASET, "digest": data.digest,
+                "emulator_host": proxy.url})
+        try:
+            yield Target(os.path.join(m.root, DATASET), m.proc.pid,
+                         hit_counters=lambda: _quiver_hits(m, mode))
+        finally:
+            shutil.rmtree(m.cache_dir, ignore_errors=True)
+
+
+def rclone_available() -> bool:
+    return shutil.which("rclone") is not None
+
+
+@contextlib.contextmanager
+def rclone_mount(proxy: ThrottleProxy, cache_bytes: int, workdir: str, name: str
+                 ) -> Iterator[Target]:
+    """``rclone mount`` of the dataset's prefix with a full VFS cache of ``cache_bytes``,
+    its GCS backend pointed at the proxy; unmounted, stopped and its cache removed on exit."""
+    root = os.path.join(workdir, f"{name}-mnt")
+    cache_dir = os.path.join(workdir, f"{name}-cache")
+    config = os.path.join(workdir, f"{name}.conf")
+    os.makedirs(root)
+    with open(config, "w", encoding="utf-8") as f:
+        f.write(f"[bucket]\ntype = google cloud storage\nanonymous = true\n"
+                f"endpoint = {proxy.url}\n")
+    argv = ["rclone", "--config", config, "mount", f"bucket:{BUCKET}/{DATASET}", root,
+            "--read-only", "--vfs-cache-mode", "full",
+            "--vfs-cache-max-size", f"{cache_bytes}B", "--vfs-cache-poll-interval",
+            RCLONE_POLL, "--cache-dir", cache_dir,
+            "--log-file", os.path.join(workdir, f"{name}.log")]
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + MOUNT_TIMEOUT
+        while not is_mounted(root, fuse_only=True):
+            if proc.poll() is not None:
+                raise RuntimeError(f"rclone mount exited with {proc.returncode}; see "
+                                   f"{name}.log in {workdir}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rclone did not mount {root} in {MOUNT_TIMEOUT:.0f} s")
+            time.sleep(0.05)
+        yield Target(root, proc.pid, sampled_cache_dir=cache_dir)
+    finally:
+        unmount(root)  # rclone exits once its mount is gone
+        terminate(proc)
+        unmount(root)
+        shutil.rmtree(cache_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def direct_reads(proxy: ThrottleProxy) -> Iterator[Target]:
+    """No cache and no daemon: the jobs download from the bucket through the proxy."""
+    yield Target(proxy.url, None)
+
+
+def disk_usage(path: str) -> int:
+    """Bytes allocated to the files under ``path`` (a sparse file counts what it holds)."""
+    total = 0
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):  # evicted while we walk
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+    return total
+
+
+class PeakDiskUsage:
+    """The most disk a directory took, sampled every DISK_SAMPLE_S by a thread (a cache
+    can hold more than its budget between evictions)."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="disk-usage", daemon=True)
+
+    def __enter__(self) -> PeakDiskUsage:
+        if self.path is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _sample(self) -> None:
+        while True:
+            self.peak = max(self.peak, disk_usage(self.path))
+            if self._stop.wait(DISK_SAMPLE_S):
+                return
+
+
+# -- the parent: one configuration -----------------------------------------------------
+def _snapshot(target: Target, proxy: ThrottleProxy) -> dict[str, Any]:
+    hits, lookups = target.hit_counters() if target.hit_counters else (None, None)
+    cpu = process_cpu_seconds(target.daemon_pid) if target.daemon_pid else 0.0
+    return {"bucket_bytes": proxy.bytes_down, "daemon_cpu_s": cpu, "hits": hits,
+            "lookups": lookups}
+
+
+def _epoch_record(epoch: int, seconds: float, replies: list[dict[str, Any]],
+                  before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    counted = after["hits"] is not None
+    return {"epoch": epoch, "seconds": round(seconds, 3),
+            "items": sum(r["items"] for r in replies),
+            "job_seconds": [round(r["seconds"], 3) for r in replies],
+            "job_cpu_s": [round(r["cpu_s"], 3) for r in replies],
+            "daemon_cpu_s": round(after["daemon_cpu_s"] - before["daemon_cpu_s"], 3),
+            "bucket_bytes": after["bucket_bytes"] - before["bucket_bytes"],
+            "hits": after["hits"] - before["hits"] if counted else None,
+            "lookups": after["lookups"] - before["lookups"] if counted else None}
+
+
+def measure(mode: str, target: Target, jobs: list[JobProcess], n_epochs: int, size: Size,
+            proxy: ThrottleProxy) -> list[dict[str, Any]]:
+    """Run ``n_epochs`` epochs of ``mode`` on every job, all starting each epoch together;
+    a record per epoch. A failure kills the jobs (the mount can then go)."""
+    records = []
+    try:
+        for seed, job in enumerate(jobs):
+            job.send(json.dumps(dataclasses.asdict(JobSpec(
+                mode, target.source, seed, size.batch_size, size.compute_s, size.workers))))
+        for job in jobs:
+            job.receive(START_TIMEOUT)
+        for epoch in range(n_epochs):
+            before = _snapshot(target, proxy)
+            start = time.monotonic()
+            for job in jobs:
+                job.send("go")
+            replies = [job.receive(EPOCH_TIMEOUT) for job in jobs]
+            seconds = time.monotonic() - start
+            records.append(_epoch_record(epoch, seconds, replies, before,
+                                         _snapshot(target, proxy)))
+        for job in jobs:
+            job.send("end")
+        for job in jobs:
+            job.receive(START_TIMEOUT)
+    except BaseException:
+        for job in jobs:
+            job.kill()
+        raise
+    return records
+
+
+def aggregate(records: list[dict[str, Any]], data: Dataset) -> dict[str, Any]:
+    """Totals and rates over some epochs of one configuration."""
+    seconds = sum(r["seconds"] for r in records)
+    items = sum(r["items"] for r in records)
+    bucket = sum(r["bucket_bytes"] for r in records)
+    read = items * data.bytes / len(data.paths)  # every job reads every item once an epoch
+    job_seconds = [s for r in records for s in r["job_seconds"]]
+    counted = [r for r in records if r["lookups"]]
+    hits, lookups = sum(r["hits"] for r in counted), sum(r["lookups"] for r in counted)
+    return {"epochs": len(records), "seconds": round(seconds, 2), "items": items,
+            "items_per_s": round(items / seconds, 2),
+            "epoch_s_per_job": round(sum(job_seconds) / len(job_seconds), 2),
+            "bucket_bytes": bucket,
+            "bucket_bytes_per_epoch": round(bucket / len(records) / data.bytes, 3),
+            "byte_hit_ratio": round(1 - bucket / read, 4),
+            "hit_ratio": round(hits / lookups, 4) if lookups else None,
+            "cpu_s_jobs": round(sum(s for r in records for s in r["job_cpu_s"]), 1),
+            "cpu_s_daemon": round(sum(r["daemon_cpu_s"] for r in records), 1)}
+
+
+def run_config(mode: str, fraction: float | None, jobs: list[JobProcess], data: Dataset,
+               proxy: ThrottleProxy, size: Size, workdir: str) -> dict[str, Any]:
+    """One configuration: ``mode`` with a cache of ``fraction`` of the dataset (None: no
+    cache), read by every job in ``jobs``."""
+    # Rounded up: mountd sizes a lone node's chunks at cache / 2.5, and a budget a byte
+    # short of 10% would make 26 chunks instead of 25.
+    cache_bytes = math.ceil(fraction * data.bytes) if fraction is not None else 0
+    name = f"{mode}-{round(fraction * 100) if fraction else 0}pct-{len(jobs)}jobs"
+    log.info("%s: cache %d bytes", name, cache_bytes)
+    if mode == "direct":
+        target_cm = direct_reads(proxy)
+    elif mode == "rclone":
+        target_cm = rclone_mount(proxy, cache_bytes, workdir, name)
+    else:
+        target_cm = quiver_mount(mode, data, proxy, cache_bytes, workdir, name)
+    n_epochs = size.epochs_direct if mode == "direct" else size.epochs
+    with target_cm as target, PeakDiskUsage(target.sampled_cache_dir) as disk:
+        records = measure(mode, target, jobs, n_epochs, size, proxy)
+    warm = records if mode == "direct" else records[1:]
+    return {"mode": mode, "cache_fraction": fraction, "cache_bytes": cache_bytes,
+            "peak_cache_disk_bytes": disk.peak if disk.path else None, "jobs": len(jobs), "epochs": records,
+            "all": aggregate(records, data), "steady": aggregate(warm, data)}
+
+
+# -- the benchmark ---------------------------------------------------------------------
+def upload_dataset(emulator: Emulator, proxy: ThrottleProxy, size: Size,
+                   workdir: str) -> Dataset:
+    """Write the synthetic dataset, upload it through the proxy (see the module's
+    docstring) and digest it from the emulator directly (unthrottled)."""
+    src = os.path.join(workdir, "src")
+    write_synthetic_tree(src, size.items, size.classes, seed=5, mean_size=size.mean_item_bytes)
+    upload_tree(proxy.url, BUCKET, DATASET, src)
+    shutil.rmtree(src)
+    return Dataset.from_digest(create_digest(
+        f"gs://{BUCKET}/{DATASET}", DATASET, workers=4,
+        options=StorageOptions(emulator_host=emulator.host)))
+
+
+def _summary(configs: list[dict[str, Any]], jobs: int) -> dict[str, Any]:
+    def vs_rclone(key: str, fraction: float, digits: int) -> float | None:
+        sub, rclone = (next(c["steady"][key] for c in configs if c["mode"] == mode
+                            and c["jobs"] == jobs and c["cache_fraction"] == fraction)
+                       for mode in ("sub", "rclone"))
+        return round(sub / rclone, digits) if rclone else None
+
+    summary: dict[str, Any] = {f"speedup_vs_rclone_{round(f * 100)}":
+                               vs_rclone("items_per_s", f, 2) for f in FRACTIONS}
+    summary["bucket_bytes_vs_rclone_10"] = vs_rclone("bucket_bytes", 0.1, 3)
+    return summary
+
+
+GOALS = {"speedup_vs_rclone_10": (">=", 3.0), "speedup_vs_rclone_50": (">=", 3.0),
+         "speedup_vs_rclone_100": (">=", 1.0), "bucket_bytes_vs_rclone_10": ("<=", 1 / 3)}
+
+
+def _goals(summary: dict[str, Any]) -> dict[str, bool | None]:
+    """Whether each goal is met (None: not measurable, e.g. rclone read no bytes)."""
+    met: dict[str, bool | None] = {}
+    for key, (op, bound) in GOALS.items():
+        value = summary[key]
+        met[key] = None if value is None else (value >= bound if op == ">=" else value <= bound)
+    return met
+
+
+def plot_bars(report: dict[str, Any], out: str) -> None:
+    """Grouped bars: steady-state aggregate items/s per configuration and cache budget, one
+    panel per job count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    configs = report["configs"]
+    job_counts = sorted({c["jobs"] for c in configs})
+    width = 0.8 / len(MODES)
+    fig, axes = plt.subplots(1, len(job_counts), figsize=(5.5 * len(job_counts), 4.2),
+                             squeeze=False, sharey=True)
+    for ax, jobs in zip(axes[0], job_counts):
+        for k, mode in enumerate(MODES):
+            rates = []
+            for fraction in FRACTIONS:  # direct has no cache: the same bar in every group
+                rates.append(next(c["steady"]["items_per_s"] for c in configs
+                                  if c["mode"] == mode and c["jobs"] == jobs
+                                  and c["cache_fraction"] in (fraction, None)))
+            xs = [i + (k - (len(MODES) - 1) / 2) * width for i in range(len(FRACTIONS))]
+            bars = ax.bar(xs, rates, width, label=LABELS[mode])
+            ax.bar_label(bars, fmt="%.0f", fontsize=7)
+        ax.set_xticks(range(len(FRACTIONS)), [f"{round(f * 100)}%" for f in FRACTIONS])
+        ax.set_xlabel("cache budget (of the dataset)")
+        ax.set_title(f"{jobs} job{'s' if jobs > 1 else ''}")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("aggregate items/s (steady state)")
+    axes[0][0].legend(fontsize=8)
+    settings = report["settings"]
+    fig.suptitle(f"{report['dataset']['items']} items, bucket capped at "
+                 f"{settings['bucket_rate'] / 1e6:g} MB/s", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def run(quick: bool, workdir: str, plot: str | None = None, size: str | None = None) -> dict:
+    """The benchmark; ``size`` ("full", "quick", "tiny") overrides ``quick``."""
+    s = SIZES[size or ("quick" if quick else "full")]
+    configs: list[dict[str, Any]] = []
+    with running_emulator() as emulator, throttled(emulator.host, s.bucket_rate) as proxy:
+        emulator.create_bucket(BUCKET)
+        data = upload_dataset(emulator, proxy, s, workdir)
+        for n_jobs in s.job_counts:
+            with running_jobs(n_jobs, workdir) as jobs:
+                configs.append(run_config("direct", None, jobs, data, proxy, s, workdir))
+                for fraction in FRACTIONS:
+                    for mode in CACHED_MODES:
+                        configs.append(run_config(mode, fraction, jobs, data, proxy, s,
+                                                  workdir))
+    summary = _summary(configs, max(s.job_counts))
+    report = {
+        "dataset": {"items": len(data.paths), "bytes": data.bytes,
+                    "classes": len(set(data.labels))},
+        "settings": {**dataclasses.asdict(s), "fractions": FRACTIONS,
+                     "probe_batches": PROBE_BATCHES,
+                     "rclone_poll_interval": RCLONE_POLL, "crop": CROP,
+                     "summary_jobs": max(s.job_counts)},
+        "definitions": {
+            "steady": "epochs after the first (direct: every epoch); all: every epoch",
+            "items_per_s": "items read by all jobs / wall seconds (jobs start each epoch "
+                           "together)",
+            "epoch_s_per_job": "mean seconds a job took for one epoch",
+            "bucket_bytes": "bytes the proxy passed from the bucket (HTTP included)",
+            "bucket_bytes_per_epoch": "bucket_bytes per epoch / dataset bytes",
+            "byte_hit_ratio": "1 - bucket_bytes / bytes the jobs read (the only hit ratio "
+                              "rclone exposes)",
+            "hit_ratio": "mountd's counters; exact: reads served from the store / reads; "
+                         "sub: items its manifests listed as cached / items",
+            "cpu_s": "user + system seconds; jobs: the job processes and their DataLoader "
+                     "workers; daemon: mountd or rclone",
+            "speedup_vs_rclone_N": "sub / rclone, steady items_per_s, summary_jobs jobs, "
+                                   "cache N%",
+            "bucket_bytes_vs_rclone_10": "sub / rclone, steady bucket_bytes, summary_jobs "
+                                         "jobs, cache 10%"},
+        "configs": configs,
+        "goals": _goals(summary),
+        "summary": summary,
+    }
+    if plot:
+        plot_bars(report, plot)
+    return report
+
+
+if __name__ == "__main__":
+    sys.exit(job_main())
