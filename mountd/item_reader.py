@@ -91,7 +91,7 @@ class ItemReader:
             job.forced_outstanding -= 1
             job.forced_reads += 1
             self.count(ds, "probe_misses")
-            return await self.fetch(ds, index, keep=False)  # a probe must not fill the cache
+            return await self.fetch(ds, index)
         started = time.perf_counter()
         data = await trio.to_thread.run_sync(self.store.get, digest, limiter=self.limiter)
         if data is not None:

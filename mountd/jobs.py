@@ -145,7 +145,10 @@ class Job:
     def benefit(self) -> dict[str, Any]:
         """t_miss and t_hit (seconds per batch) once enough batches were measured."""
         def mean(times: collections.deque[float]) -> float | None:
-            return sum(times) / len(times) if len(times) >= MIN_SAMPLES else None
+            full = len(times) >= min(MIN_SAMPLES, times.maxlen or MIN_SAMPLES)
+            if times is self.hit_times:  # a whole window, not the first few after a probe
+                full = len(times) == times.maxlen
+            return sum(times) / len(times) if full and times else None
         t_miss, t_hit = mean(self.miss_times), mean(self.hit_times)
         return {"t_miss": t_miss, "t_hit": t_hit, "probing": self.probe_left > 0,
                 "benefit": t_miss / t_hit if t_miss and t_hit else None}
@@ -419,8 +422,10 @@ class JobManager:
                 if seq > job.probe_seq:
                     job.probe_seq = seq
                     job.probe_left = int(snap.get("probe_batches", PROBE_BATCHES))
-                    job.miss_times.clear()
-                    job.hit_times.clear()
+                    # t_hit is the mean of as many recent batches as the probe measures,
+                    # so the slow batches of a cold start roll out of it
+                    job.miss_times = collections.deque(maxlen=job.probe_left)
+                    job.hit_times = collections.deque(maxlen=job.probe_left)
                     log.info("job %s: probing for %d batches", job.id, job.probe_left)
             loading = snap["loading"]
             if loading is not None and me in snap["loaders"]:

@@ -88,9 +88,9 @@ def test_probing_tells_io_bound_from_compute_bound(slow_bucket, gcs_emulator, tm
         for name, uri in datasets:  # digests made at full speed, reads through the cap
             mount(m, make_digest(uri, name, gcs_emulator.host), name, url)
         results = [{}, {}]
-        jobs = [threading.Thread(target=run_job, args=(os.path.join(m.root, "d1"), 0.0, 4,
+        jobs = [threading.Thread(target=run_job, args=(os.path.join(m.root, "d1"), 0.0, 3,
                                                        results[0])),
-                threading.Thread(target=run_job, args=(os.path.join(m.root, "d2"), 0.6, 4,
+                threading.Thread(target=run_job, args=(os.path.join(m.root, "d2"), 1.0, 3,
                                                        results[1]))]
         for t in jobs:
             t.start()
@@ -103,7 +103,7 @@ def test_probing_tells_io_bound_from_compute_bound(slow_bucket, gcs_emulator, tm
             time.sleep(0.2)
         for t in jobs:
             t.join(180)
-        assert results[0]["items"] == results[1]["items"] == 4 * 40
+        assert results[0]["items"] == results[1]["items"] == 3 * 40
         # the same line the allocation draws between jobs worth caching and not
         assert benefits["d1"] > 1.3 * NO_BENEFIT, benefits  # no compute: the cache saves time
         assert benefits["d2"] < NO_BENEFIT, benefits  # compute hides the slow bucket

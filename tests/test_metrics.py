@@ -1,6 +1,7 @@
 """mountd's Prometheus endpoint, run with the config file docs/operations.md shows."""
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -221,6 +222,8 @@ def test_job_benefit_once_probed(tmp_path):
 
     key = {"job": "j1", "dataset": ""}
     assert ("quiver_job_benefit", frozenset(key.items())) not in samples()
+    # a probe of 3 batches sets 3-batch windows (as JobManager.apply does)
+    job.miss_times, job.hit_times = collections.deque(maxlen=3), collections.deque(maxlen=3)
     for seconds in (0.2, 0.3, 0.25):  # batches whose reads were all hits
         job.record_time(seconds)
     for seconds in (1.0, 0.9, 1.1):  # batches that read forced misses
