@@ -748,7 +748,7 @@ def plot_timeline(report: dict[str, Any], out: str) -> None:
     ax.set_yticks(range(chunks))
     ax.set_xlim(0, end)
     ax.legend(handles=[Patch(color=c, label=st) for st, c in STATE_COLORS.items()],
-              loc="upper right", fontsize=8)
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
