@@ -662,8 +662,10 @@ def plot_throughput(report: dict[str, Any], out: str) -> None:
         ax.bar_label(bars, fmt="%.2f", fontsize=8)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--", label="no cache")
     ax.set_yscale("log")
-    ax.set_xticks(x, [f"{b}% cache\n" + ", ".join(f"{t} {m}" for t, m in modes[b].items())
-                      for b in budgets], fontsize=8)
+    names = [t["name"] for t in report["settings"]["types"]]
+    ax.set_xticks(x, [f"{b}% cache\n" + ", ".join(f"{t} {modes[b][t]}" for t in names
+                                                  if t in modes[b]) for b in budgets],
+                  fontsize=8)
     ax.set_ylabel("cluster throughput / no cache (log scale)")
     size = report["settings"]
     ax.set_title("Benefit-aware allocation vs LRU: " + ", ".join(
