@@ -69,6 +69,7 @@ class Cluster:
         self.cycles: dict[str, dict[str, Any]] = {}
         self.coordinator_ok = False
         self.synced = trio.Event()  # set after the first answer
+        self._wake = trio.Event()  # set by poke(): send the next heartbeat now
 
     def live(self) -> list[str]:
         return sorted(n for n in self.members
@@ -77,9 +78,15 @@ class Cluster:
     def owner(self, digest: bytes) -> str:
         return ownership.owner(digest, self.live())
 
+    def poke(self) -> None:
+        """Something the coordinator acts on happened (a chunk share loaded, a marked
+        chunk released): heartbeat now rather than at the next interval."""
+        self._wake.set()
+
     async def run(self, report: Any, apply: Any) -> None:
         """Heartbeat forever: send ``report()``, hand the answer to ``apply``."""
         while True:
+            self._wake = trio.Event()
             args = {"node": self.me, "peer": self.peer_address, "capacity": self.capacity,
                     "datasets": report()}
             try:
@@ -97,7 +104,8 @@ class Cluster:
                 self.cycles = reply.get("cycles", {})
                 await apply(self.cycles, self.version)
                 self.synced.set()
-            await trio.sleep(self.link.interval)
+            with trio.move_on_after(self.link.interval):
+                await self._wake.wait()
 
     def _apply_membership(self, reply: dict[str, Any]) -> None:
         members = {n["id"]: n["peer"] for n in reply["nodes"]}

@@ -33,6 +33,10 @@ FETCH_CONCURRENCY = 16  # misses fetched at once for one batch or one chunk load
 PROBE_BATCHES = 100  # batches a probe runs without cache hits (the coordinator may say)
 MIN_SAMPLES = 3  # batch times needed before t_miss or t_hit is reported
 CHECK_BLOCK = 512  # items whose store membership is checked per thread call
+# Seconds a coop job waits for the chunk cycle to bring it cached items before it
+# fetches misses outside the resident chunks (each of those is a bucket read that no
+# other job shares). A wait that times out is not repeated until the cycle moves.
+CHUNK_WAIT = 20.0
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff",
                     ".webp")  # torchvision's IMG_EXTENSIONS
 
@@ -129,6 +133,7 @@ class Job:
         self.forced_reads = 0  # probe items read since the last reported batch time
         self.miss_times: collections.deque[float] = collections.deque(maxlen=PROBE_BATCHES)
         self.hit_times: collections.deque[float] = collections.deque(maxlen=PROBE_BATCHES)
+        self.gave_up_on: tuple[Any, ...] | None = None  # cycle state a chunk wait timed out in
 
     def record_time(self, seconds: float) -> None:
         """A reported time between two batches. The DataLoader asks for indices batches
@@ -188,6 +193,12 @@ class DatasetJobs:
         self.loaded: list[list[Any]] = []  # [chunk, loaders] shares this node finished
         self.busy: set[str] = set()  # load tasks running, by key
         self.version = -1  # membership version of the last refill
+        self.changed = trio.Event()  # set (and replaced) when the cycle moves
+
+    def cycle_key(self) -> tuple[Any, ...] | None:
+        snap = self.snap
+        return None if snap is None else (snap["loading"], snap["active"], snap["marked"],
+                                          snap["generation"], snap.get("mode"))
 
     def usable(self, ref: EpochRef) -> list[int]:
         if self.snap is None:
@@ -195,6 +206,13 @@ class DatasetJobs:
         if self.mode != "coop":  # whatever is cached may be used
             return list(range(self.plan.n_chunks))
         return usable_chunks(self.snap, ref)
+
+    def upcoming(self) -> int | None:
+        """The chunk that starts loading once the marked one is evicted, if none loads."""
+        snap = self.snap
+        if snap is None or snap["loading"] is not None or self.mode != "coop":
+            return None
+        return int(snap["next"])
 
     @property
     def mode(self) -> str:
@@ -333,21 +351,31 @@ class JobManager:
                                                              for i in items[usable]])
             return held
 
+        upcoming = group.upcoming()
+
         def prefer(items: np.ndarray) -> np.ndarray:
             # Misses in the resident chunks first: the loading chunk's, and items of the
             # active or marked chunks that were culled (refilling them lets those
-            # chunks be consumed, released and replaced).
-            return np.isin(chunk_of[items], group.usable(ref))
+            # chunks be consumed, released and replaced). Then the chunk that loads
+            # next: its loader will find them held, and other jobs will hit them.
+            chunks = chunk_of[items]
+            return 2 * np.isin(chunks, group.usable(ref)) + (chunks == upcoming)
 
+        if not probing:
+            await self._wait_for_chunks(job, group, min(sampler.batch_size, sampler.remaining))
         batch = await trio.to_thread.run_sync(sampler.plan, is_cached, prefer,
                                               limiter=self.reader.limiter)
         if probing:
             job.probe_left -= 1
             await self.reader.force_misses(group.ds, batch.items, job)
         elif group.mode != "none":
-            resident = set(group.usable(ref)) if group.mode == "coop" else None
+            resident = ({*group.usable(ref), upcoming} if group.mode == "coop" else None)
             await self._fetch_all(group.ds, batch.fetch, job.counters, resident)
+        marked = group.snap["marked"] if group.snap is not None else None
+        held_marked = marked is not None and ref.remaining_chunks[marked] > 0
         np.subtract.at(ref.remaining_chunks, chunk_of[batch.items], 1)
+        if held_marked and not ref.remaining_chunks[marked] and self.cluster is not None:
+            self.cluster.poke()  # this job-epoch released the marked chunk
         job.counters["hits"] += len(batch.hits)
         job.counters["fetched"] += len(batch.fetch)
         prefix = job.config.prefix.strip("/")
@@ -358,6 +386,29 @@ class JobManager:
             "paths": [digest.path(i)[cut:] for i in items],
             "labels": [digest.label(i) for i in items],
             "hashes": [digest.hash(i).hex() for i in items]}).encode()
+
+    @staticmethod
+    async def _wait_for_chunks(job: Job, group: DatasetJobs, need: int) -> None:
+        """In coop mode, wait (at most CHUNK_WAIT) until the usable chunks hold ``need``
+        of the job's pending items, cached or loading. Until then its batch would be
+        filled with misses from chunks no other job reads now, so the loader's bucket
+        bandwidth is better spent on the next chunk, which every job then hits. A job
+        with items left in the marked chunk never waits: its batches release it."""
+        started = trio.current_time()
+        key = group.cycle_key()
+        with trio.move_on_after(CHUNK_WAIT) as scope:
+            while group.mode == "coop" and key is not None and key != job.gave_up_on:
+                usable = group.usable(job.ref)
+                marked = group.snap["marked"]
+                if (job.ref.remaining_chunks[usable].sum() >= need
+                        or marked in usable and job.ref.remaining_chunks[marked] > 0):
+                    break  # enough to plan from, or the job holds back the marked chunk
+                await group.changed.wait()
+                key = group.cycle_key()
+        if scope.cancelled_caught:
+            job.gave_up_on = key
+            log.info("job %s: no chunk came in %.0f s; fetching misses", job.id, CHUNK_WAIT)
+        job.counters["chunk_wait_s"] += trio.current_time() - started
 
     async def _held(self, hashes: list[bytes]) -> list[bool]:
         """Which hashes their owners hold (this node's store, or a peer's); a peer that
@@ -415,7 +466,11 @@ class JobManager:
             snap = cycles.get(group.ds.reg.identity)
             if snap is None:
                 continue
+            before = group.cycle_key()
             previous, group.snap = group.snap, snap
+            if group.cycle_key() != before:
+                group.changed.set()
+                group.changed = trio.Event()
             group.ds.cache_mode = snap.get("mode", "coop")
             for job in group.jobs.values():
                 seq = snap.get("probes", {}).get(job.id, 0)
@@ -468,6 +523,7 @@ class JobManager:
             if key is not None:
                 group.loaded.append(key)
                 del group.loaded[:-4]  # the coordinator only asks about the current one
+                self.cluster.poke()
             log.info("dataset %s: %s done (%d items of chunk %d)", group.ds.name, name,
                      len(mine), chunk)
         finally:

@@ -88,7 +88,8 @@ class EpochSampler:
     def plan(self, is_cached: Callable[[np.ndarray], np.ndarray],
              prefer: Callable[[np.ndarray], np.ndarray] | None = None) -> Batch:
         """Plan the next batch. ``is_cached(items)`` says which items may be served as
-        hits; ``prefer(items)`` marks misses to fetch first (the chunk being loaded)."""
+        hits; ``prefer(items)`` ranks misses, higher fetched first (the chunk being
+        loaded before the rest)."""
         if self.planned >= self.n_batches:
             raise IndexError("the epoch has no more batches")
         need = min(self.batch_size, self._remaining)
@@ -122,14 +123,15 @@ class EpochSampler:
 
     def _choose_misses(self, n: int, prefer: Callable[[np.ndarray], np.ndarray] | None
                        ) -> list[int]:
-        """A random subset of pending items, preferred ones first; marked consumed."""
+        """A random subset of pending items, higher ``prefer`` ranks first; marked
+        consumed."""
         if n <= 0:
             return []
         pending = np.flatnonzero(~self._consumed)
         self._rng.shuffle(pending)
         if prefer is not None:
-            preferred = np.asarray(prefer(self.order[pending]), dtype=bool)
-            pending = np.concatenate([pending[preferred], pending[~preferred]])
+            rank = np.asarray(prefer(self.order[pending]), dtype=np.int64)
+            pending = pending[np.argsort(-rank, kind="stable")]
         chosen = pending[:n]
         self._consumed[chosen] = True
         return self.order[chosen].tolist()
