@@ -7,6 +7,7 @@ worker thread bounded by one CapacityLimiter.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import logging
@@ -25,7 +26,10 @@ from quiverfs.rpc import Unavailable
 
 log = logging.getLogger(__name__)
 
-MAX_STAGED = 512 << 20  # bytes of staged items waiting for their read
+# Bytes of staged items waiting for their read; past it the oldest are dropped (a read
+# the kernel served from its page cache never takes its staged copy).
+MAX_STAGED = 256 << 20
+PUT_LINGER = 0.005  # seconds items bound for one owner wait to share a put request
 
 
 class ReadFailed(Exception):
@@ -53,10 +57,12 @@ class ItemReader:
         self.counters: Counter[str] = Counter()
         self.latency = read_latency()  # seconds per read served, by tier
         self._forced: dict[bytes, Any] = {}  # next read is a miss, for this probed job
-        self._staged: dict[bytes, bytes] = {}  # fetched for one coming read, not cached
+        # fetched for one coming read, not cached; oldest first
+        self._staged: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
         self._staged_bytes = 0
         self.cluster: Any = None  # mountd.cluster.Cluster, set once the daemon wires it
         self.background: trio.Nursery | None = None  # where puts to owners run
+        self._puts: dict[str, list[tuple[bytes, bytes]]] = {}  # by owner, not yet sent
 
     def owner(self, digest: bytes) -> str | None:
         """The node that should hold ``digest``; None when that is this node."""
@@ -119,14 +125,42 @@ class ItemReader:
         """Fetch an item for one coming read without caching it: it is kept in memory
         until read once (a substitutable job's miss outside the resident chunks, which
         would otherwise push the chunks' items out of the store)."""
-        if self._staged_bytes >= MAX_STAGED:
-            await self.fetch(ds, index)  # too much waiting to be read: cache it instead
+        self._keep_staged(ds.digest.hash(index), await self.fetch(ds, index, keep=False))
+
+    async def stage_from_peers(self, ds: MountedDataset, items: list[int]) -> None:
+        """Stage items their owning peers hold, one batched get per peer, so that their
+        reads do not each make a peer round trip (a substitutable job's planned hits)."""
+        by_owner: dict[str, list[bytes]] = collections.defaultdict(list)
+        for i in items:
+            digest = ds.digest.hash(i)
+            owner = self.owner(digest)
+            if owner is not None and digest not in self._staged:
+                by_owner[owner].append(digest)
+
+        async def from_peer(owner: str, hashes: list[bytes]) -> None:
+            try:
+                got = await self.cluster.peers.get_many(owner, hashes)
+            except Unavailable:
+                return  # the reads ask again, then fall back to the bucket
+            self.count(ds, "peer_batch_gets")
+            for digest, data in zip(hashes, got):
+                if data is not None:
+                    self.count(ds, "peer_hits")
+                    self.count(ds, "peer_bytes", len(data))
+                    self._keep_staged(digest, data)
+
+        async with trio.open_nursery() as nursery:
+            for owner, hashes in by_owner.items():
+                nursery.start_soon(from_peer, owner, hashes)
+
+    def _keep_staged(self, digest: bytes, data: bytes) -> None:
+        if digest in self._staged:
             return
-        data = await self.fetch(ds, index, keep=False)
-        digest = ds.digest.hash(index)
-        if digest not in self._staged:
-            self._staged[digest] = data
-            self._staged_bytes += len(data)
+        self._staged[digest] = data
+        self._staged_bytes += len(data)
+        while self._staged_bytes > MAX_STAGED and len(self._staged) > 1:
+            _, old = self._staged.popitem(last=False)
+            self._staged_bytes -= len(old)
 
     async def fetch(self, ds: MountedDataset, index: int, keep: bool = True) -> bytes:
         """Fetch entry ``index`` from storage (into the store unless not ``keep``);
@@ -186,15 +220,24 @@ class ItemReader:
         return data
 
     def _put_to_owner(self, owner: str, digest: bytes, data: bytes) -> None:
-        if self.background is not None:
-            self.background.start_soon(self._put, owner, digest, data)
+        """Queue an item for its owner; the first one queued starts the batch's sender."""
+        if self.background is None:
+            return
+        queued = self._puts.setdefault(owner, [])
+        queued.append((digest, data))
+        if len(queued) == 1:
+            self.background.start_soon(self._send_puts, owner)
 
-    async def _put(self, owner: str, digest: bytes, data: bytes) -> None:
+    async def _send_puts(self, owner: str) -> None:
+        await trio.sleep(PUT_LINGER)  # a chunk load's concurrent fetches join the batch
+        items = self._puts.pop(owner)
         try:
-            if await self.cluster.peers.put(owner, digest, data):
-                self.counters["peer_puts"] += 1
+            stored = await self.cluster.peers.put_many(owner, items)
         except Unavailable:
-            self.counters["peer_put_errors"] += 1
+            self.counters["peer_put_errors"] += len(items)
+            return
+        self.counters["peer_puts"] += sum(stored)
+        self.counters["peer_put_requests"] += 1
 
 
 def _invalidate(inodes: list[int]) -> None:

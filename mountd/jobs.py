@@ -371,6 +371,8 @@ class JobManager:
         elif group.mode != "none":
             resident = ({*group.usable(ref), upcoming} if group.mode == "coop" else None)
             await self._fetch_all(group.ds, batch.fetch, job.counters, resident)
+            if self.cluster is not None and self.cluster.peers is not None:
+                await self.reader.stage_from_peers(group.ds, batch.hits)
         marked = group.snap["marked"] if group.snap is not None else None
         held_marked = marked is not None and ref.remaining_chunks[marked] > 0
         np.subtract.at(ref.remaining_chunks, chunk_of[batch.items], 1)

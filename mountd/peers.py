@@ -20,6 +20,8 @@ from quiverfs.rpc import RpcClient, RpcError, RpcServer, Unavailable
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 1024  # hashes or items per request
+GET_REPLY_BYTES = 32 << 20  # content bytes one get reply carries; later items come back None
+PUT_REQUEST_BYTES = 16 << 20  # content bytes put_many sends per request
 DOWN_FOR = 5.0  # seconds a peer that failed a call is skipped
 
 
@@ -49,8 +51,19 @@ class PeerService:
 
     async def get(self, args: dict[str, Any]) -> list[bytes | None]:
         hashes = _hashes(args)
-        return await trio.to_thread.run_sync(lambda: [self.store.get(h) for h in hashes],
-                                             limiter=self.limiter)
+
+        def get_all() -> list[bytes | None]:
+            out: list[bytes | None] = []
+            total = 0
+            for h in hashes:
+                data = None if total >= GET_REPLY_BYTES else self.store.get(h)
+                if data is not None and total and total + len(data) > GET_REPLY_BYTES:
+                    data = None  # the first item always goes, whatever its size
+                total += len(data) if data is not None else 0
+                out.append(data)
+            return out
+
+        return await trio.to_thread.run_sync(get_all, limiter=self.limiter)
 
     async def put(self, args: dict[str, Any]) -> list[bool]:
         items = args["items"]
@@ -139,17 +152,46 @@ class PeerSet:
 
     async def get(self, node: str, digest: bytes) -> bytes | None:
         """One item from a peer, checked against its hash (a bad one counts as absent)."""
-        (data,) = await self._call(node, "get", {"hashes": [digest]})
-        if data is None:
-            return None
-        ok = await trio.to_thread.run_sync(lambda: hashlib.sha256(data).digest() == digest)
-        if not ok:
-            self.bad_gets += 1
-            log.error("peer %s sent content that does not hash to %s: ignored", node,
-                      digest.hex())
-            return None
+        (data,) = await self.get_many(node, [digest])
         return data
 
-    async def put(self, node: str, digest: bytes, data: bytes) -> bool:
-        (ok,) = await self._call(node, "put", {"items": [[digest, data]]})
-        return bool(ok)
+    async def get_many(self, node: str, hashes: list[bytes]) -> list[bytes | None]:
+        """Items from a peer in one request per MAX_BATCH (a reply may leave items out
+        past GET_REPLY_BYTES), each checked against its hash; absent or bad: None."""
+        got: list[Any] = []
+        for i in range(0, len(hashes), MAX_BATCH):
+            part = hashes[i:i + MAX_BATCH]
+            reply = await self._call(node, "get", {"hashes": part})
+            if not isinstance(reply, list) or len(reply) != len(part):
+                raise Unavailable(f"peer {node} sent a malformed get reply")
+            got += reply
+
+        def check() -> list[bytes | None]:
+            out: list[bytes | None] = []
+            for digest, data in zip(hashes, got):
+                if data is not None and (not isinstance(data, bytes)
+                                         or hashlib.sha256(data).digest() != digest):
+                    self.bad_gets += 1
+                    log.error("peer %s sent content that does not hash to %s: ignored",
+                              node, digest.hex())
+                    data = None
+                out.append(data)
+            return out
+
+        return await trio.to_thread.run_sync(check)
+
+    async def put_many(self, node: str, items: list[tuple[bytes, bytes]]) -> list[bool]:
+        """Store (hash, content) pairs at a peer, in requests of at most MAX_BATCH items
+        and about PUT_REQUEST_BYTES; the peer checks each hash. Whether each was stored."""
+        out: list[bool] = []
+        start = 0
+        while start < len(items):
+            end, size = start, 0
+            while end < len(items) and end - start < MAX_BATCH and (
+                    end == start or size + len(items[end][1]) <= PUT_REQUEST_BYTES):
+                size += len(items[end][1])
+                end += 1
+            reply = await self._call(node, "put", {"items": [list(i) for i in items[start:end]]})
+            out += [bool(ok) for ok in reply]
+            start = end
+        return out

@@ -30,14 +30,15 @@ DEADLINE = 30.0  # seconds to wait for a cluster condition
 class Cluster:
     """A coordinator and mountd nodes under one directory."""
 
-    def __init__(self, base: str) -> None:
+    def __init__(self, base: str, coordinator_args: tuple[str, ...] = ()) -> None:
         self.base = base
         self.secret_file = os.path.join(base, "secret")
         with open(self.secret_file, "wb") as f:
             f.write(SECRET)
         self.coordinator = CoordinatorProcess(os.path.join(base, "coordinator"),
                                               self.secret_file,
-                                              os.path.join(base, "coordinator.log"))
+                                              os.path.join(base, "coordinator.log"),
+                                              extra_args=coordinator_args)
         self.nodes: dict[str, MountdProcess] = {}
 
     def add_node(self, name: str, cache_size: str = "1G") -> MountdProcess:
@@ -108,6 +109,55 @@ def test_correct_bytes_from_any_node(cluster, synthetic_tree):
                   for m in cluster.nodes.values())
     assert fetched == len(expected)  # every item came from the bucket exactly once
     assert cluster.nodes["c"].status()["counters"].get("peer_hits", 0) > 0
+
+
+def test_substitutable_hits_come_from_peers_in_batches(tmp_path, synthetic_tree):
+    c = Cluster(str(tmp_path), coordinator_args=("--probe-batches", "1"))
+    c.coordinator.start()
+    sampler = None
+    try:
+        start_nodes(c, ["a", "b", "c"], make_digest(synthetic_tree.root, "syn"))
+        expected = tree_hashes(synthetic_tree.root)
+        for p in expected:  # node a fills every owner's store
+            read(os.path.join(c.nodes["a"].root, "syn", p))
+        c.wait_for(lambda: sum(m.status()["cache"]["items"] for m in c.nodes.values())
+                   == len(expected), "every item to reach its owner")
+        root = os.path.join(c.nodes["c"].root, "syn")
+        sampler = QuiverBatchSampler(root, 8, seed=2)
+
+        def epoch(e: int) -> tuple[dict[str, str], int]:
+            sampler.set_epoch(e)
+            got, hits = {}, 0
+            for b in range(len(sampler)):
+                manifest = sampler.manifest(b)
+                hits += manifest["hits"]
+                for p in manifest["paths"]:
+                    with open(os.path.join(root, p), "rb") as f:
+                        got[p] = hashlib.sha256(f.read()).hexdigest()
+                        # as for a dataset larger than RAM: the next read reaches mountd
+                        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            return got, hits
+
+        assert epoch(0)[0] == expected  # the job's first epoch starts its chunk cycle (and probe)
+        c.wait_for(lambda: [cycle["mode"] for cycle in
+                            c.nodes["c"].call({"op": "cluster"})["cycles"].values()] == ["full"],
+                   "the coordinator to give the dataset the whole cache")
+        assert epoch(1)[0] == expected  # a probe asked for late falls in this epoch
+        before = c.nodes["c"].status()["counters"]
+        got, hits = epoch(2)
+        after = c.nodes["c"].status()["counters"]
+        delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        assert got == expected  # every item once, each with the right bytes
+        assert hits == len(expected)
+        assert delta.get("bucket_fetches", 0) == 0
+        assert delta.get("staged_hits", 0) >= delta["peer_hits"] > len(expected) / 3
+        # one get per owning peer per batch, not one per item
+        assert delta["peer_batch_gets"] <= 2 * len(sampler)
+    finally:
+        if sampler is not None:
+            sampler.close()
+        problems = c.stop()
+    assert not problems, "\n".join(problems)
 
 
 def test_ownership_rebalances_when_nodes_join_and_leave(cluster, synthetic_tree):
