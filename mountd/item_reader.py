@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 # the kernel served from its page cache never takes its staged copy).
 MAX_STAGED = 256 << 20
 PUT_LINGER = 0.005  # seconds items bound for one owner wait to share a put request
+# Seconds a hit planned into a manifest is kept from chunk eviction while its read is
+# due (a job's workers read a few batches behind its sampler).
+PLANNED_GRACE = 30.0
 
 
 class ReadFailed(Exception):
@@ -63,6 +66,7 @@ class ItemReader:
         self.cluster: Any = None  # mountd.cluster.Cluster, set once the daemon wires it
         self.background: trio.Nursery | None = None  # where puts to owners run
         self._puts: dict[str, list[tuple[bytes, bytes]]] = {}  # by owner, not yet sent
+        self._planned: dict[bytes, float] = {}  # hits in manifests, not read yet: when
 
     def owner(self, digest: bytes) -> str | None:
         """The node that should hold ``digest``; None when that is this node."""
@@ -84,9 +88,23 @@ class ItemReader:
         inodes = [ds.inode_base + ds.tree.n_dirs + i for i in items]
         await trio.to_thread.run_sync(_invalidate, inodes, limiter=self.limiter)
 
+    def planned(self, hashes: list[bytes]) -> None:
+        """These hits were promised in a manifest: keep them until read (or a while)."""
+        now = time.monotonic()
+        if len(self._planned) > 100_000:
+            self._planned = {h: t for h, t in self._planned.items()
+                             if now - t < PLANNED_GRACE}
+        self._planned.update(dict.fromkeys(hashes, now))
+
+    def awaiting_read(self, digest: bytes) -> bool:
+        """Whether a manifest promised this hit and its read has not come yet."""
+        t = self._planned.get(digest)
+        return t is not None and time.monotonic() - t < PLANNED_GRACE
+
     async def read(self, ds: MountedDataset, index: int) -> bytes:
         """The verified content of entry ``index`` of ``ds``."""
         digest = ds.digest.hash(index)
+        self._planned.pop(digest, None)
         staged = self._staged.pop(digest, None)
         if staged is not None:
             self._staged_bytes -= len(staged)

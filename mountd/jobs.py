@@ -207,6 +207,17 @@ class DatasetJobs:
             return list(range(self.plan.n_chunks))
         return usable_chunks(self.snap, ref)
 
+    def oldest_usable(self, ref: EpochRef) -> int | None:
+        """The oldest resident chunk the job-epoch has items left in (marked, else
+        active), whose hits it should take first, in coop mode."""
+        if self.snap is None or self.mode != "coop":
+            return None
+        usable = self.usable(ref)
+        for chunk in (self.snap["marked"], self.snap["active"]):
+            if chunk is not None and chunk in usable and ref.remaining_chunks[chunk] > 0:
+                return int(chunk)
+        return None
+
     def upcoming(self) -> int | None:
         """The chunk that starts loading once the marked one is evicted, if none loads."""
         snap = self.snap
@@ -329,7 +340,7 @@ class JobManager:
         order = epoch_shard(job.universe, cfg.seed, epoch, cfg.rank, cfg.world_size)
         job.epoch = epoch
         job.sampler = EpochSampler(order, cfg.batch_size, seed=cfg.seed + epoch,
-                                   scan_factor=cfg.scan_factor)
+                                   scan_factor=cfg.scan_factor, chunk_of=group.plan.chunk_of)
         generation = group.snap["generation"] if group.snap is not None else 0
         job.ref = EpochRef(generation, np.bincount(group.plan.chunk_of[order],
                                                    minlength=group.plan.n_chunks))
@@ -364,6 +375,7 @@ class JobManager:
         if not probing:
             await self._wait_for_chunks(job, group, min(sampler.batch_size, sampler.remaining))
         batch = await trio.to_thread.run_sync(sampler.plan, is_cached, prefer,
+                                              group.oldest_usable(ref),
                                               limiter=self.reader.limiter)
         if probing:
             job.probe_left -= 1
@@ -371,6 +383,7 @@ class JobManager:
         elif group.mode != "none":
             resident = ({*group.usable(ref), upcoming} if group.mode == "coop" else None)
             await self._fetch_all(group.ds, batch.fetch, job.counters, resident)
+            self.reader.planned([digest.hash(i) for i in batch.hits])
             if self.cluster is not None and self.cluster.peers is not None:
                 await self.reader.stage_from_peers(group.ds, batch.hits)
         marked = group.snap["marked"] if group.snap is not None else None
@@ -533,12 +546,13 @@ class JobManager:
 
     async def _evict_local(self, group: DatasetJobs, chunk: int) -> None:
         """Drop this node's copies of an evicted chunk (keeping items resident chunks
-        share)."""
+        share, and hits that manifests promised and were not read yet: the store's LRU
+        drops those later)."""
         snap, digest = group.snap, group.ds.digest
         keep = {digest.hash(int(i)) for c in (snap["active"], snap["loading"], snap["marked"])
                 if c is not None for i in group.plan.members[c]}
         hashes = [h for h in (digest.hash(int(i)) for i in group.plan.members[chunk])
-                  if h not in keep]
+                  if h not in keep and not self.reader.awaiting_read(h)]
         store = self.reader.store
         await trio.to_thread.run_sync(lambda: [store.discard(h) for h in hashes],
                                       limiter=self.reader.limiter)

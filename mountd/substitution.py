@@ -7,6 +7,11 @@ leaves the misses pending for a later pass. When the scan finds too few hits it
 picks a random subset of pending items for the caller to fetch (cooperative miss
 handling: other jobs then hit them). Every item of the shard is placed in exactly
 one batch of the epoch, whatever the cache does in between.
+
+Given the chunk of every item, a batch can take its hits from one chunk first (the
+oldest resident one): the jobs then finish a chunk before the next, so it can be
+evicted and the next one loaded while they read the other, which is what double
+buffering needs.
 """
 from __future__ import annotations
 
@@ -46,7 +51,8 @@ class EpochSampler:
     """One rank's epoch: plans batches in order, each item exactly once."""
 
     def __init__(self, order: np.ndarray, batch_size: int, seed: int,
-                 scan_factor: int = DEFAULT_SCAN_FACTOR) -> None:
+                 scan_factor: int = DEFAULT_SCAN_FACTOR,
+                 chunk_of: np.ndarray | None = None) -> None:
         if batch_size < 1:
             raise ValueError("batch size must be at least 1")
         self.order = order  # item indices in visiting order
@@ -62,6 +68,12 @@ class EpochSampler:
         self.planned = 0  # batches planned so far
         self.hits = 0
         self.fetched = 0
+        if chunk_of is not None:  # positions grouped by chunk, in visiting order
+            chunks = chunk_of[order]
+            self._by_chunk = np.argsort(chunks, kind="stable")
+            self._chunk_start = np.searchsorted(chunks[self._by_chunk],
+                                                np.arange(int(chunk_of.max(initial=0)) + 2))
+            self._chunk_cursor = self._chunk_start[:-1].copy()  # first maybe-pending one
 
     @property
     def remaining(self) -> int:
@@ -85,16 +97,43 @@ class EpochSampler:
         idx = idx[~self._consumed[self._pass[idx]]]
         return idx, self._pass[idx]
 
+    def _hits_from_chunk(self, chunk: int, need: int, budget: int,
+                         is_cached: Callable[[np.ndarray], np.ndarray]) -> list[int]:
+        """Up to ``need`` cached pending items of ``chunk`` in visiting order, scanning at
+        most ``budget`` of its pending items; marked consumed."""
+        end = int(self._chunk_start[chunk + 1])
+        cur = int(self._chunk_cursor[chunk])
+        while cur < end and self._consumed[self._by_chunk[cur]]:
+            cur += 1
+        self._chunk_cursor[chunk] = cur
+        hits: list[int] = []
+        while len(hits) < need and cur < end and budget > 0:
+            block = self._by_chunk[cur:min(end, cur + min(SCAN_BLOCK, budget))]
+            cur += len(block)
+            positions = block[~self._consumed[block]]
+            budget -= len(positions)
+            if not len(positions):
+                continue
+            cached = np.asarray(is_cached(self.order[positions]), dtype=bool)
+            taken = positions[np.flatnonzero(cached)[:need - len(hits)]]
+            self._consumed[taken] = True
+            hits.extend(self.order[taken].tolist())
+        return hits
+
     def plan(self, is_cached: Callable[[np.ndarray], np.ndarray],
-             prefer: Callable[[np.ndarray], np.ndarray] | None = None) -> Batch:
+             prefer: Callable[[np.ndarray], np.ndarray] | None = None,
+             first_chunk: int | None = None) -> Batch:
         """Plan the next batch. ``is_cached(items)`` says which items may be served as
         hits; ``prefer(items)`` ranks misses, higher fetched first (the chunk being
-        loaded before the rest)."""
+        loaded before the rest); hits come from ``first_chunk`` first (the sampler
+        must have been given ``chunk_of``)."""
         if self.planned >= self.n_batches:
             raise IndexError("the epoch has no more batches")
         need = min(self.batch_size, self._remaining)
         budget = self._scan_budget(need)
         hits: list[int] = []
+        if first_chunk is not None:
+            hits = self._hits_from_chunk(first_chunk, need, budget, is_cached)
         scanned = 0
         while len(hits) < need and scanned < budget:
             idx, positions = self._next_block(min(SCAN_BLOCK, budget - scanned))

@@ -61,14 +61,18 @@ def test_rank_shards_are_disjoint_and_cover_the_dataset():
     assert not np.array_equal(epoch_shard(universe, 5, 0, 0, 4), epoch_shard(universe, 5, 1, 0, 4))
 
 
-def test_sampler_exactly_once_while_the_cache_changes():
+@pytest.mark.parametrize("chunked", [False, True])
+def test_sampler_exactly_once_while_the_cache_changes(chunked):
     order = epoch_shard(np.arange(5000), 3, 0, 0, 1)
     rng = np.random.default_rng(9)
     cached = set(rng.choice(5000, 500, replace=False).tolist())
-    sampler = EpochSampler(order, 64, seed=3)
+    chunk_of = np.arange(5000) % 7
+    sampler = EpochSampler(order, 64, seed=3, chunk_of=chunk_of if chunked else None)
     seen: list[int] = []
     for b in range(sampler.n_batches):
-        batch = sampler.plan(lambda items: np.array([i in cached for i in items]))
+        first = b % 7 if chunked else None  # hits from one chunk first, a different one each time
+        batch = sampler.plan(lambda items: np.array([i in cached for i in items]),
+                             first_chunk=first)
         assert len(batch.items) == (64 if b < sampler.n_batches - 1 else 5000 - 64 * b)
         seen += batch.items
         cached.update(batch.fetch)
@@ -77,6 +81,21 @@ def test_sampler_exactly_once_while_the_cache_changes():
         else:
             cached.update(rng.choice(5000, 100).tolist())
     assert sorted(seen) == list(range(5000))
+
+
+def test_sampler_takes_hits_from_the_first_chunk_first():
+    chunk_of = np.arange(1000) % 4
+    sampler = EpochSampler(epoch_shard(np.arange(1000), 1, 0, 0, 1), 50, seed=1,
+                           chunk_of=chunk_of)
+    seen = []
+    for _ in range(5):  # chunk 2's 250 items, all cached, come first, in visiting order
+        seen += sampler.plan(lambda items: np.ones(len(items), dtype=bool), first_chunk=2).hits
+    assert len(seen) == 250 and set(chunk_of[seen]) == {2}
+    positions = {int(item): pos for pos, item in enumerate(sampler.order)}
+    assert [positions[i] for i in seen] == sorted(positions[i] for i in seen)
+    # chunk 2 used up: the next batch scans the rest as usual
+    assert len(sampler.plan(lambda items: np.ones(len(items), dtype=bool),
+                            first_chunk=2).hits) == 50
 
 
 @pytest.fixture
