@@ -133,19 +133,28 @@ class Job:
         self.forced_reads = 0  # probe items read since the last reported batch time
         self.miss_times: collections.deque[float] = collections.deque(maxlen=PROBE_BATCHES)
         self.hit_times: collections.deque[float] = collections.deque(maxlen=PROBE_BATCHES)
+        # (t_miss, t_hit) as the last probe measured them, kept until the next probe, so
+        # that the allocation is decided again when probes change, not at every batch.
+        # t_hit is the mean of the second window of hit batches after the probe: the
+        # first holds the slow batches of a cold start.
+        self.measured: tuple[float, float] | None = None
+        self.hit_samples = 0  # hit batch times recorded since the probe began
         self.gave_up_on: tuple[Any, ...] | None = None  # cycle state a chunk wait timed out in
 
     def record_time(self, seconds: float) -> None:
         """A reported time between two batches. The DataLoader asks for indices batches
         ahead of its workers, so the interval is classified by what the workers read
-        during it: probe items (a miss sample), or, once no probe item is left, hits."""
+        during it: probe items (a miss sample), or, once no probe item is left, hits
+        (unless the dataset has no cache to hit)."""
         self.batch_times.append(seconds)
         self.counters["reported_batches"] += 1
         if self.forced_reads:
             self.miss_times.append(seconds)
             self.forced_reads = 0
-        elif not self.probe_left and not self.forced_outstanding:
+        elif (not self.probe_left and not self.forced_outstanding
+              and (self.group is None or self.group.mode != "none")):
             self.hit_times.append(seconds)
+            self.hit_samples += 1
 
     def benefit(self) -> dict[str, Any]:
         """t_miss and t_hit (seconds per batch) once enough batches were measured."""
@@ -154,7 +163,12 @@ class Job:
             if times is self.hit_times:  # a whole window, not the first few after a probe
                 full = len(times) == times.maxlen
             return sum(times) / len(times) if full and times else None
-        t_miss, t_hit = mean(self.miss_times), mean(self.hit_times)
+        if self.measured is None:
+            t_miss, t_hit = mean(self.miss_times), mean(self.hit_times)
+            if t_miss and t_hit and self.hit_samples >= 2 * (self.hit_times.maxlen or 0):
+                self.measured = (t_miss, t_hit)
+        else:
+            t_miss, t_hit = self.measured
         return {"t_miss": t_miss, "t_hit": t_hit, "probing": self.probe_left > 0,
                 "benefit": t_miss / t_hit if t_miss and t_hit else None}
 
@@ -496,6 +510,7 @@ class JobManager:
                     # so the slow batches of a cold start roll out of it
                     job.miss_times = collections.deque(maxlen=job.probe_left)
                     job.hit_times = collections.deque(maxlen=job.probe_left)
+                    job.measured, job.hit_samples = None, 0
                     log.info("job %s: probing for %d batches", job.id, job.probe_left)
             loading = snap["loading"]
             if loading is not None and me in snap["loaders"]:
