@@ -37,6 +37,7 @@ CHECK_BLOCK = 512  # items whose store membership is checked per thread call
 # fetches misses outside the resident chunks (each of those is a bucket read that no
 # other job shares). A wait that times out is not repeated until the cycle moves.
 CHUNK_WAIT = 20.0
+WAIT_POLL = 0.25  # seconds between looks at what other nodes loaded, while waiting
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff",
                     ".webp")  # torchvision's IMG_EXTENSIONS
 
@@ -208,6 +209,8 @@ class DatasetJobs:
         self.busy: set[str] = set()  # load tasks running, by key
         self.version = -1  # membership version of the last refill
         self.changed = trio.Event()  # set (and replaced) when the cycle moves
+        # ((loading chunk, loaders), mask over items of this node's share, its fraction)
+        self._share: tuple[tuple[Any, ...], np.ndarray, float] | None = None
 
     def cycle_key(self) -> tuple[Any, ...] | None:
         snap = self.snap
@@ -231,6 +234,25 @@ class DatasetJobs:
             if chunk is not None and chunk in usable and ref.remaining_chunks[chunk] > 0:
                 return int(chunk)
         return None
+
+    def loader_share(self, me: str) -> tuple[np.ndarray, float] | None:
+        """The items of the loading chunk that this node loads (a mask over all items,
+        by rendezvous among the loaders) and their share of the chunk; None when no chunk
+        loads or this node loads all of it. Another node's share is left to it: a job
+        here fetching it too would read it from the bucket twice."""
+        snap = self.snap
+        if snap is None or snap["loading"] is None or snap["loaders"] == [me]:
+            return None
+        key = (snap["loading"], tuple(snap["loaders"]))
+        if self._share is None or self._share[0] != key:
+            members = self.plan.members[snap["loading"]]
+            digest = self.ds.digest
+            mine = np.array([ownership.owner(digest.hash(int(i)), snap["loaders"]) == me
+                             for i in members], dtype=bool)
+            mask = np.zeros(len(self.plan.chunk_of), dtype=bool)
+            mask[members[mine]] = True
+            self._share = (key, mask, float(mine.mean()) if len(mine) else 1.0)
+        return self._share[1], self._share[2]
 
     def upcoming(self) -> int | None:
         """The chunk that starts loading once the marked one is evicted, if none loads."""
@@ -376,18 +398,23 @@ class JobManager:
                                                              for i in items[usable]])
             return held
 
-        upcoming = group.upcoming()
-
-        def prefer(items: np.ndarray) -> np.ndarray:
-            # Misses in the resident chunks first: the loading chunk's, and items of the
-            # active or marked chunks that were culled (refilling them lets those
-            # chunks be consumed, released and replaced). Then the chunk that loads
-            # next: its loader will find them held, and other jobs will hit them.
-            chunks = chunk_of[items]
-            return 2 * np.isin(chunks, group.usable(ref)) + (chunks == upcoming)
-
         if not probing:
             await self._wait_for_chunks(job, group, min(sampler.batch_size, sampler.remaining))
+        upcoming = group.upcoming()
+        loading = group.snap["loading"] if group.snap is not None else None
+        share = await self._loader_share(group)
+
+        def prefer(items: np.ndarray) -> np.ndarray:
+            # Misses in the resident chunks first: this node's share of the loading
+            # chunk, and items of the active or marked chunks that were culled
+            # (refilling them lets those chunks be consumed, released and replaced).
+            # Then the chunk that loads next: its loader will find them held, and other
+            # jobs will hit them. Then other nodes' shares of the loading chunk.
+            chunks = chunk_of[items]
+            rank = 3 * np.isin(chunks, group.usable(ref)) + 2 * (chunks == upcoming)
+            if share is not None:
+                rank[(chunks == loading) & ~share[0][items]] = 1
+            return rank
         batch = await trio.to_thread.run_sync(sampler.plan, is_cached, prefer,
                                               group.oldest_usable(ref),
                                               limiter=self.reader.limiter)
@@ -416,23 +443,36 @@ class JobManager:
             "labels": [digest.label(i) for i in items],
             "hashes": [digest.hash(i).hex() for i in items]}).encode()
 
-    @staticmethod
-    async def _wait_for_chunks(job: Job, group: DatasetJobs, need: int) -> None:
+    async def _loader_share(self, group: DatasetJobs) -> tuple[np.ndarray, float] | None:
+        if self.cluster is None:
+            return None
+        return await trio.to_thread.run_sync(group.loader_share, self.cluster.me,
+                                             limiter=self.reader.limiter)
+
+    async def _wait_for_chunks(self, job: Job, group: DatasetJobs, need: int) -> None:
         """In coop mode, wait (at most CHUNK_WAIT) until the usable chunks hold ``need``
-        of the job's pending items, cached or loading. Until then its batch would be
-        filled with misses from chunks no other job reads now, so the loader's bucket
-        bandwidth is better spent on the next chunk, which every job then hits. A job
-        with items left in the marked chunk never waits: its batches release it."""
+        of the job's pending items: cached, or for this node to load. Until then its
+        batch would be filled with misses that no other job shares now (or that another
+        node is loading), so the bucket's bandwidth is better left to the loaders. A
+        job with items left in the marked chunk never waits: its batches release it."""
         started = trio.current_time()
         key = group.cycle_key()
         with trio.move_on_after(CHUNK_WAIT) as scope:
             while group.mode == "coop" and key is not None and key != job.gave_up_on:
                 usable = group.usable(job.ref)
-                marked = group.snap["marked"]
-                if (job.ref.remaining_chunks[usable].sum() >= need
+                marked, loading = group.snap["marked"], group.snap["loading"]
+                supply = int(job.ref.remaining_chunks[usable].sum())
+                share = await self._loader_share(group)
+                if share is not None and loading in usable:  # others' shares: once held
+                    pending = job.sampler.pending_in(loading)
+                    others = pending[~share[0][pending]]
+                    held = await self._held([group.ds.digest.hash(int(i)) for i in others])
+                    supply -= len(others) - sum(held)
+                if (supply >= need
                         or marked in usable and job.ref.remaining_chunks[marked] > 0):
                     break  # enough to plan from, or the job holds back the marked chunk
-                await group.changed.wait()
+                with trio.move_on_after(WAIT_POLL if share is not None else math.inf):
+                    await group.changed.wait()
                 key = group.cycle_key()
         if scope.cancelled_caught:
             job.gave_up_on = key

@@ -97,6 +97,12 @@ class EpochSampler:
         idx = idx[~self._consumed[self._pass[idx]]]
         return idx, self._pass[idx]
 
+    def pending_in(self, chunk: int) -> np.ndarray:
+        """Items of ``chunk`` not yet placed (the sampler must have been given
+        ``chunk_of``)."""
+        positions = self._by_chunk[self._chunk_start[chunk]:self._chunk_start[chunk + 1]]
+        return self.order[positions[~self._consumed[positions]]]
+
     def _hits_from_chunk(self, chunk: int, need: int, budget: int,
                          is_cached: Callable[[np.ndarray], np.ndarray]) -> list[int]:
         """Up to ``need`` cached pending items of ``chunk`` in visiting order, scanning at

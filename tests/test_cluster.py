@@ -347,6 +347,9 @@ def test_node_rejoining_with_its_old_cache_reuses_it(cluster, synthetic_tree):
         read(os.path.join(b.root, "syn", p))
     held_before = b.status()["cache"]["items"]
     assert held_before > 0
+    # b's puts to a are sent in the background: let them land before b goes
+    cluster.wait_for(lambda: held_before + cluster.nodes["a"].status()["cache"]["items"]
+                     == len(expected), "every item to reach its owner")
     assert b.stop() == 0
     b.start()  # same node id, same cache directory
     cluster.wait_for(lambda: cluster.live_members("b") == ["a", "b"], "b to rejoin")
