@@ -7,7 +7,8 @@ dataset gets one of: "coop" (two chunks, with cooperative miss handling: as good
 full cache for substitutable jobs), "full" (the whole dataset: no re-fetching every
 epoch), or "none". Greedy by benefit per byte: every dataset worth caching gets two
 chunks in order of G / cost while they fit, then leftover budget upgrades datasets to
-full in order of G / extra bytes.
+full in order of G / extra bytes. What is still left goes the same way to datasets
+whose jobs hide their I/O.
 """
 from __future__ import annotations
 
@@ -59,20 +60,30 @@ class DatasetDemand:
 
 
 def allocate(demands: list[DatasetDemand], budget: int) -> dict[str, str]:
-    """identity -> "full" | "coop" | "none", within ``budget`` bytes."""
+    """identity -> "full" | "coop" | "none", within ``budget`` bytes. Datasets worth
+    caching come first; what they leave goes to the others (spare cache costs nothing,
+    and it spares the bucket their reads)."""
     modes = {d.identity: "none" for d in demands}
     left = budget
-    wanted = [d for d in demands if d.jobs and d.worth_caching]
-    for d in sorted(wanted, key=lambda d: d.gain / max(1, d.coop_cost), reverse=True):
+    with_jobs = [d for d in demands if d.jobs]
+    for worth in (True, False):
+        left = _fill([d for d in with_jobs if d.worth_caching == worth], modes, left)
+    return modes
+
+
+def _fill(demands: list[DatasetDemand], modes: dict[str, str], left: int) -> int:
+    """Give ``demands`` two chunks each by G per byte while they fit, then upgrade them to
+    full by G per extra byte; the budget left."""
+    for d in sorted(demands, key=lambda d: d.gain / max(1, d.coop_cost), reverse=True):
         if d.coop_cost <= left:
             modes[d.identity] = "coop"
             left -= d.coop_cost
-    upgradable = [d for d in wanted if modes[d.identity] == "coop" and d.size > d.coop_cost]
+    upgradable = [d for d in demands if modes[d.identity] == "coop" and d.size > d.coop_cost]
     for d in sorted(upgradable, key=lambda d: d.gain / (d.size - d.coop_cost), reverse=True):
         if d.size - d.coop_cost <= left:
             modes[d.identity] = "full"
             left -= d.size - d.coop_cost
-    for d in wanted:  # a dataset smaller than two chunks is simply cached whole
+    for d in demands:  # a dataset smaller than two chunks is simply cached whole
         if modes[d.identity] == "coop" and d.size <= d.coop_cost:
             modes[d.identity] = "full"
-    return modes
+    return left

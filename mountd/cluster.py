@@ -76,7 +76,8 @@ class Cluster:
                       if n == self.me or self.peers is None or not self.peers.is_down(n))
 
     def owner(self, digest: bytes) -> str:
-        return ownership.owner(digest, self.live())
+        live = self.live()
+        return live[0] if len(live) == 1 else ownership.owner(digest, live)
 
     def poke(self) -> None:
         """Something the coordinator acts on happened (a chunk share loaded, a marked

@@ -369,7 +369,21 @@ class JobManager:
                 raise JobError(f"epoch {epoch} has {sampler.n_batches} batches")
             while sampler.planned <= index:
                 await self._plan_next(job, job.group, sampler)
+            if sampler.planned == index + 1 < sampler.n_batches and self._nursery is not None:
+                # plan the next batch while the job's workers read this one
+                self._nursery.start_soon(self._plan_ahead, job, sampler)
             return job.manifests[index]
+
+    async def _plan_ahead(self, job: Job, sampler: EpochSampler) -> None:
+        async with job.lock:
+            if job.sampler is not sampler or job.group is None or (
+                    sampler.planned >= sampler.n_batches):
+                return  # the job moved on, or left
+            try:
+                await self._plan_next(job, job.group, sampler)
+            except Exception:  # the job's own request for the batch will meet it again
+                log.exception("job %s: planning batch %d ahead failed", job.id,
+                              sampler.planned)
 
     @staticmethod
     def _start_epoch(job: Job, cfg: JobConfig, group: DatasetJobs, epoch: int) -> EpochSampler:
@@ -394,8 +408,11 @@ class JobManager:
                 return np.zeros(len(items), dtype=bool)
             usable = np.isin(chunk_of[items], group.usable(ref))
             held = np.zeros(len(items), dtype=bool)
-            held[usable] = trio.from_thread.run(self._held, [digest.hash(int(i))
-                                                             for i in items[usable]])
+            hashes = [digest.hash(int(i)) for i in items[usable]]
+            if self.cluster is None or self.cluster.peers is None:  # one node: ask here
+                held[usable] = [h in self.reader.store for h in hashes]
+            else:
+                held[usable] = trio.from_thread.run(self._held, hashes)
             return held
 
         if not probing:
@@ -506,6 +523,8 @@ class JobManager:
                          resident: set[int] | None = None) -> None:
         """Fetch items into the cache; with ``resident`` (coop mode), items of other
         chunks are only staged for their one read, so they cannot evict the chunks."""
+        if not items:
+            return
         slots = trio.Semaphore(FETCH_CONCURRENCY)
         chunk_of = self.groups[ds.name].plan.chunk_of if resident is not None else None
 

@@ -30,13 +30,18 @@ def test_allocation_prefers_benefit_per_byte_under_a_budget():
     io_bound = demand("io", 100 * GiB, 10 * GiB, (3.0, 4))  # G = 12, two chunks: 20 GiB
     mild = demand("mild", 100 * GiB, 10 * GiB, (1.5, 2))  # G = 3
     compute = demand("compute", 10 * GiB, GiB, (1.0, 8))  # hides its I/O: no benefit
-    assert allocate([io_bound, mild, compute], 25 * GiB) == {
+    assert allocate([io_bound, mild, compute], 21 * GiB) == {
         "io": "coop", "mild": "none", "compute": "none"}
-    assert allocate([io_bound, mild, compute], 45 * GiB) == {
+    assert allocate([io_bound, mild, compute], 41 * GiB) == {
         "io": "coop", "mild": "coop", "compute": "none"}
     # leftover budget upgrades the best dataset to a full cache
-    assert allocate([io_bound, mild, compute], 130 * GiB) == {
+    assert allocate([io_bound, mild, compute], 121 * GiB) == {
         "io": "full", "mild": "coop", "compute": "none"}
+    # and what is still left goes to the dataset that gains nothing (the bucket gains)
+    assert allocate([io_bound, mild, compute], 45 * GiB) == {
+        "io": "coop", "mild": "coop", "compute": "coop"}
+    assert allocate([io_bound, mild, compute], 130 * GiB) == {
+        "io": "full", "mild": "coop", "compute": "full"}
     assert allocate([io_bound], 0) == {"io": "none"}
 
 

@@ -163,9 +163,10 @@ def test_job_and_chunk_metrics(documented_mountd, quiver, synthetic_tree: Tree, 
 
     labels = {"job": "j1", "dataset": "syn"}
     assert value(m, "quiver_jobs") == 1
-    assert value(m, "quiver_job_hits_total", **labels) == manifest["hits"]
+    # batch 0, and batch 1 once mountd has planned it ahead of the job's next read
+    assert value(m, "quiver_job_hits_total", **labels) >= manifest["hits"]
     assert (value(m, "quiver_job_hits_total", **labels)
-            + value(m, "quiver_job_fetched_total", **labels)) == 8
+            + value(m, "quiver_job_fetched_total", **labels)) in (8, 16)
     assert value(m, "quiver_job_epoch", **labels) == 0
     assert value(m, "quiver_job_mean_batch_seconds", **labels) == pytest.approx(0.5)
     os.rmdir(job)
