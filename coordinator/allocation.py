@@ -7,8 +7,8 @@ dataset gets one of: "coop" (two chunks, with cooperative miss handling: as good
 full cache for substitutable jobs), "full" (the whole dataset: no re-fetching every
 epoch), or "none". Greedy by benefit per byte: every dataset worth caching gets two
 chunks in order of G / cost while they fit, then leftover budget upgrades datasets to
-full in order of G / extra bytes. What is still left goes the same way to datasets
-whose jobs hide their I/O.
+full in order of G / extra bytes. What is still left caches datasets whose jobs hide
+their I/O in full, where they fit.
 """
 from __future__ import annotations
 
@@ -61,13 +61,17 @@ class DatasetDemand:
 
 def allocate(demands: list[DatasetDemand], budget: int) -> dict[str, str]:
     """identity -> "full" | "coop" | "none", within ``budget`` bytes. Datasets worth
-    caching come first; what they leave goes to the others (spare cache costs nothing,
-    and it spares the bucket their reads)."""
+    caching come first. What they leave caches the others in full where they fit: spare
+    cache costs nothing and spares the bucket their reads (not two chunks: the cycle
+    would hold back jobs that gain nothing from it)."""
     modes = {d.identity: "none" for d in demands}
-    left = budget
     with_jobs = [d for d in demands if d.jobs]
-    for worth in (True, False):
-        left = _fill([d for d in with_jobs if d.worth_caching == worth], modes, left)
+    left = _fill([d for d in with_jobs if d.worth_caching], modes, budget)
+    rest = [d for d in with_jobs if not d.worth_caching]
+    for d in sorted(rest, key=lambda d: d.gain / max(1, d.size), reverse=True):
+        if d.size <= left:
+            modes[d.identity] = "full"
+            left -= d.size
     return modes
 
 

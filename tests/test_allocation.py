@@ -37,9 +37,11 @@ def test_allocation_prefers_benefit_per_byte_under_a_budget():
     # leftover budget upgrades the best dataset to a full cache
     assert allocate([io_bound, mild, compute], 121 * GiB) == {
         "io": "full", "mild": "coop", "compute": "none"}
-    # and what is still left goes to the dataset that gains nothing (the bucket gains)
+    # and what is still left caches the dataset that gains nothing, if all of it fits
     assert allocate([io_bound, mild, compute], 45 * GiB) == {
-        "io": "coop", "mild": "coop", "compute": "coop"}
+        "io": "coop", "mild": "coop", "compute": "none"}
+    assert allocate([io_bound, mild, compute], 50 * GiB) == {
+        "io": "coop", "mild": "coop", "compute": "full"}
     assert allocate([io_bound, mild, compute], 130 * GiB) == {
         "io": "full", "mild": "coop", "compute": "full"}
     assert allocate([io_bound], 0) == {"io": "none"}
