@@ -32,9 +32,7 @@ import json
 import logging
 import os
 import queue
-import selectors
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -50,6 +48,7 @@ from mountd.bench_substitution import Dataset
 from quiverfs import digest as digest_format
 from quiverfs.backends import StorageOptions
 from quiverfs.bench_data import write_synthetic_tree
+from quiverfs.bench_jobs import JobChild
 from quiverfs.chunk_plan import make_plan
 from quiverfs.emulator import gcs_client, running_emulator, upload_tree
 from quiverfs.mountd_process import MountdProcess, running_mountd
@@ -335,62 +334,14 @@ def job_main(argv: list[str]) -> int:
 
 
 # -- the parent: jobs ------------------------------------------------------------------
-class JobProcess:
-    """A job child; lines to its stdin, JSON lines back from its stdout."""
+class JobProcess(JobChild):
+    """A job child running ``spec``."""
 
     def __init__(self, name: str, spec: JobSpec, log_path: str) -> None:
-        self.name = name
+        super().__init__(name, [sys.executable, "-m", "coordinator.bench_allocation",
+                                json.dumps(dataclasses.asdict(spec))], log_path)
         self.spec = spec
-        self.log_path = log_path
         self.job_id: str | None = None  # mountd's, for quiver jobs
-        with open(log_path, "ab") as log_file:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "coordinator.bench_allocation",
-                 json.dumps(dataclasses.asdict(spec))],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file, bufsize=0)
-        self._buffer = b""
-
-    def send(self, line: str) -> None:
-        self.proc.stdin.write(line.encode() + b"\n")
-
-    def receive(self, timeout: float) -> dict[str, Any]:
-        """The next JSON line, or an error naming the job's last log lines."""
-        deadline = time.monotonic() + timeout
-        fd = self.proc.stdout.fileno()
-        with selectors.DefaultSelector() as sel:
-            sel.register(fd, selectors.EVENT_READ)
-            while b"\n" not in self._buffer:
-                left = deadline - time.monotonic()
-                if left <= 0 or not sel.select(left):
-                    raise RuntimeError(f"job {self.name} sent nothing for {timeout:.0f} s: "
-                                       f"{self._log_tail()}")
-                data = os.read(fd, 1 << 20)
-                if not data:
-                    raise RuntimeError(f"job {self.name} exited ({self.proc.wait()}): "
-                                       f"{self._log_tail()}")
-                self._buffer += data
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        return json.loads(line)
-
-    def _log_tail(self, n: int = 15) -> str:
-        with open(self.log_path, encoding="utf-8", errors="replace") as f:
-            return "".join(f.readlines()[-n:]) or "(no output)"
-
-    def finish(self) -> None:
-        """Let the job unregister and exit; it must exit 0."""
-        self.send("exit")
-        self.proc.stdin.close()
-        rc = self.proc.wait(JOB_STOP_TIMEOUT)
-        if rc != 0:
-            raise RuntimeError(f"job {self.name} exited {rc}: {self._log_tail()}")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            with contextlib.suppress(OSError):
-                pipe.close()
 
 
 @contextlib.contextmanager
@@ -521,7 +472,7 @@ def run_config(kind: str, budget: float, data: dict[str, Dataset], proxy: Thrott
         replies = {job.name: job.receive(JOB_REPORT_SLACK) for job in jobs}
         final = _sample(m, proxy, time.monotonic() - go)  # while the jobs are registered
         for job in jobs:
-            job.finish()
+            job.finish(JOB_STOP_TIMEOUT)
     shutil.rmtree(os.path.join(base, "node-cache"), ignore_errors=True)
 
     window = (go + size.warmup_s, go + size.seconds)

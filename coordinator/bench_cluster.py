@@ -34,9 +34,7 @@ import math
 import os
 import queue
 import secrets
-import selectors
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -52,6 +50,7 @@ from quiverfs import digest as digest_format
 from quiverfs import ownership
 from quiverfs.backends import StorageOptions
 from quiverfs.bench_data import write_synthetic_tree
+from quiverfs.bench_jobs import JobChild
 from quiverfs.chunk_plan import make_plan
 from quiverfs.emulator import gcs_client, running_emulator, upload_tree
 from quiverfs.errors import QuietError
@@ -284,60 +283,17 @@ def job_main(argv: list[str]) -> int:
 
 
 # -- the parent: jobs ------------------------------------------------------------------
-class JobProcess:
-    """A job child; lines to its stdin, JSON lines back from its stdout."""
+class JobProcess(JobChild):
+    """A job child running ``spec``."""
 
     def __init__(self, spec: JobSpec, log_path: str) -> None:
+        argv = [sys.executable, "-m", "coordinator.bench_cluster",
+                json.dumps(dataclasses.asdict(spec))]
+        super().__init__(f"{spec.seed} ({spec.mode})", argv, log_path)
         self.spec = spec
-        self.log_path = log_path
-        with open(log_path, "ab") as log_file:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "coordinator.bench_cluster",
-                 json.dumps(dataclasses.asdict(spec))],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file, bufsize=0)
-        self._buffer = b""
-
-    def send(self, line: str) -> None:
-        self.proc.stdin.write(line.encode() + b"\n")
 
     def receive(self, timeout: float = EPOCH_TIMEOUT) -> dict[str, Any]:
-        """The next JSON line, or an error naming the job's last log lines."""
-        deadline = time.monotonic() + timeout
-        fd = self.proc.stdout.fileno()
-        with selectors.DefaultSelector() as sel:
-            sel.register(fd, selectors.EVENT_READ)
-            while b"\n" not in self._buffer:
-                left = deadline - time.monotonic()
-                if left <= 0 or not sel.select(left):
-                    raise RuntimeError(f"job {self.spec.seed} ({self.spec.mode}) sent nothing "
-                                       f"for {timeout:.0f} s: {self._log_tail()}")
-                data = os.read(fd, 1 << 20)
-                if not data:
-                    raise RuntimeError(f"job {self.spec.seed} ({self.spec.mode}) exited "
-                                       f"({self.proc.wait()}): {self._log_tail()}")
-                self._buffer += data
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        return json.loads(line)
-
-    def _log_tail(self, n: int = 15) -> str:
-        with open(self.log_path, encoding="utf-8", errors="replace") as f:
-            return "".join(f.readlines()[-n:]) or "(no output)"
-
-    def finish(self) -> None:
-        """Let the job unregister and exit; it must exit 0."""
-        self.send("exit")
-        self.proc.stdin.close()
-        rc = self.proc.wait(JOB_STOP_TIMEOUT)
-        if rc != 0:
-            raise RuntimeError(f"job {self.spec.seed} exited {rc}: {self._log_tail()}")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            with contextlib.suppress(OSError):
-                pipe.close()
+        return super().receive(timeout)
 
 
 @contextlib.contextmanager
@@ -593,7 +549,7 @@ def run_mode(mode: str, data: Dataset, proxy: ThrottleProxy, size: Size, workdir
         with running_jobs(specs([proxy.url]), base) as jobs:
             records, orders = _epochs(jobs, n_epochs, proxy, dict)  # no nodes to count
             for job in jobs:
-                job.finish()
+                job.finish(JOB_STOP_TIMEOUT)
         report.update(epochs=records, steady=_steady(records, 0, data.bytes),
                       load_average_after=os.getloadavg()[0])
         return ModeRun(report, orders)
@@ -608,7 +564,7 @@ def run_mode(mode: str, data: Dataset, proxy: ThrottleProxy, size: Size, workdir
             report["node_jobs"] = {n: [{k: v for k, v in j.items() if k != "chunks"}
                                        for j in st["jobs"]] for n, st in statuses.items()}
             for job in jobs:
-                job.finish()
+                job.finish(JOB_STOP_TIMEOUT)
     for name in NODES:
         shutil.rmtree(os.path.join(base, f"{name}-cache"), ignore_errors=True)
     report.update(epochs=records, steady=_steady(records, 1, data.bytes),

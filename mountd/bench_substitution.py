@@ -31,9 +31,7 @@ import json
 import logging
 import os
 import queue
-import selectors
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -46,6 +44,7 @@ from digest_tools.create import create_digest
 from quiverfs import digest as digest_format
 from quiverfs.backends import StorageOptions
 from quiverfs.bench_data import write_digits_tree, write_synthetic_tree
+from quiverfs.bench_jobs import JobChild
 from quiverfs.emulator import running_emulator, upload_tree
 from quiverfs.mountd_process import MountdProcess, running_mountd
 from quiverfs.throttle_proxy import ThrottleProxy, throttled
@@ -239,60 +238,17 @@ def job_main(argv: list[str]) -> int:
 
 
 # -- the parent: running jobs ----------------------------------------------------------
-class JobProcess:
-    """A job child; lines to its stdin, JSON lines back from its stdout."""
+class JobProcess(JobChild):
+    """A job child running ``spec``."""
 
     def __init__(self, spec: JobSpec, log_path: str) -> None:
+        argv = [sys.executable, "-m", "mountd.bench_substitution",
+                json.dumps(dataclasses.asdict(spec))]
+        super().__init__(f"{spec.seed} ({spec.mode})", argv, log_path)
         self.spec = spec
-        self.log_path = log_path
-        with open(log_path, "ab") as log_file:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "mountd.bench_substitution",
-                 json.dumps(dataclasses.asdict(spec))],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file, bufsize=0)
-        self._buffer = b""
-
-    def send(self, line: str) -> None:
-        self.proc.stdin.write(line.encode() + b"\n")
 
     def receive(self, timeout: float = EPOCH_TIMEOUT) -> dict[str, Any]:
-        """The next JSON line, or an error naming the job's last log lines."""
-        deadline = time.monotonic() + timeout
-        fd = self.proc.stdout.fileno()
-        with selectors.DefaultSelector() as sel:
-            sel.register(fd, selectors.EVENT_READ)
-            while b"\n" not in self._buffer:
-                left = deadline - time.monotonic()
-                if left <= 0 or not sel.select(left):
-                    raise RuntimeError(f"job {self.spec.seed} ({self.spec.mode}) sent nothing "
-                                       f"for {timeout:.0f} s: {self._log_tail()}")
-                data = os.read(fd, 1 << 20)
-                if not data:
-                    raise RuntimeError(f"job {self.spec.seed} ({self.spec.mode}) exited "
-                                       f"({self.proc.wait()}): {self._log_tail()}")
-                self._buffer += data
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        return json.loads(line)
-
-    def _log_tail(self, n: int = 15) -> str:
-        with open(self.log_path, encoding="utf-8", errors="replace") as f:
-            return "".join(f.readlines()[-n:]) or "(no output)"
-
-    def finish(self) -> None:
-        """Let the job unregister and exit; it must exit 0."""
-        self.send("exit")
-        self.proc.stdin.close()
-        rc = self.proc.wait(JOB_STOP_TIMEOUT)
-        if rc != 0:
-            raise RuntimeError(f"job {self.spec.seed} exited {rc}: {self._log_tail()}")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            with contextlib.suppress(OSError):
-                pipe.close()
+        return super().receive(timeout)
 
 
 @contextlib.contextmanager
@@ -416,7 +372,7 @@ def run_config(mode: str, fraction: float, n_jobs: int, data: Dataset, proxy: Th
                     orders[j].append(reply["paths"])
             status = m.status()
             for job in jobs:
-                job.finish()
+                job.finish(JOB_STOP_TIMEOUT)
     shutil.rmtree(os.path.join(workdir, f"{name}-cache"), ignore_errors=True)
     chunks = [j["chunks"] for j in status["jobs"] if j.get("chunks")]
     expected = sorted(data.paths)

@@ -37,7 +37,6 @@ import logging
 import math
 import os
 import resource
-import selectors
 import shutil
 import subprocess
 import sys
@@ -50,6 +49,7 @@ from digest_tools.create import create_digest
 from mountd.bench_substitution import Dataset
 from quiverfs.backends import StorageOptions
 from quiverfs.bench_data import write_synthetic_tree
+from quiverfs.bench_jobs import JobChild
 from quiverfs.emulator import Emulator, gcs_client, running_emulator, upload_tree
 from quiverfs.mountd_process import (MountdProcess, is_mounted, running_mountd, terminate,
                                      unmount)
@@ -244,60 +244,13 @@ def job_main() -> int:
 
 
 # -- the parent: jobs ------------------------------------------------------------------
-class JobProcess:
-    """A job child that runs one configuration after another: lines to its stdin, JSON
-    lines back from its stdout."""
+class JobProcess(JobChild):
+    """A job child that runs one configuration after another."""
 
     def __init__(self, index: int, log_path: str) -> None:
+        super().__init__(str(index), [sys.executable, "-m", "quiverfs.bench_compare"],
+                         log_path)
         self.index = index
-        self.log_path = log_path
-        with open(log_path, "ab") as log_file:
-            self.proc = subprocess.Popen([sys.executable, "-m", "quiverfs.bench_compare"],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=log_file, bufsize=0)
-        self._buffer = b""
-
-    def send(self, line: str) -> None:
-        self.proc.stdin.write(line.encode() + b"\n")
-
-    def receive(self, timeout: float) -> dict[str, Any]:
-        """The next JSON line, or an error naming the job's last log lines."""
-        deadline = time.monotonic() + timeout
-        fd = self.proc.stdout.fileno()
-        with selectors.DefaultSelector() as sel:
-            sel.register(fd, selectors.EVENT_READ)
-            while b"\n" not in self._buffer:
-                left = deadline - time.monotonic()
-                if left <= 0 or not sel.select(left):
-                    raise RuntimeError(f"job {self.index} sent nothing for {timeout:.0f} s: "
-                                       f"{self._log_tail()}")
-                data = os.read(fd, 1 << 20)
-                if not data:
-                    raise RuntimeError(f"job {self.index} exited ({self.proc.wait()}): "
-                                       f"{self._log_tail()}")
-                self._buffer += data
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        return json.loads(line)
-
-    def _log_tail(self, n: int = 15) -> str:
-        with open(self.log_path, encoding="utf-8", errors="replace") as f:
-            return "".join(f.readlines()[-n:]) or "(no output)"
-
-    def stop(self) -> int:
-        """Close its stdin and wait for it (SIGKILL after JOB_STOP_TIMEOUT); its status."""
-        with contextlib.suppress(OSError):
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(JOB_STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            self.kill()
-        self.proc.stdout.close()
-        return self.proc.returncode
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 @contextlib.contextmanager
@@ -311,7 +264,7 @@ def running_jobs(n: int, log_dir: str) -> Iterator[list[JobProcess]]:
             job.receive(START_TIMEOUT)
         yield jobs
     finally:
-        codes = [job.stop() for job in jobs]
+        codes = [job.stop(JOB_STOP_TIMEOUT) for job in jobs]
     if any(codes):
         raise RuntimeError(f"job processes exited with {codes}")
 

@@ -1,0 +1,76 @@
+"""A benchmark's job: a child process spoken to in lines on its stdin, answering in JSON
+lines on its stdout, its stderr in a log file whose tail every error names."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import subprocess
+import time
+from typing import Any
+
+
+class JobChild:
+    """One job process (``argv``), called ``name`` in errors."""
+
+    def __init__(self, name: str, argv: list[str], log_path: str) -> None:
+        self.name = name
+        self.log_path = log_path
+        with open(log_path, "ab") as log_file:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=log_file, bufsize=0)
+        self._buffer = b""
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line.encode() + b"\n")
+
+    def receive(self, timeout: float) -> dict[str, Any]:
+        """The next JSON line, or an error naming the job's last log lines."""
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while b"\n" not in self._buffer:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    raise RuntimeError(f"job {self.name} sent nothing for {timeout:.0f} s: "
+                                       f"{self.log_tail()}")
+                data = os.read(fd, 1 << 20)
+                if not data:
+                    raise RuntimeError(f"job {self.name} exited ({self.proc.wait()}): "
+                                       f"{self.log_tail()}")
+                self._buffer += data
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def log_tail(self, n: int = 15) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[-n:]) or "(no output)"
+
+    def finish(self, timeout: float) -> None:
+        """Tell the job to exit (the line ``exit``, then end of input); it must exit 0."""
+        self.send("exit")
+        self.proc.stdin.close()
+        rc = self.proc.wait(timeout)
+        if rc != 0:
+            raise RuntimeError(f"job {self.name} exited {rc}: {self.log_tail()}")
+
+    def stop(self, timeout: float) -> int:
+        """Close its stdin and wait for it (killed after ``timeout``); its status."""
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self.proc.stdout.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError):
+                pipe.close()
