@@ -59,7 +59,7 @@ class ItemReader:
         self._inflight: dict[bytes, _Flight] = {}
         self.counters: Counter[str] = Counter()
         self.latency = read_latency()  # seconds per read served, by tier
-        self._forced: dict[bytes, Any] = {}  # next read is a miss, for this probed job
+        self._forced: set[bytes] = set()  # next read is a miss (a probed job's batch)
         # fetched for one coming read, not cached; oldest first
         self._staged: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
         self._staged_bytes = 0
@@ -79,12 +79,10 @@ class ItemReader:
         self.counters[key] += n
         ds.counters[key] += n
 
-    async def force_misses(self, ds: MountedDataset, items: list[int], job: Any) -> None:
+    async def force_misses(self, ds: MountedDataset, items: list[int]) -> None:
         """Serve the next read of each item from storage, as if it were not cached, and
-        drop the kernel's pages of it (benefit probing of ``job``, a mountd.jobs.Job)."""
-        for i in items:
-            self._forced[ds.digest.hash(i)] = job
-        job.forced_outstanding += len(items)
+        drop the kernel's pages of it (a probed job's batch)."""
+        self._forced.update(ds.digest.hash(i) for i in items)
         inodes = [ds.inode_base + ds.tree.n_dirs + i for i in items]
         await trio.to_thread.run_sync(_invalidate, inodes, limiter=self.limiter)
 
@@ -110,10 +108,8 @@ class ItemReader:
             self._staged_bytes -= len(staged)
             self.count(ds, "staged_hits")
             return staged
-        job = self._forced.pop(digest, None)
-        if job is not None:
-            job.forced_outstanding -= 1
-            job.forced_reads += 1
+        if digest in self._forced:
+            self._forced.discard(digest)
             self.count(ds, "probe_misses")
             return await self.fetch(ds, index)
         started = time.perf_counter()

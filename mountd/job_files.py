@@ -205,9 +205,9 @@ class ControlHandle:
         for line in buf.decode("utf-8", "replace").splitlines():
             parts = line.split()
             try:
-                seconds = float(parts[2])
+                epoch, batch, seconds = int(parts[0]), int(parts[1]), float(parts[2])
             except (IndexError, ValueError):
                 continue  # a report line we do not understand is ignored, not fatal
             if seconds >= 0:
-                self.job.record_time(seconds)
+                self.job.record_time(epoch, batch, seconds)
         return len(buf)

@@ -22,6 +22,7 @@ from mountd.chunk_cycle import EpochRef, usable_chunks
 from mountd.dataset import MountedDataset
 from mountd.item_reader import ItemReader, ReadFailed
 from mountd.mount_table import MountTable
+from mountd.probing import PROBE_BATCHES, BenefitProbe
 from mountd.substitution import DEFAULT_SCAN_FACTOR, EpochSampler, epoch_shard
 from quiverfs import ownership
 from quiverfs.chunk_plan import default_chunk_bytes, make_plan
@@ -30,8 +31,6 @@ from quiverfs.rpc import Unavailable
 log = logging.getLogger(__name__)
 
 FETCH_CONCURRENCY = 16  # misses fetched at once for one batch or one chunk load
-PROBE_BATCHES = 100  # batches a probe runs without cache hits (the coordinator may say)
-MIN_SAMPLES = 3  # batch times needed before t_miss or t_hit is reported
 CHECK_BLOCK = 512  # items whose store membership is checked per thread call
 # Seconds a coop job waits for the chunk cycle to bring it cached items before it
 # fetches misses outside the resident chunks (each of those is a bucket read that no
@@ -128,49 +127,19 @@ class Job:
         self.lock = trio.Lock()
         self.counters: collections.Counter[str] = collections.Counter()
         self.batch_times: collections.deque[float] = collections.deque(maxlen=1000)
-        self.probe_seq = 0  # the last probe the coordinator asked for and we began
-        self.probe_left = 0  # batches still to plan without cache hits
-        self.forced_outstanding = 0  # probe items its workers have not read yet
-        self.forced_reads = 0  # probe items read since the last reported batch time
-        self.miss_times: collections.deque[float] = collections.deque(maxlen=PROBE_BATCHES)
-        self.hit_times: collections.deque[float] = collections.deque(maxlen=PROBE_BATCHES)
-        # (t_miss, t_hit) as the last probe measured them, kept until the next probe, so
-        # that the allocation is decided again when probes change, not at every batch.
-        # t_hit is the mean of the second window of hit batches after the probe: the
-        # first holds the slow batches of a cold start.
-        self.measured: tuple[float, float] | None = None
-        self.hit_samples = 0  # hit batch times recorded since the probe began
+        self.probe = BenefitProbe()
         self.gave_up_on: tuple[Any, ...] | None = None  # cycle state a chunk wait timed out in
 
-    def record_time(self, seconds: float) -> None:
-        """A reported time between two batches. The DataLoader asks for indices batches
-        ahead of its workers, so the interval is classified by what the workers read
-        during it: probe items (a miss sample), or, once no probe item is left, hits
-        (unless the dataset has no cache to hit)."""
+    def record_time(self, epoch: int, batch: int, seconds: float) -> None:
+        """The time the job reported between asking for batch - 1 and ``batch``."""
         self.batch_times.append(seconds)
         self.counters["reported_batches"] += 1
-        if self.forced_reads:
-            self.miss_times.append(seconds)
-            self.forced_reads = 0
-        elif (not self.probe_left and not self.forced_outstanding
-              and (self.group is None or self.group.mode != "none")):
-            self.hit_times.append(seconds)
-            self.hit_samples += 1
+        self.probe.record(epoch, batch, seconds)
 
     def benefit(self) -> dict[str, Any]:
-        """t_miss and t_hit (seconds per batch) once enough batches were measured."""
-        def mean(times: collections.deque[float]) -> float | None:
-            full = len(times) >= min(MIN_SAMPLES, times.maxlen or MIN_SAMPLES)
-            if times is self.hit_times:  # a whole window, not the first few after a probe
-                full = len(times) == times.maxlen
-            return sum(times) / len(times) if full and times else None
-        if self.measured is None:
-            t_miss, t_hit = mean(self.miss_times), mean(self.hit_times)
-            if t_miss and t_hit and self.hit_samples >= 2 * (self.hit_times.maxlen or 0):
-                self.measured = (t_miss, t_hit)
-        else:
-            t_miss, t_hit = self.measured
-        return {"t_miss": t_miss, "t_hit": t_hit, "probing": self.probe_left > 0,
+        """t_miss and t_hit (seconds per batch) as the last complete probe measured them."""
+        t_miss, t_hit = self.probe.measured or (None, None)
+        return {"t_miss": t_miss, "t_hit": t_hit, "probing": self.probe.active,
                 "benefit": t_miss / t_hit if t_miss and t_hit else None}
 
     def config_view(self) -> dict[str, Any]:
@@ -271,7 +240,7 @@ class DatasetJobs:
                 "size": self.ds.digest.total_bytes, "chunk_bytes": max(self.plan.chunk_bytes),
                 "jobs": [{"id": j.id, "gen": j.ref.started_generation, "gpus": j.config.gpus,
                           "remaining": j.ref.remaining_chunks.tolist(),
-                          "probe_seq": j.probe_seq, **j.benefit()}
+                          "probe_seq": j.probe.seq, **j.benefit()}
                          for j in self.jobs.values() if j.ref is not None and j.config]}
 
 
@@ -401,7 +370,8 @@ class JobManager:
         ref = job.ref
         digest = group.ds.digest
         chunk_of = group.plan.chunk_of
-        probing = job.probe_left > 0
+        probing = job.probe.plan(job.epoch, sampler.planned, sampler.n_batches,
+                                 group.mode != "none")
 
         def is_cached(items: np.ndarray) -> np.ndarray:
             if probing:  # the job must see what it would without the cache
@@ -436,8 +406,7 @@ class JobManager:
                                               group.oldest_usable(ref),
                                               limiter=self.reader.limiter)
         if probing:
-            job.probe_left -= 1
-            await self.reader.force_misses(group.ds, batch.items, job)
+            await self.reader.force_misses(group.ds, batch.items)
         elif group.mode != "none":
             resident = ({*group.usable(ref), upcoming} if group.mode == "coop" else None)
             await self._fetch_all(group.ds, batch.fetch, job.counters, resident)
@@ -562,15 +531,10 @@ class JobManager:
             group.ds.cache_mode = snap.get("mode", "coop")
             for job in group.jobs.values():
                 seq = snap.get("probes", {}).get(job.id, 0)
-                if seq > job.probe_seq:
-                    job.probe_seq = seq
-                    job.probe_left = int(snap.get("probe_batches", PROBE_BATCHES))
-                    # t_hit is the mean of as many recent batches as the probe measures,
-                    # so the slow batches of a cold start roll out of it
-                    job.miss_times = collections.deque(maxlen=job.probe_left)
-                    job.hit_times = collections.deque(maxlen=job.probe_left)
-                    job.measured, job.hit_samples = None, 0
-                    log.info("job %s: probing for %d batches", job.id, job.probe_left)
+                if seq > job.probe.seq:
+                    batches = int(snap.get("probe_batches", PROBE_BATCHES))
+                    job.probe.begin(seq, batches)
+                    log.info("job %s: probe %d of %d batches", job.id, seq, batches)
             loading = snap["loading"]
             if loading is not None and me in snap["loaders"]:
                 key = [loading, snap["loaders"]]

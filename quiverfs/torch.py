@@ -123,11 +123,11 @@ class QuiverBatchSampler(Sampler[list[int]]):
             except KeyError as exc:
                 raise RuntimeError(f"quiver sent {exc.args[0]!r}, which ImageFolder does not "
                                    "list: the dataset changed under the mount?") from None
-            now = time.monotonic()
-            if self._last is not None:
+            now = time.monotonic()  # the loader asked for this batch then (code after the
+            if self._last is not None:  # yield runs only when it asks for the next one)
                 os.write(self._report, f"{self.epoch} {batch} {now - self._last:.6f}\n".encode())
+            self._last = now
             yield indices
-            self._last = time.monotonic()
 
     def close(self) -> None:
         """Unregister the job (also done when the sampler is garbage collected)."""

@@ -1,7 +1,6 @@
 """mountd's Prometheus endpoint, run with the config file docs/operations.md shows."""
 from __future__ import annotations
 
-import collections
 import json
 import os
 import re
@@ -223,16 +222,20 @@ def test_job_benefit_once_probed(tmp_path):
 
     key = {"job": "j1", "dataset": ""}
     assert ("quiver_job_benefit", frozenset(key.items())) not in samples()
-    # a probe of 3 batches sets 3-batch windows (as JobManager.apply does)
-    job.miss_times, job.hit_times = collections.deque(maxlen=3), collections.deque(maxlen=3)
-    for seconds in (0.2, 0.3, 0.25):  # batches whose reads were all hits
-        job.record_time(seconds)
-    for seconds in (1.0, 0.9, 1.1):  # batches that read forced misses
-        job.forced_reads = 1
-        job.record_time(seconds)
+    # a probe of 6 batches: intervals judged 3 batches into an epoch, means of 3
+    job.probe.begin(1, 6)
+    job.probe.plan(0, 0, 40, cached=True)
+    reported = []
+    for b, seconds in enumerate((0.01, 0.02, 1.0, 0.9, 1.1, 0.5, 0.5, 0.5,
+                                 0.3, 0.3, 0.3, 0.2, 0.3, 0.25, 9.0), start=1):
+        job.probe.plan(0, b, 40, cached=True)  # the manifest comes before the report
+        job.record_time(0, b, seconds)
+        reported.append(seconds)
+    # batches 0-5 were probes (1-2: the burst, not judged); 6-8: turning; 9-11: warm-up
     m = samples()
     assert value(m, "quiver_job_probed_batch_seconds", reads="hit", **key) == pytest.approx(0.25)
     assert value(m, "quiver_job_probed_batch_seconds", reads="miss", **key) == pytest.approx(1.0)
     assert value(m, "quiver_job_benefit", **key) == pytest.approx(4.0)
-    assert value(m, "quiver_job_mean_batch_seconds", **key) == pytest.approx(3.75 / 6)
+    assert value(m, "quiver_job_mean_batch_seconds", **key) == pytest.approx(
+        sum(reported) / len(reported))
     store.close()

@@ -5,6 +5,7 @@ import collections
 import hashlib
 import os
 import threading
+import time
 
 import diskcache
 import numpy as np
@@ -143,6 +144,21 @@ def test_unchanged_imagefolder_with_helper_and_four_workers(digits_mount):
     finally:
         sampler.close()
     assert m.status()["jobs"] == []
+
+
+def test_helper_reports_the_time_between_batches(digits_mount):
+    """What probing measures: the time from one batch the loader asked for to the next,
+    its training step included (not only the manifest's read)."""
+    m = digits_mount()
+    sampler = QuiverBatchSampler(os.path.join(m.root, "digits"), 300, seed=1)
+    try:
+        for _ in sampler:
+            time.sleep(0.1)  # the training step
+        job = m.status()["jobs"][0]
+        assert job["counters"]["reported_batches"] == len(sampler) - 1 == 5
+        assert 0.1 <= job["mean_batch_s"] < 1.0
+    finally:
+        sampler.close()
 
 
 def test_exactly_once_when_the_cache_is_cleared_mid_epoch(digits_mount, digits_tree):

@@ -1,0 +1,87 @@
+"""Benefit probing of one job (paper §5.3): its mini-batch time without and with the cache.
+
+The helper reports the time between the batches its DataLoader asks for. A DataLoader
+asks for a few batches ahead of its workers (``prefetch_factor * num_workers``): at the
+start of an epoch it asks for that many at once, and from then on once per batch its
+training loop takes, so the interval reported for batch I measures the step of a batch
+a few places before I. A probe of N batches therefore judges an interval only when the
+N/2 batches up to it in the same epoch were all planned the same way (all probe misses,
+or all with the cache): the epoch's first N/2 intervals (the burst, and a pipeline still
+filling) and the turn from probe to cache are never measured. This assumes the loader
+asks for at most N/2 batches ahead, which the default N = 100 leaves room for.
+
+A probe plans batches without cache hits until N/2 miss intervals are measured (at most
+PROBE_LIMIT * N batches: epochs of N/2 batches or fewer cannot be probed). Then, with the
+cache, the first N/2 hit intervals are let pass (a cold cache warming up) and the next
+N/2 give t_hit. The pair is kept until the next probe measures a new one.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+
+log = logging.getLogger(__name__)
+
+PROBE_BATCHES = 100  # the coordinator's default; it may say otherwise
+PROBE_LIMIT = 4  # a probe that measured too little after this many times N batches ends
+HIT, PROBE, NO_CACHE = 0, 1, 2  # how a batch was planned
+
+
+class BenefitProbe:
+    """How one job's batches were planned, and its batch times measured from them."""
+
+    def __init__(self) -> None:
+        self.seq = 0  # the last probe the coordinator asked for and this job began
+        self.settle = self.window = 0
+        self.active = False  # planning batches without cache hits
+        self.forced = 0  # batches this probe planned
+        self.miss: list[float] = []
+        self.hit: list[float] = []
+        self.hit_seen = 0  # hit intervals judged since the probe ended
+        self.measured: tuple[float, float] | None = None  # (t_miss, t_hit)
+        self._plans: dict[int, bytearray] = {}  # epoch -> how each batch was planned
+
+    def begin(self, seq: int, batches: int) -> None:
+        """Start probe number ``seq`` of ``batches`` batches (none when 0)."""
+        self.seq = seq
+        self.settle = self.window = max(1, batches // 2)
+        self.active = batches > 0
+        self.forced = 0
+        self.miss, self.hit, self.hit_seen = [], [], 0
+
+    def plan(self, epoch: int, index: int, n_batches: int, cached: bool) -> bool:
+        """Record how batch ``index`` of ``epoch`` (of ``n_batches``) is planned: True for
+        a probe batch (no cache hits), else with the cache if ``cached``."""
+        if self.active and (n_batches <= self.settle
+                            or self.forced >= PROBE_LIMIT * (self.settle + self.window)):
+            self.active, self.miss = False, []
+            log.info("probe %d ended with too few batch times (epochs of %d batches)",
+                     self.seq, n_batches)
+        plans = self._plans.setdefault(epoch, bytearray())
+        for old in [e for e in self._plans if e < epoch - 1]:
+            del self._plans[old]
+        if len(plans) != index:  # an epoch planned anew (the job registered again)
+            del plans[index:]
+            plans.extend(bytes([NO_CACHE]) * (index - len(plans)))
+        plans.append(PROBE if self.active else HIT if cached else NO_CACHE)
+        self.forced += self.active
+        return self.active
+
+    def record(self, epoch: int, batch: int, seconds: float) -> None:
+        """The interval the job reported for ``batch`` of ``epoch``."""
+        plans = self._plans.get(epoch)
+        if not self.settle or plans is None or not self.settle <= batch < len(plans):
+            return
+        kinds = set(plans[batch - self.settle:batch + 1])
+        if kinds == {PROBE} and self.active:
+            self.miss.append(seconds)
+            if len(self.miss) >= self.window:
+                self.active = False
+        elif kinds == {HIT} and not self.active and len(self.miss) >= self.window:
+            self.hit_seen += 1
+            if self.hit_seen > self.window and len(self.hit) < self.window:
+                self.hit.append(seconds)
+                if len(self.hit) == self.window:
+                    self.measured = (statistics.fmean(self.miss), statistics.fmean(self.hit))
+                    log.info("probe %d: t_miss %.4f s, t_hit %.4f s per batch", self.seq,
+                             *self.measured)

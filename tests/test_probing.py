@@ -1,0 +1,94 @@
+"""Benefit probing's arithmetic against a model of a DataLoader's timing.
+
+The model is torch's: at an epoch's start the loader asks for ``prefetch`` batches at
+once, hands batch j to worker j % workers, and asks for the next batch each time its
+training loop takes one. The end-to-end test (real mount, real DataLoader) is in
+test_allocation.py.
+"""
+from __future__ import annotations
+
+import pytest
+
+from coordinator.allocation import NO_BENEFIT
+from mountd.probing import PROBE_LIMIT, BenefitProbe
+
+
+def train(probe: BenefitProbe, *, epochs: int, n: int, compute: float, load_miss: float,
+          load_hit: float, workers: int = 4, prefetch: int = 8, probe_batches: int = 32,
+          probe_at: int = 0, startup: float = 2.0) -> int:
+    """Run the model, reporting to ``probe`` as the helper does; a probe of
+    ``probe_batches`` begins at global batch ``probe_at``. The batches planned as probes."""
+    now, probes, seen = 0.0, 0, 0
+    for epoch in range(epochs):
+        now += startup  # the loader's new worker processes
+        asked = [now] * min(prefetch, n)  # when the loader asked for each batch
+        ready: list[float] = []  # when each batch's worker had it loaded
+        free = [now] * workers  # when each worker is done with what it was handed
+        done = now  # when the training loop finished its last step
+
+        def take(k: int) -> float:
+            nonlocal done
+            got = max(ready[k], done)
+            done = got + compute
+            return got
+
+        for j in range(n):
+            if j >= prefetch:  # taking batch j - prefetch asks for batch j
+                asked.append(take(j - prefetch))
+            if seen == probe_at:
+                probe.begin(1, probe_batches)
+            seen += 1
+            probing = probe.plan(epoch, j, n, cached=True)
+            probes += probing
+            if j:
+                probe.record(epoch, j, asked[j] - asked[j - 1])
+            w = j % workers
+            free[w] = max(asked[j], free[w]) + (load_miss if probing else load_hit)
+            ready.append(free[w])
+        for k in range(max(0, n - prefetch), n):
+            take(k)
+        now = done
+    return probes
+
+
+@pytest.fixture
+def probe() -> BenefitProbe:
+    return BenefitProbe()  # probes of 32 batches: settle 16 (twice the prefetch), windows of 16
+
+
+def test_io_bound_job_benefits(probe):
+    forced = train(probe, epochs=4, n=60, compute=0.05, load_miss=1.0, load_hit=0.1)
+    t_miss, t_hit = probe.measured
+    assert t_miss == pytest.approx(1.0 / 4, rel=0.05)  # four workers reading misses
+    assert t_hit == pytest.approx(0.05, rel=0.05)  # its compute, the hits hidden
+    assert forced <= 34 and not probe.active
+
+
+def test_compute_bound_job_does_not(probe):
+    train(probe, epochs=4, n=60, compute=1.0, load_miss=2.0, load_hit=0.1)
+    t_miss, t_hit = probe.measured
+    assert t_miss == pytest.approx(1.0, rel=0.02) and t_hit == pytest.approx(1.0, rel=0.02)
+    assert t_miss / t_hit < NO_BENEFIT
+
+
+@pytest.mark.parametrize("probe_at", [50, 100, 170])
+def test_a_probe_across_epoch_turns_measures_the_same(probe, probe_at):
+    """Begun late in an epoch, a probe goes on in the next one; the burst at the epoch's
+    start and the new workers' start are not measured."""
+    train(probe, epochs=6, n=60, compute=0.05, load_miss=1.0, load_hit=0.1,
+          probe_at=probe_at)
+    t_miss, t_hit = probe.measured
+    assert t_miss == pytest.approx(0.25, rel=0.05) and t_hit == pytest.approx(0.05, rel=0.05)
+
+
+def test_epochs_too_short_to_probe_end_the_probe(probe):
+    """An epoch no longer than the settling batches never yields a judged interval: the
+    probe stops forcing misses (at once) instead of slowing the job for ever."""
+    forced = train(probe, epochs=6, n=16, compute=0.05, load_miss=1.0, load_hit=0.1)
+    assert probe.measured is None and not probe.active
+    assert forced == 0
+    probe.begin(2, 32)
+    assert probe.plan(0, 0, 40, cached=True)  # longer epochs: probing again
+    for j in range(1, PROBE_LIMIT * 32 + 1):
+        probe.plan(0, j, 10_000, cached=True)
+    assert not probe.active  # gave up: no batch times were reported
