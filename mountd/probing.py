@@ -11,9 +11,11 @@ filling) and the turn from probe to cache are never measured. This assumes the l
 asks for at most N/2 batches ahead, which the default N = 100 leaves room for.
 
 A probe plans batches without cache hits until N/2 miss intervals are measured (at most
-PROBE_LIMIT * N batches: epochs of N/2 batches or fewer cannot be probed). Then, with the
-cache, the first N/2 hit intervals are let pass (a cold cache warming up) and the next
-N/2 give t_hit. The pair is kept until the next probe measures a new one.
+PROBE_LIMIT * N batches: epochs of N/2 batches or fewer cannot be probed). Then t_hit is
+the mean of N/2 hit intervals from the job's next epoch on: the rest of the probe's
+epoch has the cache warming up (and, with two chunks, a chunk cycle that the probe's
+random reads left the job's items spread over). The pair is kept until the next probe
+measures a new one.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ class BenefitProbe:
         self.forced = 0  # batches this probe planned
         self.miss: list[float] = []
         self.hit: list[float] = []
-        self.hit_seen = 0  # hit intervals judged since the probe ended
+        self.ended_in: int | None = None  # the epoch in which the probe's misses were measured
         self.measured: tuple[float, float] | None = None  # (t_miss, t_hit)
         self._plans: dict[int, bytearray] = {}  # epoch -> how each batch was planned
 
@@ -47,7 +49,7 @@ class BenefitProbe:
         self.settle = self.window = max(1, batches // 2)
         self.active = batches > 0
         self.forced = 0
-        self.miss, self.hit, self.hit_seen = [], [], 0
+        self.miss, self.hit, self.ended_in = [], [], None
 
     def plan(self, epoch: int, index: int, n_batches: int, cached: bool) -> bool:
         """Record how batch ``index`` of ``epoch`` (of ``n_batches``) is planned: True for
@@ -76,12 +78,11 @@ class BenefitProbe:
         if kinds == {PROBE} and self.active:
             self.miss.append(seconds)
             if len(self.miss) >= self.window:
-                self.active = False
-        elif kinds == {HIT} and not self.active and len(self.miss) >= self.window:
-            self.hit_seen += 1
-            if self.hit_seen > self.window and len(self.hit) < self.window:
-                self.hit.append(seconds)
-                if len(self.hit) == self.window:
-                    self.measured = (statistics.fmean(self.miss), statistics.fmean(self.hit))
-                    log.info("probe %d: t_miss %.4f s, t_hit %.4f s per batch", self.seq,
-                             *self.measured)
+                self.active, self.ended_in = False, epoch
+        elif (kinds == {HIT} and self.ended_in is not None and epoch > self.ended_in
+              and len(self.hit) < self.window):
+            self.hit.append(seconds)
+            if len(self.hit) == self.window:
+                self.measured = (statistics.fmean(self.miss), statistics.fmean(self.hit))
+                log.info("probe %d: t_miss %.4f s, t_hit %.4f s per batch", self.seq,
+                         *self.measured)

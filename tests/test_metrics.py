@@ -222,16 +222,17 @@ def test_job_benefit_once_probed(tmp_path):
 
     key = {"job": "j1", "dataset": ""}
     assert ("quiver_job_benefit", frozenset(key.items())) not in samples()
-    # a probe of 6 batches: intervals judged 3 batches into an epoch, means of 3
+    # a probe of 6 batches: intervals judged 3 batches into an epoch, means of 3; t_hit
+    # from the next epoch on. Epochs of 8 batches; the manifest comes before the report.
     job.probe.begin(1, 6)
-    job.probe.plan(0, 0, 40, cached=True)
     reported = []
-    for b, seconds in enumerate((0.01, 0.02, 1.0, 0.9, 1.1, 0.5, 0.5, 0.5,
-                                 0.3, 0.3, 0.3, 0.2, 0.3, 0.25, 9.0), start=1):
-        job.probe.plan(0, b, 40, cached=True)  # the manifest comes before the report
-        job.record_time(0, b, seconds)
-        reported.append(seconds)
-    # batches 0-5 were probes (1-2: the burst, not judged); 6-8: turning; 9-11: warm-up
+    for epoch, times in enumerate([(0.01, 0.02, 1.0, 0.9, 1.1, 0.5, 0.5),
+                                   (0.01, 0.02, 0.2, 0.3, 0.25, 9.0, 9.0)]):
+        job.probe.plan(epoch, 0, 8, cached=True)
+        for b, seconds in enumerate(times, start=1):
+            job.probe.plan(epoch, b, 8, cached=True)
+            job.record_time(epoch, b, seconds)
+            reported.append(seconds)
     m = samples()
     assert value(m, "quiver_job_probed_batch_seconds", reads="hit", **key) == pytest.approx(0.25)
     assert value(m, "quiver_job_probed_batch_seconds", reads="miss", **key) == pytest.approx(1.0)
