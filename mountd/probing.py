@@ -12,10 +12,10 @@ asks for at most N/2 batches ahead, which the default N = 100 leaves room for.
 
 A probe plans batches without cache hits until N/2 miss intervals are measured (at most
 PROBE_LIMIT * N batches: epochs of N/2 batches or fewer cannot be probed). Then t_hit is
-the mean of N/2 hit intervals from the job's next epoch on: the rest of the probe's
-epoch has the cache warming up (and, with two chunks, a chunk cycle that the probe's
-random reads left the job's items spread over). The pair is kept until the next probe
-measures a new one.
+the mean of N/2 hit intervals from the job's next epoch on, or from N batches after the
+probe in a long epoch: right after it the cache is still warming (and, with two chunks,
+the probe's random reads left the job's items spread over the chunk cycle). The pair is
+kept until the next probe measures a new one.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class BenefitProbe:
         self.forced = 0  # batches this probe planned
         self.miss: list[float] = []
         self.hit: list[float] = []
-        self.ended_in: int | None = None  # the epoch in which the probe's misses were measured
+        self.ended_at: tuple[int, int] | None = None  # (epoch, batch) of the last miss interval
         self.measured: tuple[float, float] | None = None  # (t_miss, t_hit)
         self._plans: dict[int, bytearray] = {}  # epoch -> how each batch was planned
 
@@ -49,7 +49,7 @@ class BenefitProbe:
         self.settle = self.window = max(1, batches // 2)
         self.active = batches > 0
         self.forced = 0
-        self.miss, self.hit, self.ended_in = [], [], None
+        self.miss, self.hit, self.ended_at = [], [], None
 
     def plan(self, epoch: int, index: int, n_batches: int, cached: bool) -> bool:
         """Record how batch ``index`` of ``epoch`` (of ``n_batches``) is planned: True for
@@ -78,9 +78,10 @@ class BenefitProbe:
         if kinds == {PROBE} and self.active:
             self.miss.append(seconds)
             if len(self.miss) >= self.window:
-                self.active, self.ended_in = False, epoch
-        elif (kinds == {HIT} and self.ended_in is not None and epoch > self.ended_in
-              and len(self.hit) < self.window):
+                self.active, self.ended_at = False, (epoch, batch)
+        elif (kinds == {HIT} and self.ended_at is not None and len(self.hit) < self.window
+              and (epoch, batch) >= min((self.ended_at[0] + 1, 0),
+                                        (self.ended_at[0], self.ended_at[1] + 2 * self.settle))):
             self.hit.append(seconds)
             if len(self.hit) == self.window:
                 self.measured = (statistics.fmean(self.miss), statistics.fmean(self.hit))

@@ -87,6 +87,11 @@ class EpochSampler:
         adaptive = math.ceil(1.5 * need / max(self._hit_rate, 0.01))
         return min(self._remaining, max(self.scan_factor * self.batch_size, adaptive))
 
+    def _block(self, want: int, left: int) -> int:
+        """How many items to ask about for ``want`` more hits, at the recent hit rate (a
+        look-up costs: a fully cached dataset should not pay for SCAN_BLOCK of them)."""
+        return min(SCAN_BLOCK, left, math.ceil(1.5 * want / max(self._hit_rate, 0.01)))
+
     def _next_block(self, limit: int) -> tuple[np.ndarray, np.ndarray]:
         """Up to ``limit`` pass indices from the cursor (never across passes) and their
         unconsumed positions; starts a new pass over the pending items at the end."""
@@ -114,7 +119,7 @@ class EpochSampler:
         self._chunk_cursor[chunk] = cur
         hits: list[int] = []
         while len(hits) < need and cur < end and budget > 0:
-            block = self._by_chunk[cur:min(end, cur + min(SCAN_BLOCK, budget))]
+            block = self._by_chunk[cur:min(end, cur + self._block(need - len(hits), budget))]
             cur += len(block)
             positions = block[~self._consumed[block]]
             budget -= len(positions)
@@ -142,7 +147,7 @@ class EpochSampler:
             hits = self._hits_from_chunk(first_chunk, need, budget, is_cached)
         scanned = 0
         while len(hits) < need and scanned < budget:
-            idx, positions = self._next_block(min(SCAN_BLOCK, budget - scanned))
+            idx, positions = self._next_block(self._block(need - len(hits), budget - scanned))
             if not len(idx):
                 self._cursor = len(self._pass)  # this pass is used up
                 continue

@@ -92,3 +92,13 @@ def test_epochs_too_short_to_probe_end_the_probe(probe):
     for j in range(1, PROBE_LIMIT * 32 + 1):
         probe.plan(0, j, 10_000, cached=True)
     assert not probe.active  # gave up: no batch times were reported
+
+
+def test_a_long_epoch_gives_t_hit_within_it(probe):
+    """t_hit waits for the next epoch, or for N batches after the probe in a long one."""
+    train(probe, epochs=1, n=200, compute=0.05, load_miss=1.0, load_hit=0.1)
+    t_miss, t_hit = probe.measured
+    assert t_miss == pytest.approx(0.25, rel=0.05) and t_hit == pytest.approx(0.05, rel=0.05)
+    short = BenefitProbe()
+    train(short, epochs=1, n=70, compute=0.05, load_miss=1.0, load_hit=0.1)
+    assert short.measured is None and short.miss  # probe to 31, hits from 63: 16 need 79
