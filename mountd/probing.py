@@ -10,8 +10,10 @@ or all with the cache): the epoch's first N/2 intervals (the burst, and a pipeli
 filling) and the turn from probe to cache are never measured. This assumes the loader
 asks for at most N/2 batches ahead, which the default N = 100 leaves room for.
 
-A probe plans batches without cache hits until N/2 miss intervals are measured (at most
-PROBE_LIMIT * N batches: epochs of N/2 batches or fewer cannot be probed). Then t_hit is
+A probe plans batches without cache hits until N/2 miss intervals are measured. It ends
+unmeasured after N + 1 batches if the job reported nothing (it reads manifests without
+the helper's loop), after PROBE_LIMIT * N batches in any case, and at once in epochs of
+N/2 batches or fewer. Then t_hit is
 the mean of N/2 hit intervals from the job's next epoch on, or from N batches after the
 probe in a long epoch: right after it the cache is still warming (and, with two chunks,
 the probe's random reads left the job's items spread over the chunk cycle). The pair is
@@ -37,6 +39,7 @@ class BenefitProbe:
         self.settle = self.window = 0
         self.active = False  # planning batches without cache hits
         self.forced = 0  # batches this probe planned
+        self.reported = False  # whether the job reported an interval during this probe
         self.miss: list[float] = []
         self.hit: list[float] = []
         self.ended_at: tuple[int, int] | None = None  # (epoch, batch) of the last miss interval
@@ -48,17 +51,18 @@ class BenefitProbe:
         self.seq = seq
         self.settle = self.window = max(1, batches // 2)
         self.active = batches > 0
-        self.forced = 0
+        self.forced, self.reported = 0, False
         self.miss, self.hit, self.ended_at = [], [], None
 
     def plan(self, epoch: int, index: int, n_batches: int, cached: bool) -> bool:
         """Record how batch ``index`` of ``epoch`` (of ``n_batches``) is planned: True for
         a probe batch (no cache hits), else with the cache if ``cached``."""
-        if self.active and (n_batches <= self.settle
-                            or self.forced >= PROBE_LIMIT * (self.settle + self.window)):
+        n = self.settle + self.window
+        if self.active and (n_batches <= self.settle or self.forced >= PROBE_LIMIT * n
+                            or self.forced > n and not self.reported):
             self.active, self.miss = False, []
-            log.info("probe %d ended with too few batch times (epochs of %d batches)",
-                     self.seq, n_batches)
+            log.info("probe %d ended unmeasured (%d batches, %s reported; epochs of %d)",
+                     self.seq, self.forced, "some" if self.reported else "none", n_batches)
         plans = self._plans.setdefault(epoch, bytearray())
         for old in [e for e in self._plans if e < epoch - 1]:
             del self._plans[old]
@@ -71,6 +75,7 @@ class BenefitProbe:
 
     def record(self, epoch: int, batch: int, seconds: float) -> None:
         """The interval the job reported for ``batch`` of ``epoch``."""
+        self.reported = True
         plans = self._plans.get(epoch)
         if not self.settle or plans is None or not self.settle <= batch < len(plans):
             return

@@ -81,17 +81,21 @@ def test_a_probe_across_epoch_turns_measures_the_same(probe, probe_at):
     assert t_miss == pytest.approx(0.25, rel=0.05) and t_hit == pytest.approx(0.05, rel=0.05)
 
 
-def test_epochs_too_short_to_probe_end_the_probe(probe):
-    """An epoch no longer than the settling batches never yields a judged interval: the
-    probe stops forcing misses (at once) instead of slowing the job for ever."""
+def test_probes_that_cannot_measure_end(probe):
+    """Epochs no longer than the settling batches, a job that reports nothing, or one
+    whose intervals can never be judged: the probe stops forcing misses instead of
+    slowing the job for ever."""
     forced = train(probe, epochs=6, n=16, compute=0.05, load_miss=1.0, load_hit=0.1)
     assert probe.measured is None and not probe.active
     assert forced == 0
-    probe.begin(2, 32)
-    assert probe.plan(0, 0, 40, cached=True)  # longer epochs: probing again
-    for j in range(1, PROBE_LIMIT * 32 + 1):
-        probe.plan(0, j, 10_000, cached=True)
-    assert not probe.active  # gave up: no batch times were reported
+    probe.begin(2, 32)  # a job that reads manifests but reports no times
+    assert all(probe.plan(0, j, 10_000, cached=True) for j in range(33))
+    assert not probe.plan(0, 33, 10_000, cached=True)  # ended after N + 1 batches
+    probe.begin(3, 32)  # one that reports, but never an interval that can be judged
+    for j in range(PROBE_LIMIT * 32):
+        assert probe.plan(0, j, 10_000, cached=True)
+        probe.record(0, 0, 0.5)  # an epoch's first interval is never judged
+    assert not probe.plan(0, PROBE_LIMIT * 32, 10_000, cached=True)
 
 
 def test_a_long_epoch_gives_t_hit_within_it(probe):
