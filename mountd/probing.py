@@ -13,11 +13,10 @@ asks for at most N/2 batches ahead, which the default N = 100 leaves room for.
 A probe plans batches without cache hits until N/2 miss intervals are measured. It ends
 unmeasured after N + 1 batches if the job reported nothing (it reads manifests without
 the helper's loop), after PROBE_LIMIT * N batches in any case, and at once in epochs of
-N/2 batches or fewer. Then t_hit is
-the mean of N/2 hit intervals from the job's next epoch on, or from N batches after the
-probe in a long epoch: right after it the cache is still warming (and, with two chunks,
-the probe's random reads left the job's items spread over the chunk cycle). The pair is
-kept until the next probe measures a new one.
+N/2 batches or fewer. Then t_hit is the mean of N/2 hit intervals from the job's next
+epoch on, or from N batches after the probe in a long epoch: right after it the cache
+is still warming (and, with two chunks, the probe's random reads left the job's items
+spread over the chunk cycle). The pair is kept until the next probe measures a new one.
 """
 from __future__ import annotations
 
@@ -85,8 +84,7 @@ class BenefitProbe:
             if len(self.miss) >= self.window:
                 self.active, self.ended_at = False, (epoch, batch)
         elif (kinds == {HIT} and self.ended_at is not None and len(self.hit) < self.window
-              and (epoch, batch) >= min((self.ended_at[0] + 1, 0),
-                                        (self.ended_at[0], self.ended_at[1] + 2 * self.settle))):
+              and (epoch > self.ended_at[0] or batch >= self.ended_at[1] + 2 * self.settle)):
             self.hit.append(seconds)
             if len(self.hit) == self.window:
                 self.measured = (statistics.fmean(self.miss), statistics.fmean(self.hit))

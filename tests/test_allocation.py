@@ -30,20 +30,15 @@ def test_allocation_prefers_benefit_per_byte_under_a_budget():
     io_bound = demand("io", 100 * GiB, 10 * GiB, (3.0, 4))  # G = 12, two chunks: 20 GiB
     mild = demand("mild", 100 * GiB, 10 * GiB, (1.5, 2))  # G = 3
     compute = demand("compute", 10 * GiB, GiB, (1.0, 8))  # hides its I/O: no benefit
-    assert allocate([io_bound, mild, compute], 21 * GiB) == {
-        "io": "coop", "mild": "none", "compute": "none"}
-    assert allocate([io_bound, mild, compute], 41 * GiB) == {
-        "io": "coop", "mild": "coop", "compute": "none"}
-    # leftover budget upgrades the best dataset to a full cache
-    assert allocate([io_bound, mild, compute], 121 * GiB) == {
-        "io": "full", "mild": "coop", "compute": "none"}
-    # and what is still left caches the dataset that gains nothing, if all of it fits
-    assert allocate([io_bound, mild, compute], 45 * GiB) == {
-        "io": "coop", "mild": "coop", "compute": "none"}
-    assert allocate([io_bound, mild, compute], 50 * GiB) == {
-        "io": "coop", "mild": "coop", "compute": "full"}
-    assert allocate([io_bound, mild, compute], 130 * GiB) == {
-        "io": "full", "mild": "coop", "compute": "full"}
+    for budget, io, mild_mode, compute_mode in (
+            (21, "coop", "none", "none"), (41, "coop", "coop", "none"),
+            # leftover budget upgrades the best dataset to a full cache
+            (121, "full", "coop", "none"),
+            # and what is still left caches the dataset that gains nothing, if all fits
+            (45, "coop", "coop", "none"), (50, "coop", "coop", "full"),
+            (130, "full", "coop", "full")):
+        assert allocate([io_bound, mild, compute], budget * GiB) == {
+            "io": io, "mild": mild_mode, "compute": compute_mode}, budget
     assert allocate([io_bound], 0) == {"io": "none"}
 
 
