@@ -39,6 +39,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from coordinator.server import CoordinatorServer
     from coordinator.state import CoordinatorState
     from mountd.metrics import MetricsEndpoint
+    from quiverfs.process_limits import raise_open_file_limit
     from quiverfs.rpc import load_secret
 
     host, port = args.listen
@@ -51,7 +52,16 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         os.path.abspath(args.state_dir), args.heartbeat_timeout, args.force_evict_after,
         budget=parse_size(args.cache_budget, "--cache-budget") if args.cache_budget else None,
         probe_batches=args.probe_batches, reprobe_after=args.reprobe_after)
+    try:
+        state.save()  # an unwritable state directory fails now, not at the first join
+    except OSError as exc:
+        raise QuietError(f"cannot write coordinator state in {args.state_dir}: "
+                         f"{exc.strerror}", ExitCode.PERMISSION) from None
     metrics = (MetricsEndpoint(args.metrics, CoordinatorCollector(state))
                if args.metrics else None)
-    trio.run(CoordinatorServer(state, secret, metrics).serve, host, port)
+    raise_open_file_limit()
+    try:
+        trio.run(CoordinatorServer(state, secret, metrics).serve, host, port)
+    except* QuietError as group:  # raised inside the nursery: unwrapped, it prints as one line
+        raise group.exceptions[0] from None
     return ExitCode.OK

@@ -9,6 +9,7 @@ import trio
 
 from coordinator.state import CoordinatorState
 from quiverfs import sd_notify
+from quiverfs.option_types import listen_error
 from quiverfs.rpc import RpcServer
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,10 @@ class CoordinatorServer:
 
     async def serve(self, host: str, port: int) -> None:
         async with trio.open_nursery() as nursery:
-            bound = await nursery.start(self.rpc.serve, host, port)
+            try:
+                bound = await nursery.start(self.rpc.serve, host, port)
+            except OSError as exc:  # the port is taken, or the host is not ours
+                raise listen_error("--listen", host, port, exc) from None
             log.info("coordinator listening on %s:%d", host, bound)
             if self.metrics is not None:
                 await nursery.start(self.metrics.serve)
@@ -46,6 +50,6 @@ class CoordinatorServer:
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for signum in signals:
                     log.info("%s: stopping", signal.Signals(signum).name)
-                    self.state.save()
+                    self.state.persist()
                     nursery.cancel_scope.cancel()
                     return

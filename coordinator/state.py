@@ -24,8 +24,20 @@ import numpy as np
 from coordinator.allocation import DatasetDemand, JobBenefit, allocate
 from mountd.chunk_cycle import ChunkCycle, EpochRef
 from quiverfs import digest as digest_format
+from quiverfs.errors import ExitCode, QuietError
 
 log = logging.getLogger(__name__)
+
+
+class StateCorrupted(QuietError):
+    """The state file cannot be read back: not JSON, or not the shape this writes."""
+
+    def __init__(self, path: str, exc: Exception) -> None:
+        super().__init__(f"coordinator state {path} is corrupted ({type(exc).__name__}): "
+                         "move it aside to start afresh (nodes and their datasets register "
+                         "again with their next heartbeat)", ExitCode.DAEMON)
+        self.path = path
+
 
 TIMELINE_KEEP = 5000  # chunk-state events kept per dataset
 
@@ -72,7 +84,12 @@ class CoordinatorState:
         self.datasets: dict[str, DatasetState] = {}
         self.version = 0  # bumped when membership changes
         self._alive: set[str] = set()
-        os.makedirs(state_dir, exist_ok=True)
+        try:
+            os.makedirs(state_dir, exist_ok=True)
+        except OSError as exc:
+            raise QuietError(f"cannot create state directory {state_dir}: {exc.strerror}",
+                             ExitCode.PERMISSION) from None
+        self.save_error: str | None = None  # why the last save failed, until one works
         self._load()
 
     # -- persistence ------------------------------------------------------------------
@@ -86,6 +103,18 @@ class CoordinatorState:
                 data = json.load(f)
         except FileNotFoundError:
             return
+        except PermissionError:
+            raise QuietError(f"cannot read coordinator state {self._path}: permission denied",
+                             ExitCode.PERMISSION) from None
+        except ValueError as exc:  # not JSON, or not UTF-8
+            raise StateCorrupted(self._path, exc) from None
+        try:
+            self._restore(data)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            raise StateCorrupted(self._path, exc) from None
+        log.info("resumed: %d nodes, %d datasets", len(self.nodes), len(self.datasets))
+
+    def _restore(self, data: dict) -> None:
         now = time.time()  # a restarted coordinator gives every node a fresh timeout
         for n in data["nodes"]:
             self.nodes[n["id"]] = Node(n["id"], n["peer"], n["capacity"], now)
@@ -96,9 +125,9 @@ class CoordinatorState:
                 d["identity"], d["name"], cycle, d["loaders"], set(d["done"]),
                 mode=d.get("mode", "coop"))
         self.version = int(data.get("version", 0)) + 1
-        log.info("resumed: %d nodes, %d datasets", len(self.nodes), len(self.datasets))
 
     def save(self) -> None:
+        """Write the state file (atomically); raises OSError or QuietError."""
         data = {"version": self.version,
                 "nodes": [{"id": n.id, "peer": n.peer, "capacity": n.capacity}
                           for n in self.nodes.values()],
@@ -108,6 +137,21 @@ class CoordinatorState:
                               "timeline": d.cycle.timeline[-TIMELINE_KEEP:]}
                              for d in self.datasets.values()]}
         digest_format.write_atomic(self._path, json.dumps(data).encode())
+
+    def persist(self) -> None:
+        """Save, or log why not: the state lives on in memory, and the next change
+        tries again (a full disk must not stop the cluster)."""
+        try:
+            self.save()
+        except (OSError, QuietError) as exc:
+            if self.save_error is None:
+                log.warning("cannot save %s (%s): the state is kept in memory until a "
+                            "save works", self._path, exc)
+            self.save_error = str(exc)
+        else:
+            if self.save_error is not None:
+                log.info("saved %s again", self._path)
+            self.save_error = None
 
     # -- membership -------------------------------------------------------------------
     def live(self, now: float | None = None) -> list[Node]:
@@ -122,7 +166,7 @@ class CoordinatorState:
             self.nodes[node] = Node(node, peer, capacity, now)
             self.version += 1
             log.info("node %s joined (peer %s, capacity %d)", node, peer, capacity)
-            self.save()
+            self.persist()
         else:
             was_dead = now - known.last_seen > self.heartbeat_timeout
             known.last_seen = now
@@ -179,7 +223,7 @@ class CoordinatorState:
                     "probes": {k.split("/", 1)[1]: v for k, v in ds.probes.items()
                                if k.split("/", 1)[0] == node and k.split("/", 1)[1] in jobs}}
         if changed:
-            self.save()
+            self.persist()
         return {**view, "cycles": cycles}
 
     def _allocate(self, now: float) -> bool:

@@ -30,7 +30,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--name", help="dataset name (default: the last component of SRC)")
     c.add_argument("--workers", type=IntAtLeast("--workers", 1), default=default_workers(),
                    help="parallel readers/hashers (default: %(default)s)")
-    c.add_argument("--label-level", type=IntAtLeast("--label-level", 0), default=1,
+    c.add_argument("--label-level", default=1,
+                   type=IntAtLeast("--label-level", 0, digest_format.MAX_LABEL_LEVEL),
                    help="which directory level names the label (default: 1, the first "
                    "directory under SRC; use 2 for SRC/train/CLASS/file)")
     add_storage_options(c)
@@ -73,18 +74,38 @@ def storage_options(args: argparse.Namespace) -> StorageOptions:
     """StorageOptions from the command line and STORAGE_EMULATOR_HOST."""
     info = None
     if getattr(args, "credentials", None):
-        try:
-            with open(args.credentials, encoding="utf-8") as f:
-                info = json.load(f)
-        except OSError as exc:
-            raise QuietError(f"cannot read credentials {args.credentials}: {exc.strerror}",
-                             ExitCode.PERMISSION) from None
-        except ValueError:
-            raise QuietError(f"credentials {args.credentials} are not JSON: give a "
-                             "service-account key file", ExitCode.PERMISSION) from None
+        info = _service_account_info(args.credentials)
     return StorageOptions(credentials_info=info,
                           emulator_host=os.environ.get("STORAGE_EMULATOR_HOST") or None,
                           anonymous=bool(getattr(args, "anonymous", False)))
+
+
+def _service_account_info(path: str) -> dict:
+    """A service-account key file's contents, refused now if google-auth cannot use it
+    (else the mistake would surface later, inside mountd, at the first read)."""
+    from google.auth.exceptions import GoogleAuthError
+    from google.oauth2 import service_account
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            info = json.load(f)
+    except OSError as exc:
+        raise QuietError(f"cannot read credentials {path}: {exc.strerror}",
+                         ExitCode.PERMISSION) from None
+    except ValueError:
+        raise QuietError(f"credentials {path} are not JSON: give a service-account key file",
+                         ExitCode.PERMISSION) from None
+    if not isinstance(info, dict):
+        raise QuietError(f"credentials {path} are not a JSON object: give a service-account "
+                         "key file", ExitCode.PERMISSION)
+    try:
+        service_account.Credentials.from_service_account_info(info)
+    except (ValueError, GoogleAuthError) as exc:
+        reason = " ".join(str(exc).split()).rstrip(".")  # one line, whatever google-auth says
+        raise QuietError(f"credentials {path} are not a usable service-account key "
+                         f"({reason}): give a key file from 'gcloud iam service-accounts keys "
+                         "create'", ExitCode.PERMISSION) from None
+    return info
 
 
 def cmd_create(args: argparse.Namespace) -> int:

@@ -198,6 +198,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"root {reply['root']} (mountd pid {reply['pid']})")
     print(f"cache: {human(cache['used_bytes'])} of {human(cache['size_limit'])} used, "
           f"{cache['items']} items")
+    if not cache.get("writable", True):
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(cache["write_error_since"]))
+        print(f"cache NOT WRITABLE since {since}: {cache['write_error']}; reads are served "
+              f"uncached ({cache['write_failures']} items not stored); mountd tries again "
+              "every few seconds")
     print(f"reads: {c.get('local_hits', 0)} local hits ({human(c.get('local_bytes', 0))}), "
           f"{c.get('page_cache_opens', 0)} from the page cache, "
           f"{c.get('peer_hits', 0)} peer hits ({human(c.get('peer_bytes', 0))}), "

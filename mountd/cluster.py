@@ -7,11 +7,12 @@ reads: the node keeps its last view and retries.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Protocol
 
 import trio
 
-from coordinator.state import CoordinatorState
+from coordinator.state import CoordinatorState, StateCorrupted
 from quiverfs import ownership
 from quiverfs.rpc import RpcClient, RpcError, Unavailable
 
@@ -31,8 +32,20 @@ class EmbeddedCoordinator:
     interval = EMBEDDED_HEARTBEAT
 
     def __init__(self, state_dir: str, force_after: float, probe_batches: int) -> None:
-        self.state = CoordinatorState(state_dir, heartbeat_timeout=3600.0,
-                                      force_after=force_after, probe_batches=probe_batches)
+        def load() -> CoordinatorState:
+            return CoordinatorState(state_dir, heartbeat_timeout=3600.0,
+                                    force_after=force_after, probe_batches=probe_batches)
+
+        try:
+            self.state = load()
+        except StateCorrupted as exc:
+            # Only chunk cycles live there, rebuilt from the next heartbeat: a damaged
+            # file must not keep mountd from starting.
+            aside = f"{exc.path}.corrupted"
+            os.replace(exc.path, aside)
+            log.warning("%s: moved it to %s and started the chunk cycles afresh",
+                        exc.message, aside)
+            self.state = load()
 
     async def heartbeat(self, args: dict[str, Any]) -> dict[str, Any]:
         return self.state.heartbeat(args["node"], args["peer"], args["capacity"],

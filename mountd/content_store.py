@@ -1,24 +1,40 @@
 """The local SSD store: content keyed by SHA-256 in a size-bounded diskcache.
 
 Every value is checked against its hash before it is stored, and carries a
-CRC32C tag (hardware accelerated) that is checked on every read, so a file
-corrupted on disk is dropped and fetched again instead of served.
+CRC32C tag (hardware accelerated) that is checked on every read; an entry is also
+hashed in full the first time it is served after a start, so a file corrupted on
+disk (even with a matching tag) is dropped and fetched again instead of served.
 
 Eviction is least-recently-used. With diskcache's LRU policy every hit is a SQLite
 write transaction, which caps hits at about a thousand a second; so hits go through a
 second handle whose policy (in memory only) takes diskcache's lock-free read path, and
 the hits' recency is written in one transaction per ``record_hits()`` call (mountd
 calls it every second).
+
+A bad disk costs reads, never the daemon. A store that cannot write (a full disk)
+keeps serving what it holds, stores nothing, and tries writing again after
+WRITE_RETRY_INTERVAL; one that cannot even open is skipped (every read a miss) until
+it can. A damaged index (SQLite's "malformed" or "not a database") is moved aside and
+the store starts empty; value files no index row names are removed at every open.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import errno
+import gc
 import hashlib
 import logging
+import os
 import sqlite3
 import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
 
 import diskcache
 import google_crc32c
+from diskcache.core import DBNAME, UNKNOWN
 
 log = logging.getLogger(__name__)
 
@@ -28,41 +44,319 @@ DISK_MIN_FILE_SIZE = 32 << 10  # bytes: larger values are files, smaller ones si
 SQLITE_MMAP_SIZE = 256 << 20  # bytes of the index mapped into memory
 TIMEOUT = 60  # seconds a writer waits for SQLite's lock
 MAX_KNOWN_FILES = 1_000_000  # entries whose file path is remembered (about 150 B each)
+MAX_VERIFIED = 1_000_000  # digests remembered as hashed in full (about 100 B each)
+# Seconds between tries of a store that could not write or open (a full disk).
+WRITE_RETRY_INTERVAL = 5.0
+KEEP_DAMAGED = 2  # damaged indexes kept for a post-mortem (each as large as the index)
+DAMAGED_SUFFIX = ".damaged-"  # cache.db.damaged-YYYYmmddTHHMMSS
+VALUE_SUFFIX = ".val"  # diskcache's value files
+# Errors of the process, not of an entry's file: the read fails, the entry stays.
+PROCESS_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+# SQLite's primary result codes that say the index itself is damaged.
+DAMAGE_CODES = frozenset({sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB})
+# What a store operation may raise when the disk or the index fails.
+STORE_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
 
 
 class IntegrityError(Exception):
     """Content whose SHA-256 is not the one it was asked for."""
 
 
+class StoreError(Exception):
+    """The store could not answer (a disk or index error): the read that asked fails."""
+
+
+class IndexDamaged(StoreError):
+    """SQLite found the index damaged ("malformed", "not a database", quick_check)."""
+
+
+@dataclasses.dataclass
+class StoreHealth:
+    """Whether the store can write, and since when it cannot (for status and metrics)."""
+
+    writable: bool
+    write_error: str | None  # why the last write failed
+    write_error_since: float | None  # Unix time of the first failure in a row
+    write_failures: int  # items not stored because the store could not write
+
+
+class _TrackedDisk(diskcache.Disk):
+    """diskcache's Disk, remembering the value file it last named: a put that fails
+    while or after writing it must remove it (diskcache leaves it behind)."""
+
+    last_file: str | None = None
+
+    def filename(self, key: object = UNKNOWN, value: object = UNKNOWN) -> tuple[str, str]:
+        name, full_path = super().filename(key, value)
+        self.last_file = name
+        return name, full_path
+
+
+@dataclasses.dataclass
+class _Index:
+    """The two diskcache handles on one index: writes (LRU) and lock-free reads."""
+
+    cache: diskcache.Cache
+    reader: diskcache.Cache
+
+    @property
+    def disk(self) -> _TrackedDisk:
+        return self.cache.disk
+
+    def close(self) -> None:
+        """Close this thread's connections (each thread has its own)."""
+        self.reader.close()
+        self.cache.close()
+
+
+def is_damage(exc: BaseException) -> bool:
+    """Whether ``exc`` says the SQLite index is damaged (not busy, full or unreadable)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return (isinstance(exc, sqlite3.DatabaseError) and code is not None
+            and code & 0xFF in DAMAGE_CODES)
+
+
+def describe(exc: BaseException) -> str:
+    """A short reason: an OSError's strerror, SQLite's message, or what a diskcache
+    Timeout hides (it is raised from the OperationalError that BEGIN met)."""
+    if isinstance(exc, diskcache.Timeout):
+        return (describe(exc.__context__) if exc.__context__ is not None
+                else "the index stayed locked")
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc) or type(exc).__name__
+
+
+@contextlib.contextmanager
+def _damage_raised() -> Iterator[None]:
+    """Raise SQLite's damage errors as IndexDamaged."""
+    try:
+        yield
+    except sqlite3.DatabaseError as exc:
+        if is_damage(exc):
+            raise IndexDamaged(describe(exc)) from exc
+        raise
+
+
 class ContentStore:
     """Bytes by SHA-256, bounded by ``size_limit`` bytes, evicting least-recently-used."""
 
     def __init__(self, directory: str, size_limit: int) -> None:
-        self.cache = diskcache.Cache(
-            directory, size_limit=size_limit, eviction_policy="least-recently-used",
-            cull_limit=CULL_LIMIT, disk_min_file_size=DISK_MIN_FILE_SIZE,
-            sqlite_mmap_size=SQLITE_MMAP_SIZE, timeout=TIMEOUT, statistics=False)
-        if self.cache.size_limit != size_limit:
-            # diskcache keeps settings from an earlier run; the command line wins.
-            self.cache.reset("size_limit", size_limit)
-        self._reader = diskcache.Cache(directory, timeout=TIMEOUT)
-        self._reader.reset("eviction_policy", "least-recently-stored", update=False)
+        self.directory = directory
+        self._size_limit = size_limit
         self.corrupt_dropped = 0
+        self.write_failures = 0
+        self.write_error: str | None = None
+        self.write_error_since: float | None = None
+        self._retry_at = 0.0  # time.monotonic() of the next try after a failure
         # Writers take turns here: cheaper than colliding in SQLite, whose busy handler
-        # sleeps for milliseconds.
+        # sleeps for milliseconds. Opening and rebuilding the index hold it too.
         self._write_lock = threading.Lock()
         self._hits_lock = threading.Lock()
         self._hits: set[bytes] = set()
         # Where large values live, learnt on first read: later hits read the file
         # directly, without a query. A file evicted since is simply not found.
         self._files: dict[bytes, tuple[str, int]] = {}
+        # Digests whose content was hashed in full in this run (put, or served once).
+        self._verified: set[bytes] = set()
+        self._damage: str | None = None  # why the index must be moved aside
+        self._damaged_id: tuple[int, int] | None = None  # (st_dev, st_ino) of it
+        self._aside: str | None = None  # where the last damaged index went
+        self._index: _Index | None = None
+        with self._write_lock:
+            self._open()
+
+    # -- opening, damage, rebuilding ------------------------------------------------
+    @property
+    def _db_path(self) -> str:
+        return os.path.join(self.directory, DBNAME)
+
+    def _connect(self) -> tuple[_Index, set[str]]:
+        """Open the index, check it page by page, and list the value files it names.
+        Raises IndexDamaged if SQLite finds it damaged."""
+        with _damage_raised():
+            cache = diskcache.Cache(
+                self.directory, disk=_TrackedDisk, size_limit=self._size_limit,
+                eviction_policy="least-recently-used", cull_limit=CULL_LIMIT,
+                disk_min_file_size=DISK_MIN_FILE_SIZE, sqlite_mmap_size=SQLITE_MMAP_SIZE,
+                timeout=TIMEOUT, statistics=False)
+        try:
+            with _damage_raised():
+                reader = diskcache.Cache(self.directory, timeout=TIMEOUT)
+        except BaseException:
+            cache.close()
+            raise
+        reader.reset("eviction_policy", "least-recently-stored", update=False)
+        index = _Index(cache, reader)
+        try:
+            with _damage_raised(), contextlib.closing(
+                    sqlite3.connect(self._db_path, timeout=TIMEOUT)) as con:
+                problems = [row[0] for row in con.execute("PRAGMA quick_check")]
+                if problems != ["ok"]:
+                    raise IndexDamaged(f"quick_check: {'; '.join(problems[:3])}")
+                named = {row[0] for row in con.execute(
+                    "SELECT filename FROM Cache WHERE filename IS NOT NULL")}
+        except BaseException:
+            index.close()
+            raise
+        return index, named
+
+    def _open(self) -> None:
+        """Open the index (moving a damaged one aside first), and remove the value files
+        it does not name before anything is served. The caller holds the write lock."""
+        try:
+            opened = self._open_index()
+        except (*STORE_ERRORS, IndexDamaged) as exc:
+            self._write_failed(None, exc, "open the store")
+            opened = None
+        if opened is None:
+            # A diskcache.Cache that failed halfway keeps its connection in a reference
+            # cycle: free it now rather than hold its descriptors until a collection.
+            gc.collect()
+            return
+        self._index, reclaimed = opened
+        if self._damage is not None:
+            log.warning("store %s: the index was damaged (%s): moved it to %s and started "
+                        "with an empty store (%d value files removed)", self.directory,
+                        self._damage, self._aside, reclaimed)
+            self._damage = None
+        elif reclaimed:
+            log.warning("store %s: removed %d value files the index does not name (an "
+                        "index lost or truncated, or writes cut short)", self.directory,
+                        reclaimed)
+        if self.write_error is not None:
+            self._writable_again()
+
+    def _open_index(self) -> tuple[_Index, int] | None:
+        """The open index and how many value files were removed; None while a damaged
+        index cannot be moved aside yet."""
+        opened = None
+        if self._damage is None:
+            try:
+                opened = self._connect()
+            except IndexDamaged as exc:
+                self._damage, self._damaged_id = str(exc), _file_id(self._db_path)
+        if opened is None:  # out of the except block, whose traceback holds the index
+            if not self._move_aside():
+                self._note_error("the index is damaged: rebuilding the store")
+                return None
+            opened = self._connect()
+        index, named = opened
+        return index, self._reclaim(index, named)
+
+    def _move_aside(self) -> bool:
+        """Rename the damaged index (and its WAL) to DBNAME.damaged-STAMP, keeping the
+        newest KEEP_DAMAGED. False while a connection of this process still has it
+        open: closing it later would delete the new index's WAL, which it knows by path."""
+        gc.collect()  # connections of dropped handles wait in reference cycles
+        if self._damaged_id is not None and _open_in_process(self._damaged_id):
+            log.debug("store %s: the damaged index is still open", self.directory)
+            return False
+        aside = f"{self._db_path}{DAMAGED_SUFFIX}{time.strftime('%Y%m%dT%H%M%S')}"
+        self._aside = aside
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(self._db_path, aside)
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(self._db_path + "-wal", aside + "-wal")
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self._db_path + "-shm")  # an index into the WAL, made again on open
+        self._damaged_id = None
+        kept = sorted(n for n in os.listdir(self.directory)
+                      if n.startswith(DBNAME + DAMAGED_SUFFIX) and not n.endswith("-wal"))
+        for name in kept[:-KEEP_DAMAGED]:
+            for path in (name, name + "-wal"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(self.directory, path))
+        return True
+
+    def _reclaim(self, index: _Index, named: set[str]) -> int:
+        """Remove the value files no index row names (left by an index lost, truncated
+        or moved aside, or by a write a crash cut short); how many."""
+        removed = 0
+        for dirpath, _, files in os.walk(self.directory):
+            if dirpath == self.directory:
+                continue  # the index and its damaged copies; values live in subfolders
+            for name in files:
+                rel = os.path.relpath(os.path.join(dirpath, name), self.directory)
+                if name.endswith(VALUE_SUFFIX) and rel not in named:
+                    index.disk.remove(rel)  # and its folders, once empty
+                    removed += 1
+        return removed
+
+    def _drop_damaged(self, index: _Index, exc: BaseException) -> None:
+        """Stop using a damaged index; the next use of the store rebuilds it (``_open``).
+        The caller holds the write lock."""
+        if self._index is not index:
+            return  # another thread got there first
+        log.warning("store %s: the index is damaged (%s): rebuilding the store",
+                    self.directory, describe(exc))
+        self._index = None
+        self._damage, self._damaged_id = describe(exc), _file_id(self._db_path)
+        index.close()
+        self._files.clear()
+        self._verified.clear()
+        self._retry_at = 0.0
+        self._note_error("the index is damaged: rebuilding the store")
+
+    def _start_rebuild(self, index: _Index, exc: BaseException) -> None:
+        with self._write_lock:
+            self._drop_damaged(index, exc)
+        del index  # other threads' connections to it close once it is collected
+        self._usable()
+
+    def _usable(self) -> _Index | None:
+        """The open index; or, once the retry interval has passed, another try at
+        opening it; None while the store cannot be used."""
+        index = self._index
+        if index is not None or time.monotonic() < self._retry_at:
+            return index
+        with self._write_lock:
+            if self._index is None and time.monotonic() >= self._retry_at:
+                self._retry_at = time.monotonic() + WRITE_RETRY_INTERVAL
+                self._open()
+            return self._index
+
+    # -- health ---------------------------------------------------------------------
+    def _write_failed(self, index: _Index | None, exc: BaseException, doing: str) -> None:
+        """Note a failed write: a damaged index is rebuilt, anything else is tried again
+        after WRITE_RETRY_INTERVAL. The caller holds the write lock."""
+        if index is not None:
+            index.cache.close()  # with a transaction a failed COMMIT may have left open
+            if is_damage(exc):
+                self._drop_damaged(index, exc)
+                return
+        reason = describe(exc)
+        self._retry_at = time.monotonic() + WRITE_RETRY_INTERVAL
+        if self.write_error is None:
+            log.warning("store %s: cannot %s (%s): reads are served uncached; trying "
+                        "again every %.0f s", self.directory, doing, reason,
+                        WRITE_RETRY_INTERVAL)
+        self._note_error(reason if doing == "write" else f"cannot {doing}: {reason}")
+
+    def _note_error(self, message: str) -> None:
+        if self.write_error is None:
+            self.write_error_since = time.time()
+        self.write_error = message
+
+    def _writable_again(self) -> None:
+        log.info("store %s can write again (after %.0f s; %d items not stored so far)",
+                 self.directory, time.time() - (self.write_error_since or time.time()),
+                 self.write_failures)
+        self.write_error = self.write_error_since = None
+
+    def health(self) -> StoreHealth:
+        """Whether the last write worked (only a put that works clears a failure)."""
+        return StoreHealth(self.write_error is None, self.write_error,
+                           self.write_error_since, self.write_failures)
 
     @property
     def size_limit(self) -> int:
-        return int(self.cache.size_limit)
+        return self._size_limit
 
+    # -- reads ----------------------------------------------------------------------
     def get(self, digest: bytes) -> bytes | None:
-        """The content for ``digest``, or None if absent (or found corrupted and dropped)."""
+        """The content for ``digest``, or None if absent (or found corrupted and dropped,
+        or while the store cannot be opened). Raises StoreError if the store fails."""
         known = self._files.get(digest)
         if known is not None:
             path, tag = known
@@ -71,82 +365,186 @@ class ContentStore:
                     value = f.read()
             except FileNotFoundError:  # evicted since: ask the index
                 self._files.pop(digest, None)
+            except OSError as exc:
+                self._read_failed(self._index, digest, exc)
             else:
                 return self._checked(digest, value, tag)
+        index = self._usable()
+        if index is None:
+            return None
         try:
-            handle, tag = self._reader.get(digest, default=None, read=True, tag=True,
-                                           retry=True)
+            handle, tag = index.reader.get(digest, default=None, read=True, tag=True)
             if handle is None:
                 return None
             if isinstance(handle, bytes):  # small values live in the index itself
                 return self._checked(digest, handle, tag)
             with handle:
                 value = handle.read()
-        except (OSError, sqlite3.Error) as exc:
-            log.warning("cache entry %s unreadable (%s): dropping it", digest.hex(), exc)
-            self.discard(digest)
-            return None
+        except STORE_ERRORS as exc:
+            self._read_failed(index, digest, exc)
         if len(self._files) >= MAX_KNOWN_FILES:
             self._files.clear()
         self._files[digest] = (handle.name, tag)
         return self._checked(digest, value, tag)
 
+    def _read_failed(self, index: _Index | None, digest: bytes,
+                     exc: BaseException) -> NoReturn:
+        """Raise StoreError for a failed read; first rebuild a damaged index, or drop an
+        entry whose file failed (its next read fetches it again)."""
+        if index is not None and is_damage(exc):
+            self._start_rebuild(index, exc)
+        elif isinstance(exc, OSError) and exc.errno not in PROCESS_ERRNOS:
+            self.discard(digest)
+        raise StoreError(describe(exc)) from exc
+
     def _checked(self, digest: bytes, value: bytes, tag: int) -> bytes | None:
         if tag != google_crc32c.value(value):
-            log.warning("cache entry %s failed its checksum: dropping it", digest.hex())
-            self.corrupt_dropped += 1
-            self.discard(digest)
+            why = "failed its checksum"
+        elif digest not in self._verified and hashlib.sha256(value).digest() != digest:
+            why = "does not hash to its digest"
+        else:
+            if len(self._verified) >= MAX_VERIFIED:
+                self._verified.clear()  # costs a hash per entry again, never a wrong byte
+            self._verified.add(digest)
+            with self._hits_lock:
+                self._hits.add(digest)
+            return value
+        log.warning("cache entry %s %s: dropping it", digest.hex(), why)
+        self.corrupt_dropped += 1
+        self.discard(digest)
+        return None
+
+    def __contains__(self, digest: bytes) -> bool:
+        """Whether ``digest`` is stored (False while the store cannot answer)."""
+        return bool(self._query(lambda index: digest in index.reader))
+
+    def volume(self) -> int:
+        """Bytes used on disk (values plus the index); 0 while the store cannot answer."""
+        return self._query(lambda index: int(index.cache.volume()))
+
+    def __len__(self) -> int:
+        return self._query(lambda index: len(index.cache))
+
+    def _query(self, ask: Callable[[_Index], int]) -> int:
+        index = self._usable()
+        if index is None:
+            return 0
+        try:
+            return ask(index)
+        except STORE_ERRORS as exc:
+            if is_damage(exc):
+                self._start_rebuild(index, exc)
+            log.debug("store %s: a query failed: %s", self.directory, describe(exc))
+            return 0
+
+    # -- writes ---------------------------------------------------------------------
+    def _writable(self) -> _Index | None:
+        """The index, unless the store waits to try writing again after a failure."""
+        index = self._usable()
+        if index is None or (self.write_error is not None
+                             and time.monotonic() < self._retry_at):
             return None
-        with self._hits_lock:
-            self._hits.add(digest)
-        return value
+        return index
 
-    def record_hits(self) -> int:
-        """Write the recency of the hits since the last call, in one transaction."""
-        with self._hits_lock:
-            hits, self._hits = self._hits, set()
-        if hits:
-            with self._write_lock, self.cache.transact(retry=True):
-                for digest in hits:
-                    # an LRU get; read=True opens large values rather than reading them
-                    handle = self.cache.get(digest, read=True, retry=True)
-                    if hasattr(handle, "close"):
-                        handle.close()
-        return len(hits)
-
-    def put(self, digest: bytes, data: bytes) -> None:
-        """Store ``data`` under ``digest`` after checking that it hashes to it."""
+    def put(self, digest: bytes, data: bytes) -> bool:
+        """Store ``data`` under ``digest`` after checking that it hashes to it; False if
+        the store cannot write (the caller serves it uncached)."""
         if hashlib.sha256(data).digest() != digest:
             raise IntegrityError(f"content does not hash to {digest.hex()}")
         tag = google_crc32c.value(data)
+        index = self._writable()
         with self._write_lock:
-            self.cache.set(digest, data, tag=tag, retry=True)
+            if index is None or index is not self._index:
+                self.write_failures += 1
+                return False
+            index.disk.last_file = None
+            try:
+                index.cache.set(digest, data, tag=tag)
+            except STORE_ERRORS as exc:
+                if index.disk.last_file is not None:
+                    index.disk.remove(index.disk.last_file)  # written in part, or unnamed
+                self.write_failures += 1
+                self._write_failed(index, exc, "write")
+                return False
+            if self.write_error is not None:
+                self._writable_again()
+        self._verified.add(digest)
+        return True
 
-    def __contains__(self, digest: bytes) -> bool:
-        return digest in self.cache
+    def record_hits(self) -> int:
+        """Write the recency of the hits since the last call, in one transaction; how
+        many (none while the store cannot write: those hits are forgotten)."""
+        with self._hits_lock:
+            hits, self._hits = self._hits, set()
+        if not hits:
+            return 0
+        return self._write(self._touch, hits, "record hits")
+
+    @staticmethod
+    def _touch(index: _Index, hits: set[bytes]) -> int:
+        with index.cache.transact():
+            for digest in hits:
+                # an LRU get; read=True opens large values rather than reading them
+                handle = index.cache.get(digest, read=True)
+                if hasattr(handle, "close"):
+                    handle.close()
+        return len(hits)
 
     def discard(self, digest: bytes) -> None:
+        """Drop ``digest``'s entry (left for LRU to evict while the store cannot write)."""
         self._files.pop(digest, None)
-        with self._write_lock:
-            self.cache.delete(digest, retry=True)
+        self._verified.discard(digest)
+        self._write(lambda index, key: int(index.cache.delete(key)), digest, "drop an entry")
 
     def clear(self) -> None:
+        """Drop every entry (nothing while the store cannot write)."""
         self._files.clear()
+        self._verified.clear()
+        self._write(lambda index, _: index.cache.clear(), None, "clear the store")
+
+    def _write(self, do: Callable[[_Index, Any], int], arg: Any, doing: str) -> int:
+        """``do(index, arg)`` under the write lock; 0 if the store cannot write."""
+        index = self._writable()
         with self._write_lock:
-            self.cache.clear(retry=True)
-
-    def volume(self) -> int:
-        """Bytes used on disk (values plus the index)."""
-        return int(self.cache.volume())
-
-    def __len__(self) -> int:
-        return len(self.cache)
+            if index is None or index is not self._index:
+                return 0
+            try:
+                return do(index, arg)
+            except STORE_ERRORS as exc:
+                self._write_failed(index, exc, doing)
+                return 0
 
     def check(self) -> list:
         """diskcache's own consistency check; returns the warnings it found."""
-        return self.cache.check(fix=False)
+        index = self._usable()
+        if index is None:
+            raise StoreError(f"the store is not open: {self.write_error}")
+        return index.cache.check(fix=False)
 
     def close(self) -> None:
         self.record_hits()
-        self._reader.close()
-        self.cache.close()
+        with self._write_lock:
+            index, self._index = self._index, None
+            self._retry_at = float("inf")  # closed for good
+        if index is not None:
+            index.close()
+
+
+def _file_id(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _open_in_process(file_id: tuple[int, int]) -> bool:
+    """Whether a descriptor of this process refers to the file ``file_id`` (Linux)."""
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            st = os.stat(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed since the listing
+        if (st.st_dev, st.st_ino) == file_id:
+            return True
+    return False

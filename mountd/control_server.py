@@ -1,7 +1,9 @@
 """The local control socket: msgpack requests from ``quiver mount|umount|status``.
 
 The caller's uid, gid and groups come from SO_PEERCRED, so a registration belongs to
-the user who made it. A bad request gets an error reply; the server stays up.
+the user who made it. A bad request gets an error reply, and so does a request that
+finds a bug: the server stays up. Each uid may hold a bounded number of connections,
+so no local user can take the daemon's descriptors.
 """
 from __future__ import annotations
 
@@ -15,13 +17,15 @@ from typing import Any
 
 import trio
 
-from mountd.access_check import peer_groups
 from quiverfs import wire
 from quiverfs.errors import ExitCode, QuietError
+from quiverfs.fs_identity import UserIdentity
 
 log = logging.getLogger(__name__)
 
 _UCRED = struct.Struct("3i")
+MAX_CONNECTIONS = 512  # control connections open at once, all users together
+MAX_CONNECTIONS_PER_UID = 16  # and of one uid (root is not limited)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +37,25 @@ class Peer:
     gid: int
     groups: frozenset[int]
 
+    @property
+    def user(self) -> UserIdentity:
+        return UserIdentity(self.uid, self.gid, tuple(sorted(self.groups)))
+
 
 Handler = Callable[[Peer, dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+def peer_groups(pid: int, gid: int) -> frozenset[int]:
+    """The supplementary groups of a connected process (from /proc), plus its gid."""
+    groups = {gid}
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    groups.update(int(g) for g in line.split()[1:])
+    except OSError:
+        pass
+    return frozenset(groups)
 
 
 def peer_of(sock: trio.socket.SocketType) -> Peer:
@@ -49,6 +70,7 @@ class ControlServer:
     def __init__(self, path: str, handlers: dict[str, Handler]) -> None:
         self.path = path
         self.handlers = handlers
+        self._open_by_uid: dict[int, int] = {}
 
     async def serve(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
@@ -71,22 +93,40 @@ class ControlServer:
 
     async def _connection(self, stream: trio.SocketStream) -> None:
         async with stream:
-            peer = peer_of(stream.socket)
-            while True:
-                try:
-                    body = await wire.recv_frame(stream)
-                except EOFError:
-                    return
-                except wire.FrameError as exc:
-                    await self._reply_error(stream, str(exc), ExitCode.USAGE)
-                    return
-                except trio.BrokenResourceError:
-                    return
-                reply = await self._dispatch(peer, body)
-                try:
-                    await wire.send_msg(stream, reply)
-                except trio.BrokenResourceError:
-                    return
+            try:
+                peer = peer_of(stream.socket)
+            except OSError:
+                return  # gone before we could ask who it was
+            held = self._open_by_uid.get(peer.uid, 0)
+            if sum(self._open_by_uid.values()) >= MAX_CONNECTIONS or (
+                    peer.uid != 0 and held >= MAX_CONNECTIONS_PER_UID):
+                await self._reply_error(stream, "too many control connections open: close "
+                                        "some and try again", ExitCode.DAEMON)
+                return
+            self._open_by_uid[peer.uid] = held + 1
+            try:
+                await self._serve_peer(stream, peer)
+            finally:
+                self._open_by_uid[peer.uid] -= 1
+                if not self._open_by_uid[peer.uid]:
+                    del self._open_by_uid[peer.uid]
+
+    async def _serve_peer(self, stream: trio.SocketStream, peer: Peer) -> None:
+        while True:
+            try:
+                body = await wire.recv_frame(stream)
+            except EOFError:
+                return
+            except wire.FrameError as exc:
+                await self._reply_error(stream, str(exc), ExitCode.USAGE)
+                return
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+            reply = await self._dispatch(peer, body)
+            try:
+                await wire.send_msg(stream, reply)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
 
     async def _dispatch(self, peer: Peer, body: bytes) -> dict[str, Any]:
         try:
@@ -103,10 +143,14 @@ class ControlServer:
         except (KeyError, TypeError, ValueError) as exc:
             return {"ok": False, "error": f"malformed request: {type(exc).__name__}: {exc}",
                     "code": int(ExitCode.USAGE)}
+        except Exception as exc:  # a bug costs this request, not the daemon
+            log.exception("control request from uid %d failed", peer.uid)
+            return {"ok": False, "error": f"mountd failed on this request "
+                    f"({type(exc).__name__}); see its log", "code": int(ExitCode.DAEMON)}
 
     @staticmethod
     async def _reply_error(stream: trio.SocketStream, message: str, code: ExitCode) -> None:
         try:
             await wire.send_msg(stream, {"ok": False, "error": message, "code": int(code)})
-        except trio.BrokenResourceError:
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass

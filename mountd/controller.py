@@ -8,7 +8,6 @@ from typing import Any
 import pyfuse3
 import trio
 
-from mountd.access_check import AccessChecker
 from mountd.control_server import Peer
 from mountd.dataset import MountedDataset, PrefetchProgress
 from mountd.dataset_tree import DatasetTree
@@ -16,14 +15,26 @@ from mountd.item_reader import ItemReader, ReadFailed
 from mountd.jobs import JobManager
 from mountd.mount_table import MountTable
 from mountd.registry import Registration, Registry, check_name, new_registration
+from quiverfs import digest as digest_format
 from quiverfs import ownership
 from quiverfs.backends import StorageOptions
 from quiverfs.digest import Digest
 from quiverfs.errors import ExitCode, QuietError
+from quiverfs.fs_identity import IdentityUnavailable, UserIdentity, acting_as, open_regular
 
 log = logging.getLogger(__name__)
 
 PREFETCH_BATCH = 256  # entries checked against the store per thread call
+# What one uid (other than root) may register: datasets, and bytes of their digests kept
+# in the state directory.
+MAX_DATASETS_PER_USER = 64
+MAX_DIGEST_BYTES_PER_USER = 2 << 30
+# Hash-check failures of one uid's datasets after which its new registrations are
+# refused until mountd restarts: a digest whose hashes keep failing is probing content
+# (a byte-at-a-time oracle), not describing it.
+MAX_INTEGRITY_FAILURES_PER_USER = 1000
+# Largest item mountd serves: a read holds its item in memory, once per reader thread.
+MAX_ITEM_BYTES = 1 << 30
 
 
 class Controller:
@@ -36,12 +47,14 @@ class Controller:
         self.registry = registry
         self.reader = reader
         self.jobs = jobs
+        self.limiter = reader.limiter
         self.cluster: Any = None  # mountd.cluster.Cluster, wired by the daemon
         self.peer_service: Any = None  # mountd.peers.PeerService when clustered
         self.prefetch_concurrency = prefetch_concurrency
         self._lock = trio.Lock()
         self._nursery: trio.Nursery | None = None
         self._prefetch_scopes: dict[str, trio.CancelScope] = {}
+        self._retired_failures: dict[int, int] = {}  # hash-check failures of unmounted datasets
 
     def handlers(self) -> dict[str, Any]:
         return {"mount": self.mount, "umount": self.umount, "status": self.status,
@@ -66,26 +79,80 @@ class Controller:
         kept = []
         for reg in self.registry.load_records():
             try:
-                ds = self._build(reg, self.registry.load_digest(reg.identity))
+                check_name(reg.name)  # records from before a rule was tightened
+                self._check_free(reg.name)
+                digest = self.registry.load_digest(reg.identity)
+                self._check_item_sizes(digest)
+                ds = self._build(reg, digest)
             except QuietError as exc:
-                log.error("dropping dataset %s: %s", reg.name, exc.message)
+                log.error("dropping dataset %r: %s", reg.name, exc.message)
                 continue
             self.table.add(ds)
             kept.append(reg)
             log.info("restored dataset %s (%d items)", reg.name, len(ds.digest))
-        self.registry.save_records(kept)
+        try:
+            self.registry.save_records(kept)
+        except OSError as exc:  # the records on disk stay as they were
+            log.error("cannot save %s: %s", self.registry.state_dir, exc)
 
     @staticmethod
-    def _check_local_access(digest: Digest, peer: Peer) -> None:
-        if not digest.source.startswith("file://") or peer.uid == 0:
+    def _check_local_access(digest: Digest, user: UserIdentity) -> None:
+        """Open every file a ``file://`` digest names, as the registering user: a digest
+        can only name files its owner can read (reads later open them as the owner too)."""
+        if not digest.source.startswith("file://") or user.uid == 0:
             return
         root = digest.source[len("file://"):]
-        checker = AccessChecker(peer.uid, peer.groups)
-        for i in range(len(digest)):
-            path = os.path.join(root, digest.key(i))
-            if not checker.can_read(path):
-                raise QuietError(f"uid {peer.uid} cannot read {path}: a digest can only name "
-                                 "files its owner can read", ExitCode.PERMISSION)
+        seen: set[str] = set()
+        try:
+            with acting_as(user):
+                for i in range(len(digest)):
+                    key = digest.key(i)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    path = os.path.join(root, key)
+                    try:
+                        os.close(open_regular(path))
+                    except OSError as exc:
+                        raise QuietError(f"uid {user.uid} cannot read {path} "
+                                         f"({exc.strerror}): a digest can only name files "
+                                         "its owner can read", ExitCode.PERMISSION) from None
+        except IdentityUnavailable as exc:
+            raise QuietError(str(exc), ExitCode.PERMISSION) from None
+
+    @staticmethod
+    def _check_item_sizes(digest: Digest) -> None:
+        largest = max(digest.sizes, default=0)
+        if largest > MAX_ITEM_BYTES:
+            raise QuietError(f"{digest.name}: an item of {largest} bytes is larger than "
+                             f"mountd serves ({MAX_ITEM_BYTES} bytes): split it into smaller "
+                             "items", ExitCode.BAD_INPUT)
+
+    def _check_quota(self, user: UserIdentity, digest_bytes: int) -> None:
+        """A uid's registrations are bounded in number, in digest bytes on root's disk,
+        and by how many hash checks its datasets have failed."""
+        if user.uid == 0:
+            return
+        mine = [ds for ds in self.table.by_name.values() if ds.reg.uid == user.uid]
+        if len(mine) >= MAX_DATASETS_PER_USER:
+            raise QuietError(f"uid {user.uid} has {len(mine)} datasets mounted, the most "
+                             "allowed: 'quiver umount' one first", ExitCode.PERMISSION)
+        used = sum(ds.reg.digest_bytes for ds in mine)
+        if used + digest_bytes > MAX_DIGEST_BYTES_PER_USER:
+            raise QuietError(f"uid {user.uid}'s digests would take {used + digest_bytes} "
+                             f"bytes, over the {MAX_DIGEST_BYTES_PER_USER}-byte limit: "
+                             "'quiver umount' a dataset first", ExitCode.PERMISSION)
+        failures = self._integrity_failures(user.uid)
+        if failures >= MAX_INTEGRITY_FAILURES_PER_USER:
+            raise QuietError(f"uid {user.uid}'s datasets have failed {failures} hash checks "
+                             "since mountd started: recreate their digests ('quiver digest "
+                             "create'); new registrations are refused until mountd restarts",
+                             ExitCode.PERMISSION)
+
+    def _integrity_failures(self, uid: int) -> int:
+        return self._retired_failures.get(uid, 0) + sum(
+            ds.counters["integrity_failures"] for ds in self.table.by_name.values()
+            if ds.reg.uid == uid)
 
     @staticmethod
     def _check_gcs_credentials(digest: Digest, options: StorageOptions, peer: Peer) -> None:
@@ -104,19 +171,37 @@ class Controller:
         data = req["digest"]
         if not isinstance(data, bytes):
             raise QuietError("the digest must be sent as bytes", ExitCode.USAGE)
-        options = StorageOptions(credentials_info=req.get("credentials"),
-                                 emulator_host=req.get("emulator_host"),
-                                 anonymous=bool(req.get("anonymous", False)))
+        credentials = req.get("credentials")
+        emulator_host = req.get("emulator_host")
+        if not (credentials is None or isinstance(credentials, dict)) or not (
+                emulator_host is None or isinstance(emulator_host, str)):
+            raise QuietError("credentials must be a map and emulator_host a string",
+                             ExitCode.USAGE)
+        user = peer.user
+        options = StorageOptions(credentials_info=credentials, emulator_host=emulator_host,
+                                 anonymous=bool(req.get("anonymous", False)), read_as=user)
         async with self._lock:
             self._check_free(name)
-            digest = await trio.to_thread.run_sync(self.registry.store_digest, data)
-            await trio.to_thread.run_sync(self._check_local_access, digest, peer)
+            self._check_quota(user, len(data))
+            # Nothing is written before every check has passed: a refused registration
+            # leaves nothing behind on root's disk.
+            digest = await trio.to_thread.run_sync(digest_format.decode, data,
+                                                   "registered digest", limiter=self.limiter)
             self._check_gcs_credentials(digest, options, peer)
-            reg = new_registration(name, digest.identity, peer.uid, peer.gid, options)
-            self.registry.store_credentials(name, options.credentials_info)
-            ds = await trio.to_thread.run_sync(self._build, reg, digest)
+            self._check_item_sizes(digest)
+            await trio.to_thread.run_sync(self._check_local_access, digest, user,
+                                          limiter=self.limiter)
+            reg = new_registration(name, digest.identity, user, options, len(data))
+            ds = await trio.to_thread.run_sync(self._build, reg, digest, limiter=self.limiter)
+            await trio.to_thread.run_sync(self.registry.keep, reg, data, credentials,
+                                          limiter=self.limiter)
             self.table.add(ds)
-            self._save()
+            try:
+                await self._save()
+            except QuietError:
+                self.table.remove(name)
+                self._forget(ds)
+                raise
         log.info("uid %d mounted %s: %d items from %s", peer.uid, name, len(digest),
                  digest.source)
         if req.get("prefetch"):
@@ -146,15 +231,29 @@ class Controller:
                 scope.cancel()
             ds = self.table.remove(name)
             self.jobs.dataset_removed(name)
-            self._save()
-            self.registry.forget(ds.reg, {d.reg.identity for d in self.table.by_name.values()})
+            uid = ds.reg.uid
+            self._retired_failures[uid] = (self._retired_failures.get(uid, 0)
+                                           + ds.counters["integrity_failures"])
+            await self._save()
+            self._forget(ds)
         pyfuse3.invalidate_entry_async(pyfuse3.ROOT_INODE, name.encode(), ignore_enoent=True)
         await trio.to_thread.run_sync(ds.backend.close)
         log.info("uid %d unmounted %s", peer.uid, name)
         return {"name": name}
 
-    def _save(self) -> None:
-        self.registry.save_records([ds.reg for ds in self.table.by_name.values()])
+    async def _save(self) -> None:
+        regs = [ds.reg for ds in self.table.by_name.values()]
+        try:
+            await trio.to_thread.run_sync(self.registry.save_records, regs,
+                                          limiter=self.limiter)
+        except OSError as exc:
+            log.error("cannot save %s: %s", self.registry.state_dir, exc)
+            raise QuietError(f"mountd cannot save its registrations: {exc.strerror or exc}",
+                             ExitCode.DAEMON) from None
+
+    def _forget(self, ds: MountedDataset) -> None:
+        """Remove what the registry keeps for ``ds`` that no other dataset uses."""
+        self.registry.forget(ds.reg, {d.reg.identity for d in self.table.by_name.values()})
 
     async def status(self, peer: Peer, req: dict[str, Any]) -> dict[str, Any]:
         store = self.reader.store
@@ -169,9 +268,13 @@ class Controller:
             if ds.prefetch is not None:
                 entry["prefetch"] = vars(ds.prefetch).copy()
             datasets.append(entry)
+        health = store.health()
         return {"root": self.root, "pid": os.getpid(),
                 "cache": {"size_limit": store.size_limit, "used_bytes": volume, "items": items,
-                          "corrupt_dropped": store.corrupt_dropped},
+                          "corrupt_dropped": store.corrupt_dropped,
+                          "writable": health.writable, "write_error": health.write_error,
+                          "write_error_since": health.write_error_since,
+                          "write_failures": health.write_failures},
                 "counters": dict(self.reader.counters), "datasets": datasets,
                 "jobs": self.jobs.status(peer.uid),
                 "cluster": self.cluster.status() if self.cluster is not None else None}

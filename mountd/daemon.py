@@ -26,7 +26,10 @@ from mountd.mount_table import MountTable
 from mountd.peers import PeerService, PeerSet
 from mountd.registry import Registry
 from quiverfs import sd_notify
+from quiverfs.fs_identity import NOBODY, IdentityUnavailable, UserIdentity, acting_as
+from quiverfs.process_limits import raise_open_file_limit
 from quiverfs.mountd_process import is_mounted
+from quiverfs.option_types import listen_error
 from quiverfs.rpc import RpcClient, load_secret, parse_address
 from quiverfs.errors import ExitCode, QuietError
 
@@ -104,6 +107,11 @@ class Mountd:
 
     def run(self) -> None:
         prepare_root(self.root)
+        try:
+            with acting_as(UserIdentity(NOBODY, NOBODY)):
+                pass
+        except IdentityUnavailable as exc:
+            log.warning("%s: other users' file:// datasets cannot be read", exc)
         self.controller.restore()
         options = set(pyfuse3.default_options)
         # Not "ro": the control area ROOT/.quiver/jobs takes writes; datasets refuse them.
@@ -113,6 +121,8 @@ class Mountd:
                  self.cfg.cache_size)
         try:
             trio.run(self._serve)
+        except* QuietError as group:  # raised inside the nursery: unwrapped, it prints as one line
+            raise group.exceptions[0] from None
         finally:
             pyfuse3.close(unmount=True)
             self.store.close()
@@ -149,7 +159,10 @@ class Mountd:
         host, port = parse_address(cfg.listen or "127.0.0.1:0", "--listen")
         service = PeerService(self.store, self.limiter)
         self.controller.peer_service = service
-        bound = await nursery.start(service.server(self.secret).serve, host, port)
+        try:
+            bound = await nursery.start(service.server(self.secret).serve, host, port)
+        except OSError as exc:  # the port is taken, or the host is not ours
+            raise listen_error("--listen", host, port, exc) from None
         peers = PeerSet(self.secret)
         await nursery.start(peers.run)
         chost, cport = parse_address(cfg.coordinator, "--coordinator")
@@ -177,4 +190,5 @@ class Mountd:
 
 def run_mountd(cfg: MountdConfig) -> None:
     faulthandler.register(signal.SIGUSR1)
+    raise_open_file_limit()
     Mountd(cfg).run()

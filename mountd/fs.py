@@ -1,12 +1,21 @@
-"""The FUSE operations: thin async handlers over the mount table and the item reader."""
+"""The FUSE operations: thin async handlers over the mount table and the item reader.
+
+Every handler answers: an exception that is not a FUSEError is a bug or a fault below
+(the store, a backend), so it is logged and answered with EIO, and mountd keeps serving
+every other request. Left to propagate, it would end pyfuse3's main loop for all users.
+"""
 from __future__ import annotations
 
 import errno
+import functools
+import inspect
 import itertools
 import logging
 import os
 import stat
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pyfuse3
 import trio
@@ -250,3 +259,23 @@ class QuiverFS(pyfuse3.Operations):
         data.f_ffree = data.f_favail = 0
         data.f_namemax = 255
         return data
+
+
+def _answer_eio_on_failure(name: str, handler: Callable[..., Awaitable[Any]]
+                           ) -> Callable[..., Awaitable[Any]]:
+    @functools.wraps(handler)
+    async def guarded(*args: Any) -> Any:
+        try:
+            return await handler(*args)
+        except pyfuse3.FUSEError:
+            raise
+        except Exception:
+            log.exception("FUSE %s failed: answered EIO", name)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return guarded
+
+
+for _name, _handler in list(vars(QuiverFS).items()):
+    if not _name.startswith("_") and inspect.iscoroutinefunction(_handler):
+        setattr(QuiverFS, _name, _answer_eio_on_failure(_name, _handler))

@@ -18,7 +18,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from mountd.content_store import ContentStore, IntegrityError
+from mountd.content_store import ContentStore, IntegrityError, StoreError
 from mountd.dataset import MountedDataset
 from mountd.metrics import read_latency
 from quiverfs.errors import QuietError
@@ -113,7 +113,13 @@ class ItemReader:
             self.count(ds, "probe_misses")
             return await self.fetch(ds, index)
         started = time.perf_counter()
-        data = await trio.to_thread.run_sync(self.store.get, digest, limiter=self.limiter)
+        try:
+            data = await trio.to_thread.run_sync(self.store.get, digest, limiter=self.limiter)
+        except StoreError as exc:
+            self.count(ds, "store_errors")
+            log.error("dataset %s: cannot read %s from the local store: %s", ds.name,
+                      ds.digest.path(index), exc)
+            raise ReadFailed(f"local store: {exc}") from None
         if data is not None:
             self.latency.labels("local").observe(time.perf_counter() - started)
             self.count(ds, "local_hits")
@@ -212,16 +218,18 @@ class ItemReader:
         loc = ds.digest.location(index)
         try:
             data = ds.backend.read(ds.digest.key(index), loc.offset, loc.length)
-        except QuietError as exc:
+        except (QuietError, OSError) as exc:
+            message = exc.message if isinstance(exc, QuietError) else exc.strerror or str(exc)
             log.error("dataset %s: cannot fetch %s from %s: %s", ds.name,
-                      ds.digest.path(index), loc.uri, exc)
-            raise ReadFailed(exc.message) from None
+                      ds.digest.path(index), loc.uri, message)
+            raise ReadFailed(message) from None
         digest = ds.digest.hash(index)
         owner = self.owner(digest)
         try:
             keep = keep and ds.cache_mode != "none"  # a dataset allotted no cache keeps none
             if keep and owner is None:
-                self.store.put(digest, data)  # checks the hash
+                # checks the hash; a store that cannot write leaves the item uncached
+                self.store.put(digest, data)
             elif hashlib.sha256(data).digest() != digest:
                 raise IntegrityError(digest.hex())
             elif keep:

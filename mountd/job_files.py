@@ -22,7 +22,7 @@ import time
 
 import pyfuse3
 
-from mountd.jobs import Job, JobError, JobManager
+from mountd.jobs import Job, JobError, JobLimit, JobManager
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +32,9 @@ CONTROL_NAME = ".quiver"
 _JOB_BASE = 1 << 60  # + job number * 8 + file kind
 _BATCH_BASE = 1 << 61  # | job number << 36 | epoch << 20 | batch
 _KINDS = ("", "config", "report", "error", "stats")  # index = inode offset (0: the dir)
-_BATCH_NAME = re.compile(r"^e(\d{1,5})-b(\d{1,7})$")
-JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# Whole names, matched with fullmatch ('$' would also accept a trailing newline).
+_BATCH_NAME = re.compile(r"e(\d{1,5})-b(\d{1,7})")
+JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 TIMEOUT = 1.0  # seconds the kernel may cache control entries
 
 
@@ -107,7 +108,7 @@ class ControlFiles:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         if name in _KINDS[1:]:
             return self.getattr(self._job_inode(job, name))
-        m = _BATCH_NAME.match(name)
+        m = _BATCH_NAME.fullmatch(name)
         if m is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
         inode = (_BATCH_BASE | self._numbers[job.id] << 36 | int(m.group(1)) << 20
@@ -130,10 +131,12 @@ class ControlFiles:
               ) -> pyfuse3.EntryAttributes:
         if parent != JOBS_INODE:
             raise pyfuse3.FUSEError(errno.EROFS)
-        if not JOB_NAME.match(name):
+        if not JOB_NAME.fullmatch(name):
             raise pyfuse3.FUSEError(errno.EINVAL)
         try:
             job = self.jobs.create(name, ctx.uid, ctx.gid)
+        except JobLimit:
+            raise pyfuse3.FUSEError(errno.EDQUOT) from None
         except JobError:
             raise pyfuse3.FUSEError(errno.EEXIST) from None
         self._numbers[name] = self._next

@@ -41,8 +41,16 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".t
                     ".webp")  # torchvision's IMG_EXTENSIONS
 
 
+MAX_CONFIG_INT = 1 << 63  # bound of a job config's integers (seeds, sizes, ranks)
+MAX_JOBS_PER_USER = 256  # jobs one uid (not root) may have registered at once
+
+
 class JobError(Exception):
     """A job request that cannot be served; the message says why and what to do."""
+
+
+class JobLimit(JobError):
+    """A uid already holds as many jobs as it may."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,10 +82,18 @@ class JobConfig:
             raise JobError("the job config needs 'dataset' and 'batch_size'")
         ints = ("batch_size", "seed", "rank", "world_size", "scan_factor", "gpus")
         for key in ints:
-            if key in data and (not isinstance(data[key], int) or isinstance(data[key], bool)):
-                raise JobError(f"{key} must be an integer, not {data[key]!r}")
+            if key in data and (not isinstance(data[key], int) or isinstance(data[key], bool)
+                                or not 0 <= data[key] < MAX_CONFIG_INT):
+                raise JobError(f"{key} must be an integer in 0..{MAX_CONFIG_INT - 1}, "
+                               f"not {data[key]!r}")
+        for key in ("dataset", "prefix"):
+            if key in data and not isinstance(data[key], str):
+                raise JobError(f"{key} must be a string, not {data[key]!r}")
         if "extensions" in data:
-            data["extensions"] = tuple(str(e).lower() for e in data["extensions"])
+            if not isinstance(data["extensions"], list) or not all(
+                    isinstance(e, str) for e in data["extensions"]):
+                raise JobError("extensions must be a list of strings, like [\".jpg\"]")
+            data["extensions"] = tuple(e.lower() for e in data["extensions"])
         cfg = cls(**data)
         if cfg.batch_size < 1:
             raise JobError(f"batch_size must be at least 1, not {cfg.batch_size}")
@@ -268,6 +284,8 @@ class JobManager:
     def create(self, job_id: str, uid: int, gid: int) -> Job:
         if job_id in self.jobs:
             raise JobError(f"job {job_id!r} exists")
+        if uid != 0 and sum(job.uid == uid for job in self.jobs.values()) >= MAX_JOBS_PER_USER:
+            raise JobLimit(f"uid {uid} has {MAX_JOBS_PER_USER} jobs: remove one first")
         job = self.jobs[job_id] = Job(job_id, uid, gid)
         return job
 

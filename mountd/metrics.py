@@ -37,7 +37,7 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 # local_hits, peer_hits or misses, and every miss as a bucket fetch or a bucket error.
 HITS = {"local": "local_hits", "peer": "peer_hits", "bucket": "bucket_fetches"}
 BYTES = {"local": "local_bytes", "peer": "peer_bytes", "bucket": "bucket_bytes"}
-ERRORS = {"peer": "peer_errors", "bucket": "bucket_errors"}
+ERRORS = {"local": "store_errors", "peer": "peer_errors", "bucket": "bucket_errors"}
 REQUEST_TIMEOUT = 10.0  # seconds a client may take to send its request
 MAX_REQUEST = 8192  # bytes of request line and headers
 LISTEN_BACKLOG = 16
@@ -89,8 +89,9 @@ class MountdCollector:
         misses = CounterMetricFamily("quiver_misses", "Reads a tier could not serve "
                                      "(local: went on to a peer or the bucket)", labels=["tier"])
         nbytes = CounterMetricFamily("quiver_bytes", "Bytes served, by tier", labels=["tier"])
-        errors = CounterMetricFamily("quiver_read_errors", "Failed peer calls and bucket "
-                                     "reads", labels=["tier"])
+        errors = CounterMetricFamily("quiver_read_errors", "Reads the local store failed "
+                                     "(EIO), failed peer calls and bucket reads",
+                                     labels=["tier"])
         for tier, key in HITS.items():
             hits.add_metric([tier], c[key])
             nbytes.add_metric([tier], c[BYTES[tier]])
@@ -113,8 +114,15 @@ class MountdCollector:
         yield GaugeMetricFamily("quiver_cache_items", "Items in the local store",
                                 value=self.cache.items)
         yield CounterMetricFamily("quiver_cache_corrupt_dropped", "Store entries that failed "
-                                  "their checksum and were dropped",
+                                  "their checksum or hash and were dropped",
                                   value=self.reader.store.corrupt_dropped)
+        health = self.reader.store.health()
+        yield GaugeMetricFamily("quiver_store_writable", "1 if the store's last write "
+                                "worked, 0 while it cannot write (reads served uncached)",
+                                value=int(health.writable))
+        yield CounterMetricFamily("quiver_store_write_failures", "Items the store could not "
+                                  "write (a full or failing disk): served uncached",
+                                  value=health.write_failures)
 
     def _datasets(self) -> Iterator[Metric]:
         datasets = list(self.table.by_name.values())

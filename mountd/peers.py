@@ -14,7 +14,7 @@ from typing import Any
 
 import trio
 
-from mountd.content_store import ContentStore, IntegrityError
+from mountd.content_store import ContentStore, IntegrityError, StoreError
 from quiverfs.rpc import RpcClient, RpcError, RpcServer, Unavailable
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class PeerService:
             out: list[bytes | None] = []
             total = 0
             for h in hashes:
-                data = None if total >= GET_REPLY_BYTES else self.store.get(h)
+                data = None if total >= GET_REPLY_BYTES else self._get_or_none(h)
                 if data is not None and total and total + len(data) > GET_REPLY_BYTES:
                     data = None  # the first item always goes, whatever its size
                 total += len(data) if data is not None else 0
@@ -64,6 +64,14 @@ class PeerService:
             return out
 
         return await trio.to_thread.run_sync(get_all, limiter=self.limiter)
+
+    def _get_or_none(self, digest: bytes) -> bytes | None:
+        """A store failure answers "absent": the asking node falls back to the bucket."""
+        try:
+            return self.store.get(digest)
+        except StoreError as exc:
+            log.warning("peer get of %s failed here: %s", digest.hex(), exc)
+            return None
 
     async def put(self, args: dict[str, Any]) -> list[bool]:
         items = args["items"]
@@ -77,8 +85,7 @@ class PeerService:
                     digest, data = item
                     if not (isinstance(digest, bytes) and isinstance(data, bytes)):
                         raise TypeError
-                    self.store.put(digest, data)
-                    results.append(True)
+                    results.append(self.store.put(digest, data))  # False: cannot write
                 except IntegrityError:
                     self.rejected_puts += 1
                     log.warning("rejected a put whose content does not hash to %s",

@@ -18,10 +18,11 @@ import time
 from quiverfs import digest as digest_format
 from quiverfs.backends import Backend, StorageOptions, open_backend
 from quiverfs.errors import ExitCode, QuietError
+from quiverfs.fs_identity import UserIdentity
 
 log = logging.getLogger(__name__)
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")  # whole name: use fullmatch
 
 
 @dataclasses.dataclass
@@ -36,13 +37,20 @@ class Registration:
     emulator_host: str | None = None
     anonymous: bool = False
     has_credentials: bool = False
+    groups: list[int] = dataclasses.field(default_factory=list)  # the uid's, at registration
+    digest_bytes: int = 0  # size of the digest file, counted against the uid's quota
 
     def record(self) -> dict:
         return dataclasses.asdict(self)
 
+    @property
+    def user(self) -> UserIdentity:
+        """The identity this registration's local files are opened with."""
+        return UserIdentity(self.uid, self.gid, tuple(self.groups))
+
 
 def check_name(name: str) -> str:
-    if not NAME_RE.match(name):
+    if not NAME_RE.fullmatch(name):
         raise QuietError(f"invalid dataset name {name!r}: use letters, digits, '.', '_', '+' "
                          "or '-' (at most 128, not starting with a dot)", ExitCode.USAGE)
     return name
@@ -76,20 +84,34 @@ class Registry:
         except ValueError:
             log.error("%s is corrupted; starting with no datasets", self._records_path)
             return []
-        return [Registration(**r) for r in records]
+        regs = []
+        for record in records if isinstance(records, list) else []:
+            try:
+                regs.append(Registration(**record))
+            except TypeError:
+                log.error("%s: dropping a malformed record", self._records_path)
+        return regs
 
     def save_records(self, regs: list[Registration]) -> None:
         data = json.dumps([r.record() for r in regs], indent=1).encode()
         digest_format.write_atomic(self._records_path, data)
         os.chmod(self._records_path, 0o600)
 
-    def store_digest(self, data: bytes) -> digest_format.Digest:
-        """Check a digest's bytes and keep a copy by identity."""
-        digest = digest_format.decode(data, where="registered digest")
-        path = self.digest_path(digest.identity)
-        if not os.path.exists(path):
-            digest_format.write_atomic(path, data)
-        return digest
+    def keep(self, reg: Registration, data: bytes, credentials: dict | None) -> None:
+        """Keep an accepted registration's digest (by identity) and credentials; on a
+        failure nothing of it is left behind."""
+        path = self.digest_path(reg.identity)
+        created = not os.path.exists(path)
+        try:
+            if created:
+                digest_format.write_atomic(path, data)
+            self.store_credentials(reg.name, credentials)
+        except OSError as exc:
+            if created:
+                _unlink_quietly(path)
+            self.store_credentials(reg.name, None)
+            raise QuietError(f"mountd cannot save the registration of {reg.name}: "
+                             f"{exc.strerror or exc}", ExitCode.DAEMON) from None
 
     def load_digest(self, identity: str) -> digest_format.Digest:
         return digest_format.load(self.digest_path(identity))
@@ -97,8 +119,7 @@ class Registry:
     def store_credentials(self, name: str, info: dict | None) -> None:
         path = self._cred_path(name)
         if info is None:
-            if os.path.exists(path):
-                os.unlink(path)
+            _unlink_quietly(path)
             return
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -110,7 +131,7 @@ class Registry:
             with open(self._cred_path(reg.name), encoding="utf-8") as f:
                 info = json.load(f)
         return StorageOptions(credentials_info=info, emulator_host=reg.emulator_host,
-                              anonymous=reg.anonymous)
+                              anonymous=reg.anonymous, read_as=reg.user)
 
     def open_backend(self, reg: Registration, digest: digest_format.Digest) -> Backend:
         return open_backend(digest.source, self.storage_options(reg))
@@ -119,15 +140,20 @@ class Registry:
         """Remove a registration's credentials, and its digest if nobody else uses it."""
         self.store_credentials(reg.name, None)
         if reg.identity not in still_used:
-            try:
-                os.unlink(self.digest_path(reg.identity))
-            except FileNotFoundError:
-                pass
+            _unlink_quietly(self.digest_path(reg.identity))
 
 
-def new_registration(name: str, identity: str, uid: int, gid: int,
-                     options: StorageOptions) -> Registration:
-    return Registration(name=check_name(name), identity=identity, uid=uid, gid=gid,
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def new_registration(name: str, identity: str, user: UserIdentity, options: StorageOptions,
+                     digest_bytes: int) -> Registration:
+    return Registration(name=check_name(name), identity=identity, uid=user.uid, gid=user.gid,
                         registered_at=time.time(), emulator_host=options.emulator_host,
                         anonymous=options.anonymous,
-                        has_credentials=options.credentials_info is not None)
+                        has_credentials=options.credentials_info is not None,
+                        groups=sorted(user.groups), digest_bytes=digest_bytes)

@@ -58,7 +58,8 @@ class MountdProcess:
     """A ``quiver mountd --foreground`` child with its own root, cache dir and socket."""
 
     def __init__(self, root: str, cache_dir: str, cache_size: str, log_path: str,
-                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
+                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                 wrapper: tuple[str, ...] = ()) -> None:
         self.root = os.path.abspath(root)
         self.cache_dir = cache_dir
         self.cache_size = cache_size
@@ -66,10 +67,11 @@ class MountdProcess:
         self.socket = os.path.join(cache_dir, "control.sock")
         self.extra_args = extra_args
         self.env = env
+        self.wrapper = wrapper  # a command mountd runs under, such as setpriv
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        argv = [sys.executable, "-m", "quiverfs.cli", "mountd", "--foreground",
+        argv = [*self.wrapper, sys.executable, "-m", "quiverfs.cli", "mountd", "--foreground",
                 "--root", self.root, "--cache-dir", self.cache_dir,
                 "--cache-size", self.cache_size, "--control-socket", self.socket,
                 *self.extra_args]

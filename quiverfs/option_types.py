@@ -17,10 +17,11 @@ from quiverfs.sizes import parse_size
 
 @dataclasses.dataclass(frozen=True)
 class IntAtLeast:
-    """An integer of at least ``minimum``."""
+    """An integer of at least ``minimum`` (and at most ``maximum``, when given)."""
 
     option: str
     minimum: int
+    maximum: int | None = None
     toml_types: ClassVar[tuple[type, ...]] = (int,)
 
     def __call__(self, value: str | int) -> int:
@@ -31,6 +32,9 @@ class IntAtLeast:
                              ExitCode.USAGE) from None
         if n < self.minimum:
             raise QuietError(f"{self.option} must be at least {self.minimum}, not {n}",
+                             ExitCode.USAGE)
+        if self.maximum is not None and n > self.maximum:
+            raise QuietError(f"{self.option} must be at most {self.maximum}, not {n}",
                              ExitCode.USAGE)
         return n
 
@@ -62,3 +66,9 @@ class Address:
             raise QuietError(f"{self.option} port must be at most 65535, not {port}",
                              ExitCode.USAGE)
         return host, port
+
+
+def listen_error(option: str, host: str, port: int, exc: OSError) -> QuietError:
+    """The one-line error of a daemon that cannot listen where ``option`` says."""
+    return QuietError(f"cannot listen on {host}:{port}: {exc.strerror or exc}: stop what uses "
+                      f"it or pick another {option} address", ExitCode.USAGE)

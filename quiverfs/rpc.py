@@ -8,6 +8,10 @@ served before. Then each frame (see ``quiverfs.wire``) is a request
 are pipelined: a client may send many before reading replies, which come back by id.
 A bad frame gets an error reply (and, when the stream cannot be trusted any more, the
 connection is closed); the server stays up.
+
+The port is reachable by anyone on the network, so connections that have not yet
+authenticated are capped, overall and per source address: a flood of them is closed
+at once instead of taking the daemon's file descriptors.
 """
 from __future__ import annotations
 
@@ -32,6 +36,9 @@ MAGIC = b"quiver-rpc-1"
 HANDSHAKE_TIMEOUT = 10.0  # seconds
 MAX_FRAME = 64 << 20  # bytes: a batch of items, bounded
 MAX_CONCURRENT = 64  # requests one connection may have in progress on a server
+MAX_UNAUTHENTICATED = 256  # connections still in their handshake, all sources together
+MAX_UNAUTHENTICATED_PER_HOST = 32  # and from one source address
+MAX_AUTHENTICATED = 1024  # connections past the handshake (cluster members hold a few)
 
 Handler = Callable[[dict[str, Any]], Awaitable[Any]]
 
@@ -82,6 +89,9 @@ class RpcServer:
         self.handlers = handlers
         self.max_frame = max_frame
         self.rejected = 0  # connections that failed authentication
+        self.refused = 0  # connections closed at once: over a cap
+        self._handshaking: dict[str, int] = {}  # by source address
+        self._authenticated = 0
 
     async def serve(self, host: str, port: int, *,
                     task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
@@ -110,22 +120,48 @@ class RpcServer:
 
     async def _connection(self, stream: trio.SocketStream) -> None:
         async with stream:
-            if not await self._authenticate(stream):
+            try:
+                host = str(stream.socket.getpeername()[0])
+            except OSError:
+                return  # gone already
+            held = self._handshaking.get(host, 0)
+            if (held >= MAX_UNAUTHENTICATED_PER_HOST
+                    or sum(self._handshaking.values()) >= MAX_UNAUTHENTICATED):
+                self.refused += 1
                 return
-            send_lock = trio.Lock()
-            slots = trio.Semaphore(MAX_CONCURRENT)
-            async with trio.open_nursery() as nursery:
-                while True:
-                    try:
-                        body = await wire.recv_frame(stream, self.max_frame)
-                    except (EOFError, trio.BrokenResourceError):
-                        break
-                    except wire.FrameError as exc:  # oversized: the stream is lost
-                        await self._send(stream, send_lock, {"id": None, "ok": False,
-                                                             "error": str(exc)})
-                        break
-                    await slots.acquire()
-                    nursery.start_soon(self._request, stream, send_lock, slots, body)
+            self._handshaking[host] = held + 1
+            try:
+                authenticated = await self._authenticate(stream)
+            finally:
+                self._handshaking[host] -= 1
+                if not self._handshaking[host]:
+                    del self._handshaking[host]
+            if not authenticated:
+                return
+            if self._authenticated >= MAX_AUTHENTICATED:
+                self.refused += 1
+                return
+            self._authenticated += 1
+            try:
+                await self._serve_requests(stream)
+            finally:
+                self._authenticated -= 1
+
+    async def _serve_requests(self, stream: trio.SocketStream) -> None:
+        send_lock = trio.Lock()
+        slots = trio.Semaphore(MAX_CONCURRENT)
+        async with trio.open_nursery() as nursery:
+            while True:
+                try:
+                    body = await wire.recv_frame(stream, self.max_frame)
+                except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    break
+                except wire.FrameError as exc:  # oversized: the stream is lost
+                    await self._send(stream, send_lock, {"id": None, "ok": False,
+                                                         "error": str(exc)})
+                    break
+                await slots.acquire()
+                nursery.start_soon(self._request, stream, send_lock, slots, body)
 
     async def _request(self, stream: trio.SocketStream, send_lock: trio.Lock,
                        slots: trio.Semaphore, body: bytes) -> None:

@@ -1,12 +1,16 @@
 """Parsing and printing byte sizes (``10G``, ``512MiB``, ``1.5T``)."""
 from __future__ import annotations
 
+import decimal
 import re
 
 from quiverfs.errors import ExitCode, QuietError
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE | re.ASCII)
+# 1 EiB: beyond any cache, budget or chunk, and far inside the signed 64-bit integers
+# that byte counts end up in (SQLite, st_size, Prometheus).
+MAX_SIZE = 1 << 60
 
 
 def parse_size(text: str, what: str = "size") -> int:
@@ -15,7 +19,13 @@ def parse_size(text: str, what: str = "size") -> int:
     if not m:
         raise QuietError(f"invalid {what} {text!r}: use a number with an optional K, M, G or T "
                          "suffix, e.g. 20G", ExitCode.USAGE)
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    # Decimal, not float: exact for ordinary sizes, and no overflow on a 400-digit one.
+    n = decimal.Decimal(m.group(1)) * _UNITS[m.group(2).lower()]
+    if n > MAX_SIZE:
+        shown = m.group(1) if len(m.group(1)) <= 24 else f"{m.group(1)[:20]}..."
+        raise QuietError(f"{what} {shown}{m.group(2)} is too large: at most "
+                         f"{MAX_SIZE >> 40}T (1 EiB)", ExitCode.USAGE)
+    return int(n)
 
 
 def human(n: float) -> str:

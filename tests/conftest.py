@@ -1,8 +1,11 @@
 """Shared fixtures: the GCS emulator, dataset trees, uploads, and running ``quiver``."""
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -57,6 +60,15 @@ def synthetic_tree(tmp_path_factory: pytest.TempPathFactory) -> Tree:
     """40 JPEGs of 20-300 KB in 10 classes (read-only by convention)."""
     return write_synthetic_tree(str(tmp_path_factory.mktemp("synthetic")), SYNTHETIC_ITEMS,
                                 SYNTHETIC_CLASSES, seed=1)
+
+
+@pytest.fixture
+def shared_workdir() -> Iterator[str]:
+    """A directory other uids can traverse (pytest's tmp_path is root-only)."""
+    d = tempfile.mkdtemp(prefix="quiver-iso-", dir="/tmp")
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

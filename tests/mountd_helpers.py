@@ -24,13 +24,14 @@ def mountd_factory(tmp_path) -> Iterator[MountdFactory]:
     started: list[MountdProcess] = []
 
     def start(name: str = "node", cache_size: str = "1G", workdir: str | None = None,
-              cache_dir: str | None = None) -> MountdProcess:
+              cache_dir: str | None = None, wrapper: tuple[str, ...] = ()) -> MountdProcess:
         base = workdir or str(tmp_path)
         root = os.path.join(base, f"{name}-mnt")
         os.makedirs(root, exist_ok=True)
         cache_dir = cache_dir or os.path.join(base, f"{name}-cache")
         os.makedirs(cache_dir, exist_ok=True)
-        m = MountdProcess(root, cache_dir, cache_size, os.path.join(base, f"{name}.log"))
+        m = MountdProcess(root, cache_dir, cache_size, os.path.join(base, f"{name}.log"),
+                          wrapper=wrapper)
         m.start()
         started.append(m)
         return m
@@ -68,6 +69,15 @@ def tree_hashes(root: str) -> dict[str, str]:
             path = os.path.join(dirpath, f)
             with open(path, "rb") as fh:
                 out[os.path.relpath(path, root)] = hashlib.sha256(fh.read()).hexdigest()
+    return out
+
+
+def read_hashes(root: str, paths: list[str]) -> dict[str, str]:
+    """relative path -> sha256 hex of each of ``paths`` under root (through a mount)."""
+    out = {}
+    for p in paths:
+        with open(os.path.join(root, p), "rb") as f:
+            out[p] = hashlib.sha256(f.read()).hexdigest()
     return out
 
 

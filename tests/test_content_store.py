@@ -1,13 +1,31 @@
-"""The local content store: hash-checked puts, CRC-checked reads, LRU by recorded hits."""
+"""The local content store: hash-checked puts, CRC-checked reads, LRU by recorded hits,
+and what it does when the disk or the index fails."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
+import logging
 import os
+import random
+import sqlite3
+import subprocess
+import threading
+from collections.abc import Iterator
 
 import diskcache
 import pytest
+import trio
 
-from mountd.content_store import ContentStore, IntegrityError
+from mountd import content_store
+from mountd.content_store import (DAMAGED_SUFFIX, DISK_MIN_FILE_SIZE, KEEP_DAMAGED,
+                                  ContentStore, IntegrityError, StoreError)
+from mountd.item_reader import ItemReader
+from mountd.jobs import JobManager
+from mountd.metrics import MountdCollector
+from mountd.mount_table import MountTable
+
+STORE_LOGGER = "mountd.content_store"
 
 
 def item(n: int, size: int = 40_000) -> tuple[bytes, bytes]:
@@ -15,13 +33,72 @@ def item(n: int, size: int = 40_000) -> tuple[bytes, bytes]:
     return hashlib.sha256(data).digest(), data
 
 
+def value_files(directory: str) -> list[str]:
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(directory) for f in fs
+                  if f.endswith(".val"))
+
+
+def assert_consistent(directory: str) -> None:
+    """diskcache's own check finds nothing, and every value file belongs to a row."""
+    with diskcache.Cache(directory) as cache:
+        assert cache.check() == []
+        with contextlib.closing(sqlite3.connect(os.path.join(directory, "cache.db"))) as con:
+            (rows,), = con.execute("SELECT COUNT(*) FROM Cache WHERE filename IS NOT NULL")
+    assert len(value_files(directory)) == rows
+
+
+def damage_pages(path: str, first_fraction: float, last_fraction: float) -> None:
+    """Overwrite whole pages between the two fractions of an SQLite file with noise."""
+    size = os.path.getsize(path)
+    page = 4096
+    start = max(1, int(size * first_fraction) // page) * page  # never the header page
+    end = max(start + page, int(size * last_fraction) // page * page)
+    with open(path, "r+b") as f:
+        f.seek(start)
+        f.write(random.Random(start).randbytes(end - start))
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(path: str, size: str) -> Iterator[str]:
+    """A tmpfs of ``size`` at ``path`` (root only), unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    os.makedirs(path, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], check=True)
+    try:
+        yield path
+    finally:
+        busy = subprocess.run(["umount", path], capture_output=True, text=True)
+        if busy.returncode != 0:
+            subprocess.run(["umount", "-l", path], check=True)
+            pytest.fail(f"descriptors left open on the tmpfs: {busy.stderr.strip()}")
+
+
+def fill(directory: str) -> str:
+    """Write a file in ``directory`` until its file system is full; the file's path."""
+    path = os.path.join(directory, "filler")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    return path
+
+
 @pytest.fixture
 def store(tmp_path):
     s = ContentStore(str(tmp_path / "store"), 10 << 20)
     yield s
     s.close()
-    with diskcache.Cache(str(tmp_path / "store")) as cache:
-        assert cache.check() == []  # diskcache's own consistency check
+    assert_consistent(str(tmp_path / "store"))
+
+
+@pytest.fixture
+def no_back_off(monkeypatch):
+    monkeypatch.setattr(content_store, "WRITE_RETRY_INTERVAL", 0.0)
 
 
 def test_put_checks_the_hash(store):
@@ -29,7 +106,7 @@ def test_put_checks_the_hash(store):
     with pytest.raises(IntegrityError):
         store.put(digest, data + b"x")
     assert digest not in store and store.get(digest) is None
-    store.put(digest, data)
+    assert store.put(digest, data)
     assert store.get(digest) == data
     assert store.get(digest) == data  # second read: straight from the file
 
@@ -38,8 +115,7 @@ def test_corruption_on_disk_is_caught_on_the_fast_path(store, tmp_path):
     digest, data = item(2)
     store.put(digest, data)
     assert store.get(digest) == data
-    (path,) = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "store") for f in fs
-               if f.endswith(".val")]
+    (path,) = value_files(str(tmp_path / "store"))
     with open(path, "r+b") as f:
         f.seek(10)
         f.write(b"\x00\x01\x02")
@@ -72,3 +148,329 @@ def test_lru_keeps_recorded_hits(tmp_path):
         assert items[1][0] not in store
     finally:
         store.close()
+
+
+# -- a full hash check on the first read after a start --------------------------------
+
+@pytest.mark.parametrize("size", [40_000, 1_000], ids=["value-file", "in-index"])
+def test_an_edit_with_a_matching_crc_is_not_served_after_a_restart(tmp_path, size):
+    directory = str(tmp_path / "store")
+    digest, data = item(4, size)
+    other = item(5, size)
+    store = ContentStore(directory, 10 << 20)
+    store.put(digest, data)
+    store.put(*other)
+    store.close()
+    forged = b"forged!!" + data[8:]
+    tag = content_store.google_crc32c.value(forged)
+    with contextlib.closing(sqlite3.connect(os.path.join(directory, "cache.db"))) as con:
+        (filename,), = con.execute("SELECT filename FROM Cache WHERE key = ?", (digest,))
+        with con:  # the tag edited to match, so only a full hash can tell
+            con.execute("UPDATE Cache SET tag = ? WHERE key = ?", (tag, digest))
+            if filename is None:
+                con.execute("UPDATE Cache SET value = ? WHERE key = ?", (forged, digest))
+    if filename is not None:
+        with open(os.path.join(directory, filename), "r+b") as f:
+            f.write(forged[:8])
+
+    store = ContentStore(directory, 10 << 20)
+    try:
+        assert store.get(digest) is None
+        assert store.corrupt_dropped == 1 and digest not in store
+        assert store.get(other[0]) == other[1]
+        assert store.get(other[0]) == other[1]  # verified once: served again
+        assert store.corrupt_dropped == 1
+    finally:
+        store.close()
+    assert_consistent(directory)
+
+
+# -- writes that fail -----------------------------------------------------------------
+
+class HalfWriter:
+    """A file that takes half of the first write, then says the disk is full."""
+
+    def __init__(self, f) -> None:
+        self.f = f
+
+    def write(self, data: bytes) -> int:
+        self.f.write(data[:len(data) // 2])
+        self.f.flush()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __enter__(self) -> HalfWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.f.close()
+
+
+def test_a_value_write_cut_short_leaves_no_file(store, tmp_path, monkeypatch):
+    directory = str(tmp_path / "store")
+    monkeypatch.setattr(diskcache.core, "open",
+                        lambda path, mode, **kw: HalfWriter(open(path, mode, **kw)),
+                        raising=False)
+    digest, data = item(6)
+    assert not store.put(digest, data)
+    monkeypatch.undo()
+    assert value_files(directory) == []
+    assert digest not in store and len(store) == 0
+    health = store.health()
+    assert not health.writable and health.write_error == "No space left on device"
+    assert health.write_failures == 1 and health.write_error_since is not None
+
+
+def test_a_put_whose_row_cannot_be_written_leaves_no_file(store, tmp_path, monkeypatch):
+    def full(*args: object) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(diskcache.Cache, "_row_insert", full)
+    digest, data = item(7)
+    assert not store.put(digest, data)
+    monkeypatch.undo()
+    assert value_files(str(tmp_path / "store")) == []
+    assert store.health().write_error == "database or disk is full"
+
+
+def test_writes_wait_for_the_back_off_then_recover(store, monkeypatch):
+    calls = []
+
+    def full(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(diskcache.Cache, "set", full)
+    assert not store.put(*item(8))
+    assert not store.put(*item(9))  # within the back-off: not even tried
+    assert len(calls) == 1 and store.health().write_failures == 2
+    monkeypatch.undo()
+    monkeypatch.setattr(content_store, "WRITE_RETRY_INTERVAL", 0.0)
+    assert not store.put(*item(10))  # still waiting out the first back-off (5 s)
+    store._retry_at = 0.0  # the back-off has passed
+    digest, data = item(11)
+    assert store.put(digest, data)
+    health = store.health()
+    assert health.writable and health.write_error is None and health.write_error_since is None
+    assert store.get(digest) == data
+
+
+def test_hits_drops_and_clears_survive_index_errors(store, no_back_off, monkeypatch):
+    items = [item(i) for i in range(12, 15)]
+    for digest, data in items:
+        store.put(digest, data)
+        assert store.get(digest) == data
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise sqlite3.OperationalError("disk I/O error")
+
+    for name in ("transact", "delete", "clear"):
+        monkeypatch.setattr(diskcache.Cache, name, broken)
+    assert store.record_hits() == 0
+    store.discard(items[0][0])
+    store.clear()
+    monkeypatch.undo()
+    assert store.health().write_error == "cannot clear the store: disk I/O error"
+    assert len(store) == 3  # nothing was dropped
+    assert store.get(items[1][0]) == items[1][1]
+
+
+@pytest.mark.parametrize("code,kept", [(errno.EMFILE, True), (errno.EIO, False)])
+def test_a_value_file_that_cannot_be_read_fails_the_read(store, monkeypatch, code, kept):
+    digest, data = item(16)
+    store.put(digest, data)
+    assert store.get(digest) == data  # its path is now known: read without the index
+
+    def failing_open(*args: object, **kwargs: object) -> None:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(content_store, "open", failing_open, raising=False)
+    with pytest.raises(StoreError, match=os.strerror(code)):
+        store.get(digest)
+    monkeypatch.undo()
+    # out of descriptors: the entry is fine; a failing file: dropped, fetched again
+    assert (digest in store) == kept
+
+
+def test_an_index_that_cannot_be_read_fails_the_read(store, monkeypatch):
+    digest, data = item(17)
+    store.put(digest, data)
+
+    def failing_get(*args: object, **kwargs: object) -> None:
+        raise sqlite3.OperationalError("disk I/O error")
+
+    for name in ("get", "__contains__", "volume", "__len__"):
+        monkeypatch.setattr(diskcache.Cache, name, failing_get)
+    with pytest.raises(StoreError, match="disk I/O error"):
+        store.get(digest)
+    # lookups answer (nothing), not raise: status, metrics and statfs ask them
+    assert digest not in store and store.volume() == 0 and len(store) == 0
+    monkeypatch.undo()
+    assert store.get(digest) == data
+
+
+def test_a_full_disk_stores_nothing_more_and_recovers(tmp_path, no_back_off):
+    with mounted_tmpfs(str(tmp_path / "fs"), "2m") as fs:
+        directory = os.path.join(fs, "store")
+        store = ContentStore(directory, 64 << 20)
+        items = [item(i, 200_000) for i in range(20)]
+        stored = [store.put(*it) for it in items]
+        assert stored.index(False) > 0 and not any(stored[stored.index(False):])
+        held = stored.index(False)
+        assert len(store) == held
+        assert len(value_files(directory)) == held  # no file written in part
+        health = store.health()
+        assert not health.writable and health.write_error == "No space left on device"
+        assert [store.get(d) == v for d, v in items[:held]] == [True] * held
+        subprocess.run(["mount", "-o", "remount,size=16m", fs], check=True)
+        store._retry_at = 0.0  # the back-off has passed
+        assert store.put(*items[held])
+        assert store.health().writable and len(store) == held + 1
+        store.close()
+        assert_consistent(directory)
+
+
+def test_a_store_on_a_full_disk_opens_later(tmp_path, no_back_off):
+    with mounted_tmpfs(str(tmp_path / "fs"), "2m") as fs:
+        directory = os.path.join(fs, "store")
+        store = ContentStore(directory, 64 << 20)
+        digest, data = item(18)
+        store.put(digest, data)
+        store.close()
+        filler = fill(fs)
+        store = ContentStore(directory, 64 << 20)  # does not raise
+        health = store.health()
+        assert not health.writable and health.write_error.startswith("cannot open the store")
+        assert store.get(digest) is None and not store.put(*item(19))
+        assert len(store) == 0 and store.volume() == 0 and digest not in store
+        store.record_hits()
+        store.discard(digest)
+        os.remove(filler)
+        assert store.get(digest) == data  # opened at this try
+        assert store.health().writable
+        store.close()
+        assert_consistent(directory)
+
+
+# -- a damaged index ------------------------------------------------------------------
+
+def filled_store(directory: str, n: int = 30) -> list[tuple[bytes, bytes]]:
+    """A closed store of ``n`` items, one in two small enough to live in the index."""
+    items = [item(i, DISK_MIN_FILE_SIZE + 4096 if i % 2 else 2048) for i in range(n)]
+    store = ContentStore(directory, 64 << 20)
+    for digest, data in items:
+        store.put(digest, data)
+    store.close()
+    return items
+
+
+def garbage_header(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.write(random.Random(1).randbytes(100))
+
+
+def damaged_middle(path: str) -> None:
+    damage_pages(path, 0.3, 0.7)
+
+
+@pytest.mark.parametrize("damage", [garbage_header, damaged_middle])
+def test_a_damaged_index_is_moved_aside(tmp_path, caplog, damage):
+    directory = str(tmp_path / "store")
+    items = filled_store(directory)
+    damage(os.path.join(directory, "cache.db"))
+    with caplog.at_level(logging.WARNING, logger=STORE_LOGGER):
+        store = ContentStore(directory, 64 << 20)
+    try:
+        (warning,) = [r.getMessage() for r in caplog.records if r.name == STORE_LOGGER]
+        assert "damaged" in warning and "15 value files removed" in warning
+        assert len(store) == 0 and value_files(directory) == []
+        assert len([n for n in os.listdir(directory) if DAMAGED_SUFFIX in n
+                    and not n.endswith("-wal")]) == 1
+        assert store.health().writable
+        assert store.get(items[1][0]) is None
+        assert store.put(*items[1]) and store.get(items[1][0]) == items[1][1]
+    finally:
+        store.close()
+    assert_consistent(directory)
+
+
+def test_a_truncated_index_leaves_no_orphaned_files(tmp_path, caplog):
+    directory = str(tmp_path / "store")
+    items = filled_store(directory)
+    os.truncate(os.path.join(directory, "cache.db"), 0)
+    with caplog.at_level(logging.WARNING, logger=STORE_LOGGER):
+        store = ContentStore(directory, 64 << 20)
+    try:
+        (warning,) = [r.getMessage() for r in caplog.records if r.name == STORE_LOGGER]
+        assert "removed 15 value files" in warning
+        assert len(store) == 0 and value_files(directory) == []
+        assert not [n for n in os.listdir(directory) if DAMAGED_SUFFIX in n]
+        assert store.get(items[1][0]) is None
+    finally:
+        store.close()
+    assert_consistent(directory)
+
+
+def test_damaged_indexes_kept_are_bounded(tmp_path, monkeypatch):
+    directory = str(tmp_path / "store")
+    stamps = iter(f"2026010{i}T000000" for i in range(1, 10))
+    monkeypatch.setattr(content_store.time, "strftime", lambda fmt: next(stamps))
+    for _ in range(KEEP_DAMAGED + 2):
+        filled_store(directory, 4)
+        garbage_header(os.path.join(directory, "cache.db"))
+        ContentStore(directory, 64 << 20).close()
+    kept = sorted(n for n in os.listdir(directory) if DAMAGED_SUFFIX in n)
+    assert [n.rsplit("-", 1)[-1] for n in kept] == ["20260103T000000", "20260104T000000"]
+
+
+def test_damage_found_while_serving_rebuilds_the_store(tmp_path, no_back_off):
+    directory = str(tmp_path / "store")
+    items = filled_store(directory)
+    store = ContentStore(directory, 64 << 20)
+    served, done = threading.Event(), threading.Event()
+
+    def worker() -> None:  # a worker thread with a connection of its own, alive but idle
+        store.get(items[2][0])
+        served.set()
+        done.wait()
+
+    other = threading.Thread(target=worker)
+    other.start()
+    try:
+        served.wait()
+        assert store.get(items[0][0]) == items[0][1]
+        damage_pages(os.path.join(directory, "cache.db"), 0.0, 1.0)
+        with pytest.raises(StoreError, match="malformed"):
+            store.get(items[4][0])
+        # moved aside once no connection has it open: closing one later would delete
+        # the new index's WAL
+        assert store.get(items[4][0]) is None
+        assert store.health().writable
+        assert len(store) == 0 and value_files(directory) == []
+        assert len([n for n in os.listdir(directory) if DAMAGED_SUFFIX in n
+                    and not n.endswith("-wal")]) == 1
+        assert store.put(*items[4]) and store.get(items[4][0]) == items[4][1]
+    finally:
+        done.set()
+        other.join()
+        store.close()
+    assert_consistent(directory)
+
+
+# -- what metrics show ----------------------------------------------------------------
+
+def test_metrics_show_a_store_that_cannot_write(store, monkeypatch):
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    reader = ItemReader(store, trio.CapacityLimiter(1))
+    collector = MountdCollector(reader, MountTable(), JobManager(MountTable(), reader))
+
+    def samples() -> dict[str, float]:
+        return {s.name: s.value for family in collector.collect() for s in family.samples
+                if s.name.startswith("quiver_store")}
+
+    assert samples() == {"quiver_store_writable": 1, "quiver_store_write_failures_total": 0}
+    monkeypatch.setattr(diskcache.Cache, "set", full)
+    store.put(*item(20))
+    store.put(*item(21))  # in the back-off: counted, not tried
+    assert samples() == {"quiver_store_writable": 0, "quiver_store_write_failures_total": 2}

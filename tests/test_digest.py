@@ -72,24 +72,24 @@ def test_plain_items_store_no_location_columns() -> None:
 def test_encode_is_independent_of_item_order() -> None:
     items = [fmt.NewItem(f"c{i % 3}/{i}.jpg", hashlib.sha256(bytes([i])).digest(), i)
              for i in range(50)]
-    assert fmt.encode("n", "s", items) == fmt.encode("n", "s", items[::-1])
+    assert fmt.encode("n", "file:///s", items) == fmt.encode("n", "file:///s", items[::-1])
 
 
 def test_duplicate_paths_are_refused() -> None:
     item = fmt.NewItem("a/1", b"\0" * 32, 1)
     with pytest.raises(QuietError) as err:
-        fmt.encode("n", "s", [item, item])
+        fmt.encode("n", "file:///s", [item, item])
     assert err.value.exitcode == ExitCode.BAD_INPUT
 
 
 def test_empty_digest_round_trips() -> None:
-    d = fmt.decode(fmt.encode("n", "s", []))
+    d = fmt.decode(fmt.encode("n", "file:///s", []))
     assert (len(d), d.total_bytes, list(d.entries())) == (0, 0, [])
 
 
 def test_identity_is_the_content_checksum() -> None:
-    a = fmt.decode(fmt.encode("n", "s", [fmt.NewItem("a/1", b"\1" * 32, 1)]))
-    b = fmt.decode(fmt.encode("n", "s", [fmt.NewItem("a/1", b"\2" * 32, 1)]))
+    a = fmt.decode(fmt.encode("n", "file:///s", [fmt.NewItem("a/1", b"\1" * 32, 1)]))
+    b = fmt.decode(fmt.encode("n", "file:///s", [fmt.NewItem("a/1", b"\2" * 32, 1)]))
     assert len(a.identity) == 64 and a.identity != b.identity
 
 

@@ -1,12 +1,14 @@
 """Every bad input to ``quiver digest``: one line on stderr, its exit code, no leftovers."""
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import shutil
 import struct
 import subprocess
 
+import msgpack
 import pytest
 
 from quiverfs import digest as fmt
@@ -256,3 +258,196 @@ def test_diff_with_one_bad_side(quiver, good_digest: bytes, tmp_path) -> None:
     missing = str(tmp_path / "missing.qd")
     assert_error(quiver("digest", "diff", good, missing), ExitCode.NOT_FOUND, missing)
     assert_error(quiver("digest", "diff", missing, good), ExitCode.NOT_FOUND, missing)
+
+
+# --- crafted digests: well checksummed, hostile contents -----------------------------
+
+def craft(paths: list[bytes], sizes: list[int] | None = None, keys: list[bytes] | None = None,
+          offsets: list[int] | None = None, source: str = "file:///data",
+          header: dict | None = None, columns: dict[str, bytes] | None = None) -> bytes:
+    """A digest file with the given contents, packed by hand so that encode's checks do
+    not stop it; ``header`` and ``columns`` replace fields of the ones built."""
+    def u64(values: list[int]) -> bytes:
+        return struct.pack(f"<{len(values)}Q", *values)
+
+    def strings(blobs: list[bytes]) -> tuple[bytes, bytes]:
+        ends = [0]
+        for b in blobs:
+            ends.append(ends[-1] + len(b))
+        return u64(ends), b"".join(blobs)
+
+    n = len(paths)
+    cols = {"hashes": bytes(fmt.HASH_LEN * n), "sizes": u64(sizes or [1] * n)}
+    cols["path_offsets"], cols["paths"] = strings(paths)
+    cols["label_index"] = struct.pack(f"<{n}I", *[0] * n)
+    if keys is not None:
+        cols["loc_key_offsets"], cols["loc_keys"] = strings(keys)
+    if offsets is not None:
+        cols["loc_offsets"] = u64(offsets)
+    cols.update(columns or {})
+    table, pos = {}, 0
+    for name, data in cols.items():
+        table[name] = [pos, len(data)]
+        pos += len(data)
+    head = {"name": "hostile", "source": source, "count": n, "label_level": 1,
+            "labels": [""], "columns": table, **(header or {})}
+    packed = msgpack.packb(head, use_bin_type=True)
+    body = packed + b"".join(cols.values())
+    return fmt._PREAMBLE.pack(fmt.MAGIC, fmt.FORMAT_VERSION, len(packed),
+                              hashlib.sha256(body).digest()) + body
+
+
+GOOD_PATHS = [b"a/1.jpg", b"a/2.jpg", b"b/3.jpg"]
+
+# case: (craft's keyword arguments, words the one-line error must contain)
+HOSTILE: dict[str, tuple[dict, tuple[str, ...]]] = {
+    "size 2**63": (dict(paths=GOOD_PATHS, sizes=[1, 1 << 63, 1]),
+                   ("'a/2.jpg' has size 9223372036854775808", "bound")),
+    "size 2**64-1": (dict(paths=GOOD_PATHS, sizes=[1, 1, 2**64 - 1]),
+                     ("'b/3.jpg' has size 18446744073709551615", "bound")),
+    "key with ..": (dict(paths=GOOD_PATHS, keys=[b"a/1.jpg", b"../../etc/shadow", b"x"]),
+                    ("object key '../../etc/shadow' of 'a/2.jpg'", "relative")),
+    "absolute key": (dict(paths=GOOD_PATHS, keys=[b"/etc/shadow"] * 3),
+                     ("object key '/etc/shadow'", "absolute")),
+    "short loc_key_offsets": (
+        dict(paths=GOOD_PATHS, keys=GOOD_PATHS, columns={"loc_key_offsets": bytes(16)}),
+        ("column 'loc_key_offsets' holds 16 bytes", "3 entries need 32")),
+    "loc_keys shorter than its offsets": (
+        dict(paths=GOOD_PATHS, keys=GOOD_PATHS, columns={"loc_keys": b"a/1.jpg"}),
+        ("object key offsets",)),
+    "short loc_offsets": (dict(paths=GOOD_PATHS, offsets=[0, 0, 0],
+                               columns={"loc_offsets": bytes(8)}),
+                          ("column 'loc_offsets' holds 8 bytes", "3 entries need 24")),
+    "loc_offsets past the bound": (dict(paths=GOOD_PATHS, offsets=[0, 2**64 - 1, 0]),
+                                   ("'a/2.jpg' starts at byte 18446744073709551615",)),
+    "duplicate paths": (dict(paths=[b"a/1.jpg", b"a/1.jpg"]), ("duplicate path 'a/1.jpg'",)),
+    "file and directory": (dict(paths=[b"a", b"a-b", b"a/b"]),
+                           ("path 'a' is both a file and a directory",)),
+    "dot component": (dict(paths=[b"a/./b"]), ("path 'a/./b' has a '.' component",)),
+    "dotdot component": (dict(paths=[b"a/../../x"]), ("path 'a/../../x'", "'..' component")),
+    "dotdot path": (dict(paths=[b".."]), ("path '..'", "'..' component")),
+    "empty path": (dict(paths=[b"", b"a"]), ("path 0 is empty",)),
+    "a//b": (dict(paths=[b"a//b"]), ("path 'a//b' has an empty component",)),
+    "absolute path": (dict(paths=[b"/etc/passwd"]), ("path '/etc/passwd' is absolute",)),
+    "trailing slash": (dict(paths=[b"a/"]), ("path 'a/' ends with '/'",)),
+    "non-UTF-8 path": (dict(paths=[b"a/caf\xe9.jpg"]), ("'a/caf\\\\xe9.jpg' is not valid UTF-8",)),
+    "unsorted paths": (dict(paths=[b"b/1", b"a/1"]),
+                       ("not sorted: 'b/1' comes before 'a/1'",)),
+    "NUL in a path": (dict(paths=[b"a\0b"]), ("path 'a\\x00b' contains a NUL byte",)),
+    "long component": (dict(paths=[b"a/" + b"x" * 256]), ("longer than 255 bytes",)),
+    "path offsets outside the blob": (
+        dict(paths=GOOD_PATHS, columns={"path_offsets": struct.pack("<4Q", 0, 7, 14, 99)}),
+        ("path offsets do not run upwards",)),
+    "decreasing path offsets": (
+        dict(paths=GOOD_PATHS, columns={"path_offsets": struct.pack("<4Q", 0, 14, 7, 21)}),
+        ("path offsets do not run upwards",)),
+    "label index out of range": (
+        dict(paths=GOOD_PATHS, columns={"label_index": struct.pack("<3I", 0, 5, 0)}),
+        ("label of 'a/2.jpg' is number 5, but the header lists 1",)),
+    "count not an integer": (dict(paths=GOOD_PATHS, header={"count": "3"}), ("'count'",)),
+    "negative count": (dict(paths=GOOD_PATHS, header={"count": -1}), ("'count'",)),
+    "count as a bool": (dict(paths=GOOD_PATHS[:1], header={"count": True}), ("'count'",)),
+    "name not a string": (dict(paths=GOOD_PATHS, header={"name": 7}), ("'name'",)),
+    "source not a string": (dict(paths=GOOD_PATHS, header={"source": ["x"]}), ("'source'",)),
+    "label_level not an integer": (dict(paths=GOOD_PATHS, header={"label_level": "1"}),
+                                   ("'label_level'",)),
+    "label_level out of range": (dict(paths=GOOD_PATHS, header={"label_level": 10**9}),
+                                 ("'label_level'", "from 0 to 2048")),
+    "labels not strings": (dict(paths=GOOD_PATHS, header={"labels": [1]}), ("'labels'",)),
+    "columns not a map": (dict(paths=GOOD_PATHS, header={"columns": [1, 2]}), ("'columns'",)),
+    "column entry not a pair": (
+        dict(paths=GOOD_PATHS, header={"columns": {"hashes": "x"}}),
+        ("column table entry of 'hashes' is not [offset, length]",)),
+    "unknown column": (dict(paths=GOOD_PATHS, columns={"extra": b"x"}),
+                       ("unknown column 'extra'",)),
+    "unsupported source": (dict(paths=GOOD_PATHS, source="s3://bucket/train"),
+                           ("source 's3://bucket/train'",)),
+    "relative source": (dict(paths=GOOD_PATHS, source="data/train"), ("source 'data/train'",)),
+    "source climbing out": (dict(paths=GOOD_PATHS, source="gs://bucket/../other"),
+                            ("source 'gs://bucket/../other'",)),
+    "source without a bucket": (dict(paths=GOOD_PATHS, source="gs:///train"),
+                                ("source 'gs:///train'",)),
+    "source with a newline": (dict(paths=GOOD_PATHS, source="file:///data\nx"),
+                              ("source 'file:///data\\nx'",)),
+}
+
+
+def test_crafted_digest_of_good_contents_decodes() -> None:
+    d = fmt.decode(craft(GOOD_PATHS, sizes=[1, 2, 3], keys=[b"p/0", b"p/0", b"p/1"],
+                         offsets=[0, 1, 0]))
+    assert [(e.path, e.size, e.location.uri, e.location.offset) for e in d.entries()] == [
+        ("a/1.jpg", 1, "file:///data/p/0", 0), ("a/2.jpg", 2, "file:///data/p/0", 1),
+        ("b/3.jpg", 3, "file:///data/p/1", 0)]
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+def test_hostile_digest_is_refused(case: str) -> None:
+    kwargs, words = HOSTILE[case]
+    with pytest.raises(QuietError) as err:
+        fmt.decode(craft(**kwargs), where="d.qd")
+    message = err.value.message
+    assert err.value.exitcode == ExitCode.BAD_DIGEST, message
+    assert "\n" not in message and message.startswith("d.qd: ")
+    assert message.endswith(": recreate it with 'quiver digest create'"), message
+    for word in words:
+        assert word in message, (word, message)
+
+
+def test_header_that_is_not_a_map() -> None:
+    packed = msgpack.packb(["hostile"])
+    data = fmt._PREAMBLE.pack(fmt.MAGIC, fmt.FORMAT_VERSION, len(packed),
+                              hashlib.sha256(packed).digest()) + packed
+    with pytest.raises(QuietError) as err:
+        fmt.decode(data)
+    assert err.value.exitcode == ExitCode.BAD_DIGEST and "header is not a map" in str(err.value)
+
+
+def test_total_size_over_the_bound() -> None:
+    n = fmt.MAX_TOTAL_BYTES // fmt.MAX_ITEM_BYTES + 1  # each item within its own bound
+    data = craft([b"%06d" % i for i in range(n)], sizes=[fmt.MAX_ITEM_BYTES] * n)
+    with pytest.raises(QuietError) as err:
+        fmt.decode(data)
+    assert err.value.exitcode == ExitCode.BAD_DIGEST
+    assert f"add up to {n * fmt.MAX_ITEM_BYTES} bytes" in str(err.value)
+
+
+@pytest.mark.parametrize("paths,words", [
+    (["a//b"], "'a//b' has an empty component"),
+    (["/etc/passwd"], "'/etc/passwd' is absolute"),
+    (["x/"], "'x/' ends with '/'"),
+    (["a/./b"], "'.' component"),
+    (["../x"], "'..' component"),
+    ([""], "path 0 is empty"),
+    (["a", "a/b"], "'a' is both a file and a directory"),
+    (["a/1", "a/1"], "duplicate path 'a/1'"),
+    (["caf\udce9.jpg"], "is not a UTF-8 name"),
+    (["a/" + "x" * 256], "longer than 255 bytes"),
+])
+def test_encode_refuses_what_decode_refuses(paths: list[str], words: str) -> None:
+    items = [fmt.NewItem(p, bytes(32), 1) for p in paths]
+    with pytest.raises(QuietError) as err:
+        fmt.encode("n", "file:///data", items)
+    assert err.value.exitcode == ExitCode.BAD_INPUT
+    assert words in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("source,key,size,label_level,words", [
+    ("data", None, 1, 1, "source 'data'"),
+    ("file:///data", "../x", 1, 1, "object key '../x'"),
+    ("file:///data", None, fmt.MAX_ITEM_BYTES + 1, 1, "bound on an item"),
+    ("file:///data", None, -1, 1, "negative"),
+    ("file:///data", None, 1, fmt.MAX_LABEL_LEVEL + 1, "'label_level'"),
+])
+def test_encode_refuses_bad_items(source: str, key: str | None, size: int, label_level: int,
+                                  words: str) -> None:
+    with pytest.raises(QuietError) as err:
+        fmt.encode("n", source, [fmt.NewItem("a/1", bytes(32), size, key=key)], label_level)
+    assert err.value.exitcode == ExitCode.BAD_INPUT
+    assert words in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("case", ["non-UTF-8 path", "size 2**64-1", "key with .."])
+def test_cli_refuses_hostile_digests(quiver, tmp_path, case: str) -> None:
+    kwargs, words = HOSTILE[case]
+    path = write(tmp_path / "hostile.qd", craft(**kwargs))
+    bad_digest_everywhere(quiver, path, ExitCode.BAD_DIGEST, *words)

@@ -8,8 +8,6 @@ import os
 import random
 import shutil
 import subprocess
-import tempfile
-from collections.abc import Iterator
 
 import diskcache
 import pytest
@@ -123,15 +121,6 @@ def test_hash_mismatch_at_source_is_eio_and_not_cached(mountd_factory, synthetic
     assert st["cache"]["items"] == 0
     assert dataset_counters(m, "syn")["integrity_failures"] == 2
     assert victim in m.log_tail(50) and "does not match" in m.log_tail(50)
-
-
-@pytest.fixture
-def shared_workdir() -> Iterator[str]:
-    """A directory other uids can traverse (pytest's tmp_path is root-only)."""
-    d = tempfile.mkdtemp(prefix="quiver-iso-", dir="/tmp")
-    os.chmod(d, 0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def as_user(uid: int, *cmd: str) -> subprocess.CompletedProcess:

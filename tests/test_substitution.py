@@ -225,22 +225,45 @@ def test_bad_job_parameters_get_clear_errors(digits_mount, kwargs, message):
     assert m.status()["jobs"] == []
 
 
-def test_unknown_dataset_is_a_clear_error(digits_mount):
-    m = digits_mount()
-    job = os.path.join(m.root, ".quiver", "jobs", "j1")
+def refused_job_config(root: str, config: bytes) -> tuple[int | None, str]:
+    """Write ``config`` to a new job under ``root``; the errno the write met and the
+    job's error file (the job is removed again)."""
+    job = os.path.join(root, ".quiver", "jobs", "refused")
     os.mkdir(job)
     fd = os.open(os.path.join(job, "config"), os.O_WRONLY)
     try:
         with pytest.raises(OSError) as info:
-            os.write(fd, b'{"dataset": "nope", "batch_size": 4}')
+            os.write(fd, config)
     finally:
         os.close(fd)
-    assert info.value.errno == 22
     with open(os.path.join(job, "error"), encoding="utf-8") as f:
-        assert "unknown dataset 'nope'" in f.read()
+        error = f.read()
     os.rmdir(job)
+    return info.value.errno, error
+
+
+def test_unknown_dataset_is_a_clear_error(digits_mount):
+    m = digits_mount()
+    errno_, error = refused_job_config(m.root, b'{"dataset": "nope", "batch_size": 4}')
+    assert errno_ == 22 and "unknown dataset 'nope'" in error
     with pytest.raises(ValueError, match="not inside a Quiver mount"):
         QuiverBatchSampler("/tmp", 4)
+
+
+@pytest.mark.parametrize("config, message", [
+    (b'{"dataset": ["x"], "batch_size": 4}', "dataset must be a string"),
+    (b'{"dataset": "digits", "batch_size": 4, "extensions": 5}', "extensions must be a list"),
+    (b'{"dataset": "digits", "batch_size": 4, "prefix": {}}', "prefix must be a string"),
+    (b'{"dataset": "digits", "batch_size": 4, "seed": -1}', "seed must be an integer in"),
+    (b'{"dataset": "digits", "batch_size": 1e999}', "batch_size must be an integer"),
+    (b'[1, 2]', "must be a JSON object"),
+    (b'\xff\xfe', "not JSON"),
+])
+def test_hostile_job_configs_are_refused_and_mountd_serves_on(digits_mount, config, message):
+    m = digits_mount()
+    errno_, error = refused_job_config(m.root, config)
+    assert errno_ == 22 and message in error  # EINVAL: refused, not a failure (EIO)
+    assert len(os.listdir(os.path.join(m.root, "digits"))) == 10
 
 
 def test_datasets_stay_read_only(digits_mount):

@@ -31,4 +31,4 @@ def open_backend(uri: str, options: StorageOptions | None = None) -> Backend:
         return GCSBackend(uri, options)
     from quiverfs.backends.local import LocalBackend
 
-    return LocalBackend(uri[len("file://"):])
+    return LocalBackend(uri[len("file://"):], options.read_as if options else None)

@@ -6,6 +6,8 @@ import dataclasses
 from collections.abc import Iterator
 from typing import BinaryIO
 
+from quiverfs.fs_identity import UserIdentity
+
 
 @dataclasses.dataclass(frozen=True)
 class ObjectInfo:
@@ -21,12 +23,14 @@ class StorageOptions:
 
     ``credentials_info`` is a parsed service-account JSON; ``emulator_host`` points
     the GCS client at an emulator (``http://127.0.0.1:PORT``); ``anonymous`` asks for
-    unauthenticated access (public buckets, emulators).
+    unauthenticated access (public buckets, emulators); ``read_as`` is the user whose
+    file-system identity opens local files (None: the caller's own).
     """
 
     credentials_info: dict | None = None
     emulator_host: str | None = None
     anonymous: bool = False
+    read_as: UserIdentity | None = None
 
 
 class Backend(abc.ABC):

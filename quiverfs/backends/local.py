@@ -9,6 +9,7 @@ from typing import BinaryIO
 
 from quiverfs.backends.base import Backend, ObjectInfo, check_key
 from quiverfs.errors import ExitCode, QuietError
+from quiverfs.fs_identity import IdentityUnavailable, UserIdentity, acting_as, open_regular
 
 log = logging.getLogger(__name__)
 
@@ -17,6 +18,8 @@ BLOCK = 1 << 20
 
 def os_error(exc: OSError, what: str) -> QuietError:
     """Turn an OSError into the QuietError a user should see."""
+    if isinstance(exc, IdentityUnavailable):
+        return QuietError(str(exc), ExitCode.PERMISSION)
     if exc.errno in (errno.ENOENT, errno.ENOTDIR):
         return QuietError(f"{what} does not exist: check the path", ExitCode.NOT_FOUND)
     if exc.errno in (errno.EACCES, errno.EPERM):
@@ -28,11 +31,15 @@ def os_error(exc: OSError, what: str) -> QuietError:
 
 
 class LocalBackend(Backend):
-    """Objects are files under a directory; keys are paths relative to it."""
+    """Objects are files under a directory; keys are paths relative to it.
 
-    def __init__(self, root: str) -> None:
+    With ``read_as``, every object is opened with that user's file-system identity, so
+    a root daemon reads only what the user could read at that moment."""
+
+    def __init__(self, root: str, read_as: UserIdentity | None = None) -> None:
         self.root = os.path.abspath(root)
         self.uri = "file://" + self.root
+        self.read_as = read_as
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *check_key(key).split("/"))
@@ -40,7 +47,8 @@ class LocalBackend(Backend):
     def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
         path = self._path(key)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            with acting_as(self.read_as):
+                fd = open_regular(path)
         except OSError as exc:
             raise os_error(exc, path) from None
         try:
@@ -64,7 +72,9 @@ class LocalBackend(Backend):
         path = self._path(key)
         total = 0
         try:
-            with open(path, "rb", buffering=0) as f:
+            with acting_as(self.read_as):
+                fd = open_regular(path)
+            with open(fd, "rb", buffering=0) as f:
                 while piece := f.read(BLOCK):
                     sink.write(piece)
                     total += len(piece)
@@ -114,7 +124,8 @@ class LocalBackend(Backend):
     def stat(self, key: str) -> ObjectInfo:
         path = self._path(key)
         try:
-            st = os.stat(path)
+            with acting_as(self.read_as):
+                st = os.stat(path)
         except OSError as exc:
             raise os_error(exc, path) from None
         return ObjectInfo(key, st.st_size)

@@ -1,0 +1,264 @@
+"""A local user attacking a root mountd through ``file://`` registrations.
+
+Each test is a real attack against a real mount: the attacker is uid 1000, the files
+it must not reach belong to root.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from mountd.controller import (MAX_DATASETS_PER_USER, MAX_INTEGRITY_FAILURES_PER_USER,
+                               MAX_ITEM_BYTES)
+from quiverfs import digest as digest_format
+from tests.mountd_helpers import call_as, dataset_counters, make_digest, mountd_factory  # noqa: F401
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"),
+                                reason="needs root and /dev/fuse")
+
+ATTACKER = 1000
+SECRET = b"TOPSECRET-root-only"
+# Reads files as the calling user and prints, as JSON, what each read returned
+# (hex) or the errno it failed with. The system Python: the attacker needs no venv.
+READ_ALL = """
+import json, os, sys
+out = {}
+for path in sys.argv[1:]:
+    try:
+        with open(path, "rb") as f:
+            out[path] = f.read().hex()
+    except OSError as exc:
+        out[path] = exc.errno
+print(json.dumps(out))
+"""
+
+
+def attacker_dir(shared_workdir: str) -> str:
+    d = os.path.join(shared_workdir, "attacker")
+    os.mkdir(d)
+    os.chown(d, ATTACKER, ATTACKER)
+    return d
+
+
+def root_secret(shared_workdir: str) -> str:
+    path = os.path.join(shared_workdir, "secret")
+    with open(path, "wb") as f:
+        f.write(SECRET)
+    os.chmod(path, 0o600)
+    return path
+
+
+def attacker_file(directory: str, name: str, data: bytes) -> str:
+    path = os.path.join(directory, name)
+    with open(path, "wb") as f:
+        f.write(data)
+    os.chown(path, ATTACKER, ATTACKER)
+    return path
+
+
+def read_as_attacker(paths: list[str]) -> dict[str, str | int]:
+    done = subprocess.run(["/usr/bin/python3", "-c", READ_ALL, *paths], user=ATTACKER,
+                          group=ATTACKER, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def byte_oracle_digest(directory: str, key: str, offsets: int) -> bytes:
+    """One-byte items at offsets 0..offsets-1 of ``key``, each under all 256 hashes: a
+    read that succeeds confirms the byte at that offset."""
+    items = [digest_format.NewItem(path=f"o{off}/b{b:03d}",
+                                   digest=hashlib.sha256(bytes([b])).digest(), size=1,
+                                   key=key, offset=off)
+             for off in range(offsets) for b in range(256)]
+    return digest_format.encode("oracle", "file://" + directory, items)
+
+
+def start_shared_mountd(factory, shared_workdir: str):
+    m = factory(workdir=shared_workdir, cache_dir=os.path.join(shared_workdir, "cache"))
+    os.chmod(m.cache_dir, 0o755)  # the control socket lives there
+    return m
+
+
+def test_symlink_swap_after_registration_confirms_no_byte(shared_workdir, mountd_factory):
+    secret = root_secret(shared_workdir)
+    mine = attacker_dir(shared_workdir)
+    attacker_file(mine, "f", b"\x00" * 8)
+    m = start_shared_mountd(mountd_factory, shared_workdir)
+    reply = call_as(ATTACKER, ATTACKER, m.socket, {
+        "op": "mount", "name": "oracle", "digest": byte_oracle_digest(mine, "f", 4)})
+    assert reply["ok"], reply
+    base = os.path.join(m.root, "oracle")
+    # an honest read first: the registration works while the file is the attacker's
+    assert read_as_attacker([f"{base}/o0/b000"]) == {f"{base}/o0/b000": "00"}
+
+    os.unlink(os.path.join(mine, "f"))
+    os.symlink(secret, os.path.join(mine, "f"))
+    os.lchown(os.path.join(mine, "f"), ATTACKER, ATTACKER)
+    paths = [f"{base}/o{off}/b{b:03d}" for off in range(4) for b in range(256)]
+    got = read_as_attacker(paths)
+
+    served = {p: v for p, v in got.items() if isinstance(v, str)}
+    # only the zero byte read before the swap is served (from the cache, by its hash)
+    assert served == {f"{base}/o{off}/b000": "00" for off in range(4)}
+    assert all(v == 5 for p, v in got.items() if p not in served)  # EIO, nothing confirmed
+    counters = dataset_counters(m, "oracle")
+    assert counters.get("integrity_failures", 0) == 0  # the secret was never even read
+    assert counters["bucket_errors"] == len(paths) - len(served)
+    assert m.status()["cache"]["items"] == 1
+    assert "not readable (permission denied)" in m.log_tail(5)
+
+
+def test_registration_of_a_root_only_file_is_refused_and_leaves_nothing(shared_workdir,
+                                                                       mountd_factory):
+    secret = root_secret(shared_workdir)
+    m = start_shared_mountd(mountd_factory, shared_workdir)
+    digests_dir = os.path.join(m.cache_dir, "state", "digests")
+    data = byte_oracle_digest(os.path.dirname(secret), os.path.basename(secret), 1)
+    reply = call_as(ATTACKER, ATTACKER, m.socket, {"op": "mount", "name": "steal",
+                                                   "digest": data})
+    assert not reply["ok"] and reply["code"] == 6
+    assert "cannot read" in reply["error"] and "Permission denied" in reply["error"]
+    assert os.listdir(digests_dir) == []
+    assert m.status()["datasets"] == []
+
+
+def test_fifo_swapped_in_fails_one_read_without_blocking_the_daemon(shared_workdir, mountd_factory):
+    mine = attacker_dir(shared_workdir)
+    src = os.path.join(mine, "data")
+    os.mkdir(src)
+    os.chown(src, ATTACKER, ATTACKER)
+    for name in ("a", "b"):
+        attacker_file(src, f"{name}.bin", name.encode() * 1000)
+    m = start_shared_mountd(mountd_factory, shared_workdir)
+    reply = call_as(ATTACKER, ATTACKER, m.socket, {"op": "mount", "name": "mine",
+                                                   "digest": make_digest(src, "mine")})
+    assert reply["ok"], reply
+    os.unlink(os.path.join(src, "a.bin"))
+    os.mkfifo(os.path.join(src, "a.bin"))
+    os.chown(os.path.join(src, "a.bin"), ATTACKER, ATTACKER)
+    base = os.path.join(m.root, "mine")
+    # a blocking open of the FIFO would hang a worker per read until none were left
+    paths = [f"{base}/a.bin"] * 20 + [f"{base}/b.bin"]
+    got = read_as_attacker(paths)
+    assert got == {f"{base}/a.bin": 5, f"{base}/b.bin": (b"b" * 1000).hex()}
+
+
+def test_permissions_taken_away_after_registration_apply_to_the_next_read(shared_workdir,
+                                                                         mountd_factory):
+    src = os.path.join(shared_workdir, "shared-data")  # root's, readable by all for now
+    os.mkdir(src)
+    for name in ("a", "b"):
+        with open(os.path.join(src, f"{name}.bin"), "wb") as f:
+            f.write(name.encode() * 1000)
+    m = start_shared_mountd(mountd_factory, shared_workdir)
+    reply = call_as(ATTACKER, ATTACKER, m.socket, {"op": "mount", "name": "lent",
+                                                   "digest": make_digest(src, "lent")})
+    assert reply["ok"], reply
+    os.chmod(os.path.join(src, "b.bin"), 0o600)
+    base = os.path.join(m.root, "lent")
+    got = read_as_attacker([f"{base}/a.bin", f"{base}/b.bin"])
+    assert got == {f"{base}/a.bin": (b"a" * 1000).hex(), f"{base}/b.bin": 5}
+
+
+def test_registrations_per_user_are_bounded(shared_workdir, mountd_factory):
+    mine = attacker_dir(shared_workdir)
+    src = os.path.join(mine, "one")
+    os.mkdir(src)
+    os.chown(src, ATTACKER, ATTACKER)
+    attacker_file(src, "x.bin", b"x")
+    data = make_digest(src, "one")
+    m = start_shared_mountd(mountd_factory, shared_workdir)
+    for i in range(MAX_DATASETS_PER_USER):
+        reply = call_as(ATTACKER, ATTACKER, m.socket, {"op": "mount", "name": f"d{i}",
+                                                       "digest": data})
+        assert reply["ok"], (i, reply)
+    refused = call_as(ATTACKER, ATTACKER, m.socket, {"op": "mount", "name": "one-more",
+                                                     "digest": data})
+    assert not refused["ok"] and refused["code"] == 6 and "umount" in refused["error"]
+    # root is not bounded, and the digests dir holds the one shared digest
+    assert m.call({"op": "mount", "name": "roots", "digest": data})["path"]
+    assert os.listdir(os.path.join(m.cache_dir, "state", "digests")) == [
+        f"{digest_format.decode(data).identity}.qd"]
+
+
+def test_a_uid_whose_hashes_keep_failing_cannot_register_more(shared_workdir, mountd_factory):
+    mine = attacker_dir(shared_workdir)
+    attacker_file(mine, "f", b"\x00" * 8)
+    wrong = hashlib.sha256(b"\x01").digest()
+    items = [digest_format.NewItem(path=f"w{i:04d}", digest=wrong, size=1, key="f",
+                                   offset=i % 8)
+             for i in range(MAX_INTEGRITY_FAILURES_PER_USER)]
+    m = start_shared_mountd(mountd_factory, shared_workdir)
+    reply = call_as(ATTACKER, ATTACKER, m.socket, {
+        "op": "mount", "name": "guesses",
+        "digest": digest_format.encode("guesses", "file://" + mine, items)})
+    assert reply["ok"], reply
+    base = os.path.join(m.root, "guesses")
+    got = read_as_attacker([f"{base}/{it.path}" for it in items])
+    assert set(got.values()) == {5}
+    assert dataset_counters(m, "guesses")["integrity_failures"] == len(items)
+    again = call_as(ATTACKER, ATTACKER, m.socket, {
+        "op": "mount", "name": "more", "digest": byte_oracle_digest(mine, "f", 1)})
+    assert not again["ok"] and again["code"] == 6
+    assert f"failed {len(items)} hash checks" in again["error"]
+    # unmounting does not reset the count
+    assert call_as(ATTACKER, ATTACKER, m.socket, {"op": "umount", "name": "guesses"})["ok"]
+    again = call_as(ATTACKER, ATTACKER, m.socket, {
+        "op": "mount", "name": "more", "digest": byte_oracle_digest(mine, "f", 1)})
+    assert not again["ok"] and again["code"] == 6
+
+
+def test_an_item_too_large_to_serve_is_refused_at_registration(shared_workdir, mountd_factory):
+    mine = attacker_dir(shared_workdir)
+    sparse = attacker_file(mine, "huge", b"")
+    os.truncate(sparse, MAX_ITEM_BYTES + 1)  # sparse: costs the attacker no disk
+    item = digest_format.NewItem(path="huge", digest=b"\0" * 32, size=MAX_ITEM_BYTES + 1)
+    m = start_shared_mountd(mountd_factory, shared_workdir)
+    reply = call_as(ATTACKER, ATTACKER, m.socket, {
+        "op": "mount", "name": "huge",
+        "digest": digest_format.encode("huge", "file://" + mine, [item])})
+    assert not reply["ok"] and reply["code"] == 5 and "larger than mountd serves" in reply["error"]
+    assert m.status()["datasets"] == []
+
+
+def unit_capabilities() -> list[str]:
+    unit = os.path.join(os.path.dirname(__file__), "..", "systemd", "quiver-mountd.service")
+    with open(unit, encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("CapabilityBoundingSet="):
+                return line.split("=", 1)[1].split()
+    raise AssertionError("the mountd unit sets no CapabilityBoundingSet")
+
+
+def bounded_to(caps: list[str]) -> tuple[str, ...]:
+    """A setpriv prefix that runs a command with only ``caps``, as systemd would."""
+    wanted = ",".join(f"+{c.lower().removeprefix('cap_')}" for c in caps)
+    return ("setpriv", f"--bounding-set=-all,{wanted}", "--inh-caps=-all", "--")
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+@pytest.mark.parametrize("drop, readable", [((), True), (("CAP_SETUID", "CAP_SETGID"), False)])
+def test_users_datasets_under_the_units_capabilities(shared_workdir, mountd_factory, drop, readable):
+    caps = [c for c in unit_capabilities() if c not in drop]
+    mine = attacker_dir(shared_workdir)
+    src = os.path.join(mine, "data")
+    os.mkdir(src)
+    os.chown(src, ATTACKER, ATTACKER)
+    attacker_file(src, "a.bin", b"a" * 1000)
+    m = mountd_factory(workdir=shared_workdir, cache_dir=os.path.join(shared_workdir, "cache"),
+                       wrapper=bounded_to(caps))
+    os.chmod(m.cache_dir, 0o755)
+    reply = call_as(ATTACKER, ATTACKER, m.socket, {"op": "mount", "name": "mine",
+                                                   "digest": make_digest(src, "mine")})
+    if not readable:  # fails closed, and says why
+        assert not reply["ok"] and reply["code"] == 6 and "CAP_SETUID" in reply["error"]
+        assert "other users' file:// datasets cannot be read" in m.log_tail(50)
+        return
+    assert reply["ok"], reply
+    path = os.path.join(m.root, "mine", "a.bin")
+    assert read_as_attacker([path]) == {path: (b"a" * 1000).hex()}

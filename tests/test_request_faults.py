@@ -1,0 +1,146 @@
+"""A fault below a request ends that request, never the daemon: FUSE handlers answer
+EIO, the control server answers an error, and a uid cannot take all connections."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import socket
+import tempfile
+from typing import Any
+
+import pyfuse3
+import pytest
+import trio
+
+from mountd.control_server import MAX_CONNECTIONS_PER_UID, ControlServer, Peer
+from mountd.fs import QuiverFS
+from mountd.jobs import MAX_JOBS_PER_USER, JobLimit, JobManager
+from mountd.mount_table import FIRST_DATASET_INODE, MountTable
+from quiverfs import control_client, wire
+from quiverfs.errors import ExitCode, QuietError
+
+
+class BrokenTable(MountTable):
+    """A mount table whose look-ups fail the way a bug would."""
+
+    def resolve(self, inode: int) -> Any:
+        raise RuntimeError("injected fault")
+
+
+class NoControlFiles:
+    @staticmethod
+    def owns(inode: int) -> bool:
+        return False
+
+
+async def test_fuse_handler_fault_answers_eio_and_is_logged(caplog):
+    fs = QuiverFS(BrokenTable(), None, NoControlFiles())  # type: ignore[arg-type]
+    for call in (fs.getattr(FIRST_DATASET_INODE), fs.open(FIRST_DATASET_INODE, os.O_RDONLY,
+                                                          None),
+                 fs.lookup(FIRST_DATASET_INODE, b"x")):
+        with pytest.raises(pyfuse3.FUSEError) as info:
+            await call
+        assert info.value.errno == errno.EIO
+    assert [r.getMessage() for r in caplog.records if r.name == "mountd.fs"] == [
+        f"FUSE {op} failed: answered EIO" for op in ("getattr", "open", "lookup")]
+    assert caplog.text.count("RuntimeError: injected fault") == 3
+
+
+async def test_fuse_errors_pass_through_unchanged():
+    fs = QuiverFS(MountTable(), None, NoControlFiles())  # type: ignore[arg-type]
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        await fs.getattr(FIRST_DATASET_INODE)
+    assert info.value.errno == errno.ENOENT
+
+
+async def failing(peer: Peer, req: dict[str, Any]) -> dict[str, Any]:
+    raise RuntimeError("injected fault")
+
+
+async def echo(peer: Peer, req: dict[str, Any]) -> dict[str, Any]:
+    return {"uid": peer.uid}
+
+
+async def test_control_request_that_fails_gets_an_error_and_the_server_goes_on(tmp_path,
+                                                                              caplog):
+    path = str(tmp_path / "control.sock")
+    server = ControlServer(path, {"fail": failing, "echo": echo})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        with pytest.raises(QuietError) as info:
+            await trio.to_thread.run_sync(control_client.call, path, {"op": "fail"})
+        assert info.value.exitcode == ExitCode.DAEMON
+        assert "RuntimeError" in info.value.message
+        reply = await trio.to_thread.run_sync(control_client.call, path, {"op": "echo"})
+        assert reply["uid"] == 0
+        nursery.cancel_scope.cancel()
+    assert "injected fault" in caplog.text
+
+
+def echo_on(s: socket.socket) -> dict[str, Any]:
+    s.sendall(wire.pack({"op": "echo"}))
+    return wire.sock_recv_msg(s)
+
+
+def hold_connections_as(uid: int, path: str, n: int) -> dict[str, Any]:
+    """From a child running as ``uid``: hold ``n`` control connections (each answered
+    once, so the server has counted it), then make a request on one more and report
+    its reply."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            held = []
+            for _ in range(n + 1):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.settimeout(30)
+                s.connect(path)
+                held.append(s)
+                reply = echo_on(s)
+            os.write(w, json.dumps(reply).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    return json.loads(data)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+async def test_one_uid_cannot_take_all_control_connections():
+    workdir = tempfile.mkdtemp(prefix="quiver-control-", dir="/tmp")  # others can reach it
+    os.chmod(workdir, 0o755)
+    path = os.path.join(workdir, "control.sock")
+    server = ControlServer(path, {"echo": echo})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        within = await trio.to_thread.run_sync(hold_connections_as, 1000, path,
+                                               MAX_CONNECTIONS_PER_UID - 1)
+        assert within == {"ok": True, "uid": 1000}
+        over = await trio.to_thread.run_sync(hold_connections_as, 1001, path,
+                                             MAX_CONNECTIONS_PER_UID)
+        assert not over["ok"] and over["code"] == ExitCode.DAEMON
+        assert "too many control connections" in over["error"]
+        # another user (root here) is still served
+        reply = await trio.to_thread.run_sync(control_client.call, path, {"op": "echo"})
+        assert reply["uid"] == 0
+        nursery.cancel_scope.cancel()
+    shutil.rmtree(workdir)
+
+
+def test_jobs_per_uid_are_bounded():
+    jobs = JobManager(MountTable(), None)  # type: ignore[arg-type]
+    for i in range(MAX_JOBS_PER_USER):
+        jobs.create(f"j{i}", 1000, 1000)
+    with pytest.raises(JobLimit):
+        jobs.create("one-more", 1000, 1000)
+    jobs.create("another-users", 1001, 1001)
+    jobs.create("roots", 0, 0)
+    assert len(jobs.jobs) == MAX_JOBS_PER_USER + 2

@@ -1,0 +1,171 @@
+"""mountd on a bad disk, end to end: a full store and a damaged index cost no read,
+serve no wrong byte, and never stop the daemon (the fixture fails a test on a traceback
+in mountd's log or an unclean exit)."""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from mountd.content_store import DAMAGED_SUFFIX, DISK_MIN_FILE_SIZE
+from quiverfs.mountd_process import MountdProcess
+from tests.mountd_helpers import (dataset_counters, make_digest, mount,  # noqa: F401
+                                  mountd_factory, read_hashes, tree_hashes)
+from tests.test_content_store import damage_pages, fill, mounted_tmpfs, value_files
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
+
+RECOVERY_DEADLINE = 30.0  # seconds: the store tries writing again every 5 s
+POLL = 0.1  # seconds between looks at a daemon's state
+
+
+def reread(m: MountdProcess, name: str, path: str) -> str:
+    """Read a file through the mount with the kernel's cached pages of it dropped, so the
+    read reaches mountd."""
+    with open(os.path.join(m.root, name, path), "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def store_dir(m: MountdProcess) -> str:
+    return os.path.join(m.cache_dir, "store")
+
+
+@pytest.fixture
+def dataset(synthetic_tree, tmp_path) -> tuple[str, bytes, dict[str, str]]:
+    """A copy of the synthetic tree (about 4.3 MB), its digest and its files' hashes."""
+    src = str(tmp_path / "src")
+    shutil.copytree(synthetic_tree.root, src)
+    return src, make_digest(src, "syn"), tree_hashes(src)
+
+
+@pytest.fixture
+def small_cache_dir(tmp_path):
+    """A cache directory on a 2 MiB tmpfs, smaller than the dataset (ask for it before
+    mountd_factory, so that mountd has stopped when it is unmounted)."""
+    with mounted_tmpfs(str(tmp_path / "small-cache"), "2m") as path:
+        yield path
+
+
+# -- a full disk ----------------------------------------------------------------------
+
+def fill_the_store(small_cache_dir, mountd_factory, dataset) -> tuple[MountdProcess, dict]:
+    """Read the whole dataset through a mountd whose store does not fit it."""
+    _, digest, expected = dataset
+    m = mountd_factory(cache_size="64M", cache_dir=small_cache_dir)
+    mount(m, digest, "syn")
+    assert read_hashes(os.path.join(m.root, "syn"), sorted(expected)) == expected
+    return m, expected
+
+
+def test_a_full_store_serves_reads_uncached(small_cache_dir, mountd_factory, dataset, quiver):
+    m, expected = fill_the_store(small_cache_dir, mountd_factory, dataset)
+    cache = m.status()["cache"]
+    assert not cache["writable"] and cache["write_error"] == "No space left on device"
+    assert 0 < cache["items"] < len(expected)
+    assert cache["write_failures"] == len(expected) - cache["items"]
+    assert dataset_counters(m, "syn")["bucket_fetches"] == len(expected)
+    assert len(value_files(store_dir(m))) == cache["items"]  # nothing written in part
+    shown = quiver("status", "--root", m.root, "--control-socket", m.socket)
+    assert shown.returncode == 0, shown.stderr
+    assert "cache NOT WRITABLE since" in shown.stdout
+    assert "No space left on device" in shown.stdout
+
+
+def test_a_full_store_recovers_when_space_returns(small_cache_dir, mountd_factory, dataset):
+    m, expected = fill_the_store(small_cache_dir, mountd_factory, dataset)
+    held = m.status()["cache"]["items"]
+    subprocess.run(["mount", "-o", "remount,size=64m", small_cache_dir], check=True)
+    # Reads of an item the store does not hold try a put each; one after the back-off
+    # stores it.
+    victim = sorted(expected)[-1]
+    deadline = time.monotonic() + RECOVERY_DEADLINE
+    while not m.status()["cache"]["writable"]:
+        assert time.monotonic() < deadline, m.status()["cache"]
+        assert reread(m, "syn", victim) == expected[victim]
+        time.sleep(POLL)
+    assert m.status()["cache"]["items"] == held + 1
+    # every item not cached yet is stored on its next read
+    for path in expected:
+        assert reread(m, "syn", path) == expected[path]
+    cache = m.status()["cache"]
+    assert cache["items"] == len(expected) and cache["write_error"] is None
+
+
+def test_mountd_starts_on_a_full_disk(small_cache_dir, mountd_factory, dataset):
+    m, expected = fill_the_store(small_cache_dir, mountd_factory, dataset)
+    held = m.status()["cache"]["items"]
+    assert m.stop() == 0
+    filler = fill(store_dir(m))
+    m2 = mountd_factory(cache_size="64M", cache_dir=small_cache_dir)
+    cache = m2.status()["cache"]
+    assert not cache["writable"] and cache["write_error"].startswith("cannot open the store")
+    assert read_hashes(os.path.join(m2.root, "syn"), sorted(expected)) == expected
+    os.remove(filler)
+    deadline = time.monotonic() + RECOVERY_DEADLINE
+    while not m2.status()["cache"]["writable"]:
+        assert time.monotonic() < deadline, m2.status()["cache"]
+        time.sleep(POLL)
+    assert m2.status()["cache"]["items"] == held
+
+
+# -- a damaged index ------------------------------------------------------------------
+
+def garbage_header(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.write(os.urandom(100))
+
+
+def damaged_pages(path: str) -> None:
+    damage_pages(path, 0.25, 0.75)
+
+
+def truncated(path: str) -> None:
+    os.truncate(path, 0)
+
+
+@pytest.mark.parametrize("damage", [garbage_header, damaged_pages, truncated])
+def test_a_damaged_index_means_a_clean_start(mountd_factory, dataset, damage):
+    _, digest, expected = dataset
+    m = mountd_factory()
+    mount(m, digest, "syn")
+    assert read_hashes(os.path.join(m.root, "syn"), sorted(expected)) == expected
+    assert m.status()["cache"]["items"] == len(expected)
+    assert m.stop() == 0
+    db = os.path.join(store_dir(m), "cache.db")
+    damage(db)
+
+    m2 = mountd_factory(cache_dir=m.cache_dir)
+    cache = m2.status()["cache"]
+    assert cache["items"] == 0 and cache["writable"]
+    assert value_files(store_dir(m)) == []  # the old values, named by no row, are gone
+    aside = [n for n in os.listdir(store_dir(m)) if DAMAGED_SUFFIX in n
+             and not n.endswith("-wal")]
+    assert len(aside) == (0 if damage is truncated else 1)
+    log = m2.log_tail(200)
+    assert log.count("the index was damaged" if damage is not truncated
+                     else "value files the index does not name") == 1
+    assert read_hashes(os.path.join(m2.root, "syn"), sorted(expected)) == expected
+    assert dataset_counters(m2, "syn")["bucket_fetches"] == len(expected)
+    large = sum(os.path.getsize(os.path.join(dataset[0], p)) >= DISK_MIN_FILE_SIZE
+                for p in expected)
+    assert m2.status()["cache"]["items"] == len(expected)
+    assert len(value_files(store_dir(m))) == large
+
+
+def test_corrupted_chunk_cycle_state_is_moved_aside(mountd_factory, dataset):
+    _, digest, expected = dataset
+    m = mountd_factory()
+    mount(m, digest, "syn")
+    assert m.stop() == 0
+    state = os.path.join(m.cache_dir, "state", "coordinator", "coordinator.json")
+    with open(state, "wb") as f:
+        f.write(b'{"nodes": 5')
+    m2 = mountd_factory(cache_dir=m.cache_dir)
+    assert read_hashes(os.path.join(m2.root, "syn"), sorted(expected)) == expected
+    assert os.path.exists(state + ".corrupted")
+    assert "is corrupted" in m2.log_tail(50) and "started the chunk cycles afresh" in m2.log_tail(50)
