@@ -29,7 +29,7 @@ $(STAMP): requirements.lock pyproject.toml
 	touch $@
 
 demo: deps
-	$(VENV)/bin/python -m quiverfs.demo
+	$(VENV)/bin/python -m quiverfs.bench.demo
 
 test: deps
 	$(VENV)/bin/python -m pytest -ra $(PYTEST_ARGS)

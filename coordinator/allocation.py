@@ -3,9 +3,9 @@
 Each job's benefit from the cache is b = t_miss / t_hit (its mean mini-batch time
 without and with cache hits, measured by probing); with n GPUs it saves g = b * n GPU
 shares, and a dataset's jobs together G = sum(g). Given a cluster-wide budget S, each
-dataset gets one of: "coop" (two chunks, with cooperative miss handling: as good as a
-full cache for substitutable jobs), "full" (the whole dataset: no re-fetching every
-epoch), or "none". Greedy by benefit per byte: every dataset worth caching gets two
+dataset gets a CacheMode: COOP (two chunks, with cooperative miss handling: as good as a
+full cache for substitutable jobs), FULL (the whole dataset: no re-fetching every
+epoch), or NONE. Greedy by benefit per byte: every dataset worth caching gets two
 chunks in order of G / cost while they fit, then leftover budget upgrades datasets to
 full in order of G / extra bytes. What is still left caches datasets whose jobs hide
 their I/O in full, where they fit.
@@ -13,6 +13,8 @@ their I/O in full, where they fit.
 from __future__ import annotations
 
 import dataclasses
+
+from quiverfs.heartbeat import CacheMode
 
 NO_BENEFIT = 1.1  # a job whose t_miss / t_hit is below this hides its I/O
 
@@ -59,35 +61,36 @@ class DatasetDemand:
         return any(j.benefit is None or j.benefit >= NO_BENEFIT for j in self.jobs)
 
 
-def allocate(demands: list[DatasetDemand], budget: int) -> dict[str, str]:
-    """identity -> "full" | "coop" | "none", within ``budget`` bytes. Datasets worth
+def allocate(demands: list[DatasetDemand], budget: int) -> dict[str, CacheMode]:
+    """identity -> the dataset's CacheMode, within ``budget`` bytes. Datasets worth
     caching come first. What they leave caches the others in full where they fit: spare
     cache costs nothing and spares the bucket their reads (not two chunks: the cycle
     would hold back jobs that gain nothing from it)."""
-    modes = {d.identity: "none" for d in demands}
+    modes = {d.identity: CacheMode.NONE for d in demands}
     with_jobs = [d for d in demands if d.jobs]
     left = _fill([d for d in with_jobs if d.worth_caching], modes, budget)
     rest = [d for d in with_jobs if not d.worth_caching]
     for d in sorted(rest, key=lambda d: d.gain / max(1, d.size), reverse=True):
         if d.size <= left:
-            modes[d.identity] = "full"
+            modes[d.identity] = CacheMode.FULL
             left -= d.size
     return modes
 
 
-def _fill(demands: list[DatasetDemand], modes: dict[str, str], left: int) -> int:
+def _fill(demands: list[DatasetDemand], modes: dict[str, CacheMode], left: int) -> int:
     """Give ``demands`` two chunks each by G per byte while they fit, then upgrade them to
     full by G per extra byte; the budget left."""
     for d in sorted(demands, key=lambda d: d.gain / max(1, d.coop_cost), reverse=True):
         if d.coop_cost <= left:
-            modes[d.identity] = "coop"
+            modes[d.identity] = CacheMode.COOP
             left -= d.coop_cost
-    upgradable = [d for d in demands if modes[d.identity] == "coop" and d.size > d.coop_cost]
+    upgradable = [d for d in demands
+                  if modes[d.identity] is CacheMode.COOP and d.size > d.coop_cost]
     for d in sorted(upgradable, key=lambda d: d.gain / (d.size - d.coop_cost), reverse=True):
         if d.size - d.coop_cost <= left:
-            modes[d.identity] = "full"
+            modes[d.identity] = CacheMode.FULL
             left -= d.size - d.coop_cost
     for d in demands:  # a dataset smaller than two chunks is simply cached whole
-        if modes[d.identity] == "coop" and d.size <= d.coop_cost:
-            modes[d.identity] = "full"
+        if modes[d.identity] is CacheMode.COOP and d.size <= d.coop_cost:
+            modes[d.identity] = CacheMode.FULL
     return left

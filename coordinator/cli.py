@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 import os
 
-import trio
-
+from coordinator.state import HEARTBEAT_TIMEOUT, REPROBE_AFTER
+from quiverfs.cycle_cli import add_cycle_options
 from quiverfs.errors import ExitCode, QuietError
 from quiverfs.option_types import Address
 
@@ -19,16 +19,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--state-dir", required=True, help="where state is persisted")
     p.add_argument("--cluster-secret-file", help="shared secret of the cluster (or "
                    "$QUIVER_CLUSTER_SECRET); at least 16 bytes")
-    p.add_argument("--heartbeat-timeout", type=float, default=5.0,
-                   help="seconds without a heartbeat before a node is dead (default 5)")
-    p.add_argument("--force-evict-after", type=float, default=120.0,
-                   help="seconds a marked chunk may outlive its first release (default 120)")
+    p.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT,
+                   help="seconds without a heartbeat before a node is dead "
+                   "(default %(default)s)")
     p.add_argument("--cache-budget", help="cluster-wide cache bytes to allocate, e.g. 2T "
                    "(default: the sum of the live nodes' cache sizes)")
-    p.add_argument("--probe-batches", type=int, default=100,
-                   help="mini-batches a job runs without cache hits when probed (default 100)")
-    p.add_argument("--reprobe-after", type=float, default=600.0,
-                   help="seconds between probes of a job (default 600)")
+    add_cycle_options(p)
+    p.add_argument("--reprobe-after", type=float, default=REPROBE_AFTER,
+                   help="seconds between probes of a job (default %(default)s)")
     p.add_argument("--metrics", metavar="HOST:PORT", type=Address("--metrics"),
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     p.set_defaults(func=cmd_coordinator, daemon=True)
@@ -37,8 +35,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from coordinator.metrics import CoordinatorCollector
     from coordinator.server import CoordinatorServer
+    import trio  # here: every quiver command imports this module to list its options
+
     from coordinator.state import CoordinatorState
-    from mountd.metrics import MetricsEndpoint
+    from quiverfs.metrics_server import MetricsServer
     from quiverfs.process_limits import raise_open_file_limit
     from quiverfs.rpc import load_secret
 
@@ -57,7 +57,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise QuietError(f"cannot write coordinator state in {args.state_dir}: "
                          f"{exc.strerror}", ExitCode.PERMISSION) from None
-    metrics = (MetricsEndpoint(args.metrics, CoordinatorCollector(state))
+    metrics = (MetricsServer(args.metrics, CoordinatorCollector(state))
                if args.metrics else None)
     raise_open_file_limit()
     try:

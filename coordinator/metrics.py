@@ -1,31 +1,41 @@
 """The coordinator's Prometheus metrics: members, chunk states, allocation, benefits.
 
-Served by mountd's endpoint class from the coordinator's trio loop, which is the only
-place its state changes, so every scrape sees one consistent moment.
+Served by quiverfs.metrics_server. The coordinator's state changes only on its trio
+loop, so the families are built there, in one plain function (``TrioLoop.run_sync``
+from the scrape's thread), and every scrape sees one consistent moment.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from coordinator.state import CoordinatorState
-from mountd.chunk_cycle import ChunkState
+from quiverfs.chunk_cycle import ChunkState
+from quiverfs.metrics_server import LoopUnavailable, TrioLoop
+
+log = logging.getLogger(__name__)
 
 MODES = ("coop", "full", "none")
 
 
 class CoordinatorCollector:
-    """Metric families read from the coordinator's state at scrape time."""
+    """Metric families read from the coordinator's state at scrape time, on its loop."""
 
-    def __init__(self, state: CoordinatorState) -> None:
+    def __init__(self, state: CoordinatorState, loop: TrioLoop | None = None) -> None:
         self.state = state
-
-    async def refresh(self) -> None:
-        """Nothing to read outside the loop."""
+        self.loop = loop or TrioLoop()
 
     def collect(self) -> Iterator[Metric]:
+        try:
+            yield from self.loop.run_sync(self._families)
+        except LoopUnavailable as exc:  # everything here is the loop's
+            log.warning("metrics: %s: exporting no coordinator numbers", exc)
+
+    def _families(self) -> list[Metric]:
+        """Every family, built at one moment (runs on the loop)."""
         state, now = self.state, time.time()
         live = {n.id for n in state.live(now)}
         nodes = GaugeMetricFamily("quiver_coordinator_nodes", "Members, live or dead",
@@ -60,4 +70,4 @@ class CoordinatorCollector:
                 for job in report.get("jobs", []):
                     if job.get("benefit") is not None:
                         benefit.add_metric([ds.name, node, job["id"]], job["benefit"])
-        yield from (nodes, budget, chunks, resident, mode, gain, benefit)
+        return [nodes, budget, chunks, resident, mode, gain, benefit]

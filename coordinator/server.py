@@ -9,6 +9,8 @@ import trio
 
 from coordinator.state import CoordinatorState
 from quiverfs import sd_notify
+from quiverfs.heartbeat import Heartbeat, from_wire, to_wire
+from quiverfs.metrics_server import MetricsServer
 from quiverfs.option_types import listen_error
 from quiverfs.rpc import RpcServer
 
@@ -16,23 +18,24 @@ log = logging.getLogger(__name__)
 
 
 class CoordinatorServer:
-    """RPC ops: join, heartbeat, status."""
+    """RPC ops: heartbeat (a node joins with its first), status."""
 
-    def __init__(self, state: CoordinatorState, secret: bytes, metrics: Any = None) -> None:
+    def __init__(self, state: CoordinatorState, secret: bytes,
+                 metrics: MetricsServer | None = None) -> None:
         self.state = state
-        self.metrics = metrics  # a mountd.metrics.MetricsEndpoint, or None
-        self.rpc = RpcServer(secret, {"join": self.join, "heartbeat": self.heartbeat,
-                                      "status": self.status})
-
-    async def join(self, args: dict[str, Any]) -> dict[str, Any]:
-        return self.state.join(str(args["node"]), str(args["peer"]), int(args["capacity"]))
+        self.metrics = metrics
+        self.rpc = RpcServer(secret, {"heartbeat": self.heartbeat, "status": self.status})
+        self._saves = trio.CapacityLimiter(1)  # one state write at a time, in order
 
     async def heartbeat(self, args: dict[str, Any]) -> dict[str, Any]:
-        datasets = args.get("datasets", {})
-        if not isinstance(datasets, dict):
-            raise TypeError("datasets must be a map")
-        return self.state.heartbeat(str(args["node"]), str(args["peer"]),
-                                    int(args["capacity"]), datasets)
+        reply = self.state.heartbeat(from_wire(args, Heartbeat))
+        await self._save_changes()
+        return to_wire(reply)
+
+    async def _save_changes(self) -> None:
+        data = self.state.changes()
+        if data is not None:
+            await trio.to_thread.run_sync(self.state.write, data, limiter=self._saves)
 
     async def status(self, args: dict[str, Any]) -> dict[str, Any]:
         return self.state.status()
@@ -50,6 +53,7 @@ class CoordinatorServer:
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for signum in signals:
                     log.info("%s: stopping", signal.Signals(signum).name)
-                    self.state.persist()
+                    await trio.to_thread.run_sync(self.state.write, self.state.snapshot(),
+                                                  limiter=self._saves)
                     nursery.cancel_scope.cancel()
                     return

@@ -19,10 +19,11 @@ import os
 import time
 from typing import Any
 
-import numpy as np
 
 from coordinator.allocation import DatasetDemand, JobBenefit, allocate
-from mountd.chunk_cycle import ChunkCycle, EpochRef
+from quiverfs.chunk_cycle import FORCE_EVICT_AFTER, ChunkCycle
+from quiverfs.heartbeat import (PROBE_BATCHES, CacheMode, CycleView, DatasetReport, Heartbeat,
+                                HeartbeatReply, LoadedShare, Member)
 from quiverfs import digest as digest_format
 from quiverfs.errors import ExitCode, QuietError
 
@@ -40,6 +41,8 @@ class StateCorrupted(QuietError):
 
 
 TIMELINE_KEEP = 5000  # chunk-state events kept per dataset
+HEARTBEAT_TIMEOUT = 5.0  # seconds without a heartbeat before a node is dead
+REPROBE_AFTER = 600.0  # seconds between probes of a job
 
 
 @dataclasses.dataclass
@@ -61,8 +64,8 @@ class DatasetState:
     cycle: ChunkCycle
     loaders: list[str] = dataclasses.field(default_factory=list)
     done: set[str] = dataclasses.field(default_factory=set)  # loaders done with `loading`
-    reports: dict[str, dict] = dataclasses.field(default_factory=dict)  # node -> report
-    mode: str = "coop"  # the allocation: coop (two chunks), full, or none
+    reports: dict[str, DatasetReport] = dataclasses.field(default_factory=dict)  # by node
+    mode: CacheMode = CacheMode.COOP
     gain: float = 0.0  # G, the GPU shares its jobs save with the cache
     probes: dict[str, int] = dataclasses.field(default_factory=dict)  # job -> probe number
     probed_at: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -71,9 +74,10 @@ class DatasetState:
 class CoordinatorState:
     """Membership, datasets and chunk cycles; persisted in ``state_dir``."""
 
-    def __init__(self, state_dir: str, heartbeat_timeout: float = 5.0,
-                 force_after: float = 120.0, budget: int | None = None,
-                 probe_batches: int = 100, reprobe_after: float = 600.0) -> None:
+    def __init__(self, state_dir: str, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+                 force_after: float = FORCE_EVICT_AFTER, budget: int | None = None,
+                 probe_batches: int = PROBE_BATCHES, reprobe_after: float = REPROBE_AFTER
+                 ) -> None:
         self.state_dir = state_dir
         self.heartbeat_timeout = heartbeat_timeout
         self.force_after = force_after
@@ -90,6 +94,7 @@ class CoordinatorState:
             raise QuietError(f"cannot create state directory {state_dir}: {exc.strerror}",
                              ExitCode.PERMISSION) from None
         self.save_error: str | None = None  # why the last save failed, until one works
+        self.dirty = False  # changed since ``changes()`` last gave the state to save
         self._load()
 
     # -- persistence ------------------------------------------------------------------
@@ -123,26 +128,38 @@ class CoordinatorState:
             cycle.timeline = [tuple(e) for e in d.get("timeline", [])]
             self.datasets[d["identity"]] = DatasetState(
                 d["identity"], d["name"], cycle, d["loaders"], set(d["done"]),
-                mode=d.get("mode", "coop"))
+                mode=CacheMode(d.get("mode", CacheMode.COOP)))
         self.version = int(data.get("version", 0)) + 1
 
-    def save(self) -> None:
-        """Write the state file (atomically); raises OSError or QuietError."""
+    def snapshot(self) -> bytes:
+        """The state file's contents."""
         data = {"version": self.version,
                 "nodes": [{"id": n.id, "peer": n.peer, "capacity": n.capacity}
                           for n in self.nodes.values()],
                 "datasets": [{"identity": d.identity, "name": d.name,
                               "cycle": d.cycle.snapshot(), "loaders": d.loaders,
-                              "done": sorted(d.done), "mode": d.mode,
+                              "done": sorted(d.done), "mode": d.mode.value,
                               "timeline": d.cycle.timeline[-TIMELINE_KEEP:]}
                              for d in self.datasets.values()]}
-        digest_format.write_atomic(self._path, json.dumps(data).encode())
+        return json.dumps(data).encode()
 
-    def persist(self) -> None:
-        """Save, or log why not: the state lives on in memory, and the next change
-        tries again (a full disk must not stop the cluster)."""
+    def changes(self) -> bytes | None:
+        """The state file's contents if the state changed since the last call: the
+        caller writes them with ``write``, off the event loop (it fsyncs)."""
+        if not self.dirty:
+            return None
+        self.dirty = False
+        return self.snapshot()
+
+    def save(self) -> None:
+        """Write the state file now (atomically); raises OSError or QuietError."""
+        digest_format.write_atomic(self._path, self.snapshot())
+
+    def write(self, data: bytes) -> None:
+        """Write ``data`` as the state file, or log why not: the state lives on in
+        memory, and the next change tries again (a full disk must not stop a daemon)."""
         try:
-            self.save()
+            digest_format.write_atomic(self._path, data)
         except (OSError, QuietError) as exc:
             if self.save_error is None:
                 log.warning("cannot save %s (%s): the state is kept in memory until a "
@@ -159,14 +176,15 @@ class CoordinatorState:
         return sorted((n for n in self.nodes.values()
                        if now - n.last_seen <= self.heartbeat_timeout), key=lambda n: n.id)
 
-    def join(self, node: str, peer: str, capacity: int, now: float | None = None) -> dict:
+    def join(self, node: str, peer: str, capacity: int, now: float | None = None
+             ) -> HeartbeatReply:
         now = time.time() if now is None else now
         known = self.nodes.get(node)
         if known is None or known.peer != peer or known.capacity != capacity:
             self.nodes[node] = Node(node, peer, capacity, now)
             self.version += 1
             log.info("node %s joined (peer %s, capacity %d)", node, peer, capacity)
-            self.persist()
+            self.dirty = True
         else:
             was_dead = now - known.last_seen > self.heartbeat_timeout
             known.last_seen = now
@@ -175,10 +193,9 @@ class CoordinatorState:
                 log.info("node %s is back", node)
         return self._view(now)
 
-    def _view(self, now: float) -> dict:
-        return {"version": self.version,
-                "nodes": [{"id": n.id, "peer": n.peer, "capacity": n.capacity}
-                          for n in self.live(now)]}
+    def _view(self, now: float) -> HeartbeatReply:
+        return HeartbeatReply(self.version, tuple(Member(n.id, n.peer, n.capacity)
+                                                  for n in self.live(now)))
 
     def _expire(self, now: float) -> None:
         """Bump the version when a node's heartbeats stopped (its keys move)."""
@@ -191,22 +208,20 @@ class CoordinatorState:
         self._alive = alive
 
     # -- heartbeats -------------------------------------------------------------------
-    def heartbeat(self, node: str, peer: str, capacity: int, datasets: dict[str, dict],
-                  now: float | None = None) -> dict:
+    def heartbeat(self, beat: Heartbeat, now: float | None = None) -> HeartbeatReply:
         """Record a node's report; advance the cycles; return what the node should do."""
         now = time.time() if now is None else now
-        view = self.join(node, peer, capacity, now)
+        view = self.join(beat.node, beat.peer, beat.capacity, now)
         self._expire(now)
-        alive = {n["id"] for n in view["nodes"]}
+        alive = {n.id for n in view.nodes}
         changed = False
-        for identity, report in datasets.items():
+        for identity, report in beat.datasets.items():
             ds = self.datasets.get(identity)
             if ds is None:
                 ds = self.datasets[identity] = DatasetState(
-                    identity, str(report["name"]), ChunkCycle(int(report["chunks"]),
-                                                              self.force_after))
+                    identity, report.name, ChunkCycle(report.chunks, self.force_after))
                 changed = True
-            ds.reports[node] = report
+            ds.reports[beat.node] = report
         for ds in self.datasets.values():
             for gone in [n for n in ds.reports if n not in alive]:
                 del ds.reports[gone]
@@ -214,17 +229,27 @@ class CoordinatorState:
         cycles = {}
         for ds in self.datasets.values():
             changed |= self._advance(ds, alive, now)
-            if node in ds.reports:
-                users = sorted(n for n, r in ds.reports.items() if r.get("jobs"))
-                jobs = {j["id"] for j in ds.reports[node].get("jobs", [])}
-                cycles[ds.identity] = {
-                    **ds.cycle.snapshot(), "loaders": ds.loaders, "users": users,
-                    "mode": ds.mode, "probe_batches": self.probe_batches,
-                    "probes": {k.split("/", 1)[1]: v for k, v in ds.probes.items()
-                               if k.split("/", 1)[0] == node and k.split("/", 1)[1] in jobs}}
-        if changed:
-            self.persist()
-        return {**view, "cycles": cycles}
+            if beat.node in ds.reports:
+                cycles[ds.identity] = self._cycle_view(ds, beat.node)
+        self.dirty |= changed
+        return dataclasses.replace(view, cycles=cycles)
+
+    def _cycle_view(self, ds: DatasetState, node: str) -> CycleView:
+        """The cycle of ``ds`` as ``node`` acts on it, with the probes of its jobs."""
+        cycle = ds.cycle
+        jobs = {j.id for j in ds.reports[node].jobs}
+        probes = {}
+        for key, seq in ds.probes.items():
+            on, _, job = key.partition("/")
+            if on == node and job in jobs:
+                probes[job] = seq
+        return CycleView(
+            chunks=cycle.n_chunks, states=tuple(cycle.states), loading=cycle.loading,
+            active=cycle.active, marked=cycle.marked, generation=cycle.generation,
+            marked_generation=cycle.marked_generation, next=cycle.next,
+            max_resident=cycle.max_resident, loaders=tuple(ds.loaders),
+            users=tuple(_users(ds)), mode=ds.mode, probe_batches=self.probe_batches,
+            probes=probes)
 
     def _allocate(self, now: float) -> bool:
         """Ask for probes where due, then decide every dataset's mode; True on a change."""
@@ -232,17 +257,16 @@ class CoordinatorState:
         for ds in self.datasets.values():
             jobs = []
             for node, report in ds.reports.items():
-                for j in report.get("jobs", []):
-                    key = f"{node}/{j['id']}"
+                for j in report.jobs:
+                    key = f"{node}/{j.id}"
                     if key not in ds.probes or now - ds.probed_at[key] > self.reprobe_after:
                         ds.probes[key] = ds.probes.get(key, 0) + 1
                         ds.probed_at[key] = now
-                    jobs.append(JobBenefit(int(j.get("gpus", 1)), j.get("t_miss"),
-                                           j.get("t_hit")))
-            sizes = [r for r in ds.reports.values() if "size" in r]
+                    jobs.append(JobBenefit(j.gpus, j.t_miss, j.t_hit))
+            reports = ds.reports.values()
             demands.append(DatasetDemand(
-                ds.identity, max((int(r["size"]) for r in sizes), default=0),
-                max((int(r["chunk_bytes"]) for r in sizes), default=0), tuple(jobs)))
+                ds.identity, max((r.size for r in reports), default=0),
+                max((r.chunk_bytes for r in reports), default=0), tuple(jobs)))
         budget = self.budget if self.budget is not None else sum(
             n.capacity for n in self.live(now))
         modes = allocate(demands, budget)
@@ -261,19 +285,20 @@ class CoordinatorState:
     def _advance(self, ds: DatasetState, alive: set[str], now: float) -> bool:
         """Move one dataset's cycle forward; True if anything changed."""
         cycle = ds.cycle
-        if ds.mode == "none" and cycle.resident_count():
+        if ds.mode is CacheMode.NONE and cycle.resident_count():
             cycle.evict_all()
             ds.loaders, ds.done = [], set()
             return True
-        users = sorted(n for n, r in ds.reports.items() if r.get("jobs"))
+        users = _users(ds)
         changed = False
         if cycle.loading is not None:
             loaders = [n for n in ds.loaders if n in alive] or users
             if loaders != ds.loaders:  # a loader died: survivors split the chunk anew
                 ds.loaders, ds.done = loaders, set()
                 changed = True
+            share = LoadedShare(cycle.loading, tuple(ds.loaders))
             for n, r in ds.reports.items():
-                if [cycle.loading, ds.loaders] in r.get("loaded", []):
+                if share in r.loaded:
                     ds.done.add(n)
             if ds.loaders and set(ds.loaders) <= ds.done:
                 cycle.loaded()
@@ -281,13 +306,12 @@ class CoordinatorState:
                 changed = True
         if not users:
             return changed
-        refs = [EpochRef(int(j["gen"]), np.asarray(j["remaining"]))
-                for r in ds.reports.values() for j in r.get("jobs", [])]
+        refs = [j.epoch_ref() for r in ds.reports.values() for j in r.jobs]
         victim = cycle.evictable(refs, now)
         if victim is not None:
             cycle.evicted(victim)
             changed = True
-        if ds.mode == "coop" and cycle.start_loading() is not None:
+        if ds.mode is CacheMode.COOP and cycle.start_loading() is not None:
             ds.loaders, ds.done = users, set()
             changed = True
         return changed
@@ -304,8 +328,15 @@ class CoordinatorState:
                 n.capacity for n in self.live(now)),
             "datasets": [{"identity": d.identity, "name": d.name, **d.cycle.snapshot(),
                           "loaders": d.loaders, "mode": d.mode, "gain": round(d.gain, 3),
-                          "jobs": [{"node": n, **{k: v for k, v in j.items()
-                                                  if k != "remaining"}}
-                                   for n, r in d.reports.items() for j in r.get("jobs", [])],
+                          "jobs": [{"node": n, "id": j.id, "gen": j.gen, "gpus": j.gpus,
+                                    "probe_seq": j.probe_seq, "t_miss": j.t_miss,
+                                    "t_hit": j.t_hit, "probing": j.probing,
+                                    "benefit": j.benefit}
+                                   for n, r in d.reports.items() for j in r.jobs],
                           "timeline": d.cycle.timeline[-200:]}
                          for d in self.datasets.values()]}
+
+
+def _users(ds: DatasetState) -> list[str]:
+    """The nodes with jobs on ``ds``."""
+    return sorted(n for n, r in ds.reports.items() if r.jobs)

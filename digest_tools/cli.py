@@ -3,15 +3,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from digest_tools.hashing import default_workers
 from quiverfs import digest as digest_format
-from quiverfs.backends import StorageOptions
 from quiverfs.errors import ExitCode, QuietError
 from quiverfs.option_types import IntAtLeast
 from quiverfs.sizes import human
+from quiverfs.storage_cli import add_storage_options, storage_options
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -59,53 +58,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     d.add_argument("b", help="second digest")
     d.add_argument("--json", action="store_true", help="print JSON")
     d.set_defaults(func=cmd_diff)
-
-
-def add_storage_options(p: argparse.ArgumentParser) -> None:
-    """Options saying how to reach a gs:// source."""
-    p.add_argument("--credentials", metavar="FILE",
-                   help="service-account JSON for gs:// (default: application default "
-                   "credentials)")
-    p.add_argument("--anonymous", action="store_true",
-                   help="read gs:// without credentials (public buckets, emulators)")
-
-
-def storage_options(args: argparse.Namespace) -> StorageOptions:
-    """StorageOptions from the command line and STORAGE_EMULATOR_HOST."""
-    info = None
-    if getattr(args, "credentials", None):
-        info = _service_account_info(args.credentials)
-    return StorageOptions(credentials_info=info,
-                          emulator_host=os.environ.get("STORAGE_EMULATOR_HOST") or None,
-                          anonymous=bool(getattr(args, "anonymous", False)))
-
-
-def _service_account_info(path: str) -> dict:
-    """A service-account key file's contents, refused now if google-auth cannot use it
-    (else the mistake would surface later, inside mountd, at the first read)."""
-    from google.auth.exceptions import GoogleAuthError
-    from google.oauth2 import service_account
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            info = json.load(f)
-    except OSError as exc:
-        raise QuietError(f"cannot read credentials {path}: {exc.strerror}",
-                         ExitCode.PERMISSION) from None
-    except ValueError:
-        raise QuietError(f"credentials {path} are not JSON: give a service-account key file",
-                         ExitCode.PERMISSION) from None
-    if not isinstance(info, dict):
-        raise QuietError(f"credentials {path} are not a JSON object: give a service-account "
-                         "key file", ExitCode.PERMISSION)
-    try:
-        service_account.Credentials.from_service_account_info(info)
-    except (ValueError, GoogleAuthError) as exc:
-        reason = " ".join(str(exc).split()).rstrip(".")  # one line, whatever google-auth says
-        raise QuietError(f"credentials {path} are not a usable service-account key "
-                         f"({reason}): give a key file from 'gcloud iam service-accounts keys "
-                         "create'", ExitCode.PERMISSION) from None
-    return info
 
 
 def cmd_create(args: argparse.Namespace) -> int:

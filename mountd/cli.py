@@ -2,19 +2,27 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from quiverfs import control_client
+from quiverfs.cycle_cli import add_cycle_options
 from quiverfs import digest as digest_format
 from quiverfs.errors import ExitCode, QuietError
 from quiverfs.option_types import Address, ByteSize, IntAtLeast
 from quiverfs.sizes import human
+from quiverfs.storage_cli import add_storage_options, storage_options
+
+if TYPE_CHECKING:
+    from mountd.cluster import EmbeddedFactory
 
 STARTUP_TIMEOUT = 120.0  # seconds a backgrounded mountd may take to answer
+THREADS = 16  # mountd's blocking workers, by default
 
 
 def _root_arg(p: argparse.ArgumentParser) -> None:
@@ -25,9 +33,10 @@ def _root_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--control-socket", help="its control socket (default: derived from --root)")
 
 
-def add_parsers(sub: argparse._SubParsersAction) -> None:
-    from digest_tools.cli import add_storage_options
-
+def add_parsers(sub: argparse._SubParsersAction,
+                embedded_coordinator: EmbeddedFactory) -> None:
+    """The daemon-side subcommands; ``embedded_coordinator`` makes the coordinator a
+    single node runs in-process (the caller brings it: mountd does not import it)."""
     d = sub.add_parser("mountd", help="run the per-VM mount daemon",
                        description="Mount a read-only Quiver filesystem at ROOT, backed by a "
                        "content-addressed cache in CACHE_DIR. Datasets appear at ROOT/NAME "
@@ -39,18 +48,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--foreground", action="store_true", help="stay in the foreground")
     d.add_argument("--log-file", help="log file when in the background "
                    "(default: CACHE_DIR/mountd.log)")
-    d.add_argument("--threads", type=IntAtLeast("--threads", 1), default=16,
-                   help="blocking I/O workers (default 16)")
+    d.add_argument("--threads", type=IntAtLeast("--threads", 1), default=THREADS,
+                   help="blocking I/O workers (default %(default)s)")
     d.add_argument("--metrics", metavar="HOST:PORT", type=Address("--metrics"),
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     d.add_argument("--chunk-size", type=ByteSize("--chunk-size"),
                    help="chunk size for substitutable jobs, e.g. 15G "
                    "(default: 10%% of a dataset or 15 GiB, the smaller)")
-    d.add_argument("--force-evict-after", type=float, default=120.0,
-                   help="seconds a marked chunk may outlive its first release (default 120)")
-    d.add_argument("--probe-batches", type=int, default=100,
-                   help="mini-batches a job runs without cache hits when probed, without "
-                   "--coordinator (default 100)")
+    add_cycle_options(d, applies=", without --coordinator")
     c = d.add_argument_group("cluster (without --coordinator, mountd is a single node)")
     c.add_argument("--coordinator", metavar="HOST:PORT", help="the coordinator to join")
     c.add_argument("--listen", metavar="HOST:PORT",
@@ -58,7 +63,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--node-id", help="this node's name in the cluster (default: hostname)")
     c.add_argument("--cluster-secret-file", help="shared cluster secret (or "
                    "$QUIVER_CLUSTER_SECRET), at least 16 bytes")
-    d.set_defaults(func=cmd_mountd, daemon=True)
+    d.set_defaults(func=functools.partial(cmd_mountd,
+                                          embedded_coordinator=embedded_coordinator),
+                   daemon=True)
 
     m = sub.add_parser("mount", help="register a digest: its tree appears at ROOT/NAME",
                        description="Register DIGEST with the running mountd. Only you (and "
@@ -96,7 +103,7 @@ def _call(args: argparse.Namespace, request: dict) -> dict:
     return control_client.call(_socket(args), request, root=args.root)
 
 
-def cmd_mountd(args: argparse.Namespace) -> int:
+def cmd_mountd(args: argparse.Namespace, embedded_coordinator: EmbeddedFactory) -> int:
     from mountd.daemon import MountdConfig, prepare_root, run_mountd
 
     root = os.path.abspath(args.root)
@@ -121,7 +128,7 @@ def cmd_mountd(args: argparse.Namespace) -> int:
                          ExitCode.PERMISSION) from None
     prepare_root(root)
     if args.foreground:
-        run_mountd(cfg)
+        run_mountd(cfg, embedded_coordinator)
         return ExitCode.OK
     return _spawn_background(args, cfg.control_socket,
                              args.log_file or os.path.join(cfg.cache_dir, "mountd.log"))
@@ -158,8 +165,6 @@ def _last_line(path: str) -> str:
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
-    from digest_tools.cli import storage_options
-
     digest = digest_format.load(args.digest)
     with open(args.digest, "rb") as f:
         data = f.read()

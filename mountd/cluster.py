@@ -7,49 +7,33 @@ reads: the node keeps its last view and retries.
 from __future__ import annotations
 
 import logging
-import os
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import trio
 
-from coordinator.state import CoordinatorState, StateCorrupted
 from quiverfs import ownership
+from quiverfs.heartbeat import (CycleView, DatasetReport, Heartbeat, HeartbeatReply,
+                                from_wire, to_wire)
 from quiverfs.rpc import RpcClient, RpcError, Unavailable
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT = 0.5  # seconds between heartbeats to a remote coordinator
-EMBEDDED_HEARTBEAT = 0.2  # the embedded one is a function call
 
 
 class CoordinatorLink(Protocol):
-    async def heartbeat(self, args: dict[str, Any]) -> dict[str, Any]: ...
+    """How a node reaches its coordinator: over RPC, or embedded in the same process."""
+
+    interval: float  # seconds between heartbeats
+
+    async def heartbeat(self, beat: Heartbeat) -> HeartbeatReply: ...
 
 
-class EmbeddedCoordinator:
-    """The coordinator's state machine inside mountd (single node)."""
-
-    interval = EMBEDDED_HEARTBEAT
-
-    def __init__(self, state_dir: str, force_after: float, probe_batches: int) -> None:
-        def load() -> CoordinatorState:
-            return CoordinatorState(state_dir, heartbeat_timeout=3600.0,
-                                    force_after=force_after, probe_batches=probe_batches)
-
-        try:
-            self.state = load()
-        except StateCorrupted as exc:
-            # Only chunk cycles live there, rebuilt from the next heartbeat: a damaged
-            # file must not keep mountd from starting.
-            aside = f"{exc.path}.corrupted"
-            os.replace(exc.path, aside)
-            log.warning("%s: moved it to %s and started the chunk cycles afresh",
-                        exc.message, aside)
-            self.state = load()
-
-    async def heartbeat(self, args: dict[str, Any]) -> dict[str, Any]:
-        return self.state.heartbeat(args["node"], args["peer"], args["capacity"],
-                                    args["datasets"])
+# Makes the coordinator a node without --coordinator runs in-process, from its state
+# directory, force-evict seconds, probe batches and the blocking-work limiter. Handed in
+# by the command line, so that mountd does not import the coordinator.
+EmbeddedFactory = Callable[[str, float, int, trio.CapacityLimiter], CoordinatorLink]
 
 
 class RemoteCoordinator:
@@ -60,10 +44,11 @@ class RemoteCoordinator:
     def __init__(self, client: RpcClient) -> None:
         self.client = client
 
-    async def heartbeat(self, args: dict[str, Any]) -> dict[str, Any]:
+    async def heartbeat(self, beat: Heartbeat) -> HeartbeatReply:
         try:
-            return await self.client.call("heartbeat", args, timeout=5.0)
-        except RpcError as exc:
+            reply = await self.client.call("heartbeat", to_wire(beat), timeout=5.0)
+            return from_wire(reply, HeartbeatReply)
+        except (RpcError, ValueError) as exc:  # refused, or an answer we cannot read
             raise Unavailable(str(exc)) from None
 
 
@@ -71,7 +56,7 @@ class Cluster:
     """Membership as the coordinator last reported it, minus peers seen failing."""
 
     def __init__(self, node_id: str, peer_address: str, capacity: int,
-                 link: EmbeddedCoordinator | RemoteCoordinator, peers: Any) -> None:
+                 link: CoordinatorLink, peers: Any) -> None:
         self.me = node_id
         self.peer_address = peer_address
         self.capacity = capacity
@@ -79,7 +64,7 @@ class Cluster:
         self.peers = peers  # PeerSet, or None for a single node
         self.members: dict[str, str] = {node_id: peer_address}
         self.version = -1
-        self.cycles: dict[str, dict[str, Any]] = {}
+        self.cycles: dict[str, CycleView] = {}
         self.coordinator_ok = False
         self.synced = trio.Event()  # set after the first answer
         self._wake = trio.Event()  # set by poke(): send the next heartbeat now
@@ -97,14 +82,14 @@ class Cluster:
         chunk released): heartbeat now rather than at the next interval."""
         self._wake.set()
 
-    async def run(self, report: Any, apply: Any) -> None:
+    async def run(self, report: Callable[[], dict[str, DatasetReport]],
+                  apply: Callable[[dict[str, CycleView], int], Awaitable[None]]) -> None:
         """Heartbeat forever: send ``report()``, hand the answer to ``apply``."""
         while True:
             self._wake = trio.Event()
-            args = {"node": self.me, "peer": self.peer_address, "capacity": self.capacity,
-                    "datasets": report()}
+            beat = Heartbeat(self.me, self.peer_address, self.capacity, report())
             try:
-                reply = await self.link.heartbeat(args)
+                reply = await self.link.heartbeat(beat)
             except Unavailable as exc:
                 if self.coordinator_ok:
                     log.warning("coordinator unreachable (%s): reads go on, chunk "
@@ -115,20 +100,20 @@ class Cluster:
                     log.info("coordinator reachable again")
                 self.coordinator_ok = True
                 self._apply_membership(reply)
-                self.cycles = reply.get("cycles", {})
+                self.cycles = reply.cycles
                 await apply(self.cycles, self.version)
                 self.synced.set()
             with trio.move_on_after(self.link.interval):
                 await self._wake.wait()
 
-    def _apply_membership(self, reply: dict[str, Any]) -> None:
-        members = {n["id"]: n["peer"] for n in reply["nodes"]}
+    def _apply_membership(self, reply: HeartbeatReply) -> None:
+        members = {n.id: n.peer for n in reply.nodes}
         members[self.me] = self.peer_address
-        if reply["version"] != self.version or members != self.members:
+        if reply.version != self.version or members != self.members:
             if self.version >= 0:
-                log.info("membership %d: %s", reply["version"], ", ".join(sorted(members)))
+                log.info("membership %d: %s", reply.version, ", ".join(sorted(members)))
             self.members = members
-            self.version = reply["version"]
+            self.version = reply.version
             if self.peers is not None:
                 self.peers.update({n: p for n, p in members.items() if n != self.me})
 

@@ -21,6 +21,7 @@ from quiverfs.backends import StorageOptions
 from quiverfs.digest import Digest
 from quiverfs.errors import ExitCode, QuietError
 from quiverfs.fs_identity import IdentityUnavailable, UserIdentity, acting_as, open_regular
+from quiverfs.heartbeat import to_wire
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +238,7 @@ class Controller:
             await self._save()
             self._forget(ds)
         pyfuse3.invalidate_entry_async(pyfuse3.ROOT_INODE, name.encode(), ignore_enoent=True)
-        await trio.to_thread.run_sync(ds.backend.close)
+        await trio.to_thread.run_sync(ds.backend.close, limiter=self.limiter)
         log.info("uid %d unmounted %s", peer.uid, name)
         return {"name": name}
 
@@ -285,14 +286,15 @@ class Controller:
         live = cluster.live()
         digests = [ds.digest for ds in self.table.by_name.values()]
         hashes = [d.hash(i) for d in digests for i in range(0, len(d), max(1, len(d) // 2000))]
-        shares = await trio.to_thread.run_sync(ownership.shares, hashes, live)
+        shares = await trio.to_thread.run_sync(ownership.shares, hashes, live,
+                                               limiter=self.limiter)
         total = max(1, len(hashes))
         return {"node": cluster.me, "coordinator_ok": cluster.coordinator_ok,
                 "version": cluster.version,
                 "nodes": [{"id": n, "peer": cluster.members[n], "live": n in live,
                            "share": round(shares.get(n, 0) / total, 3)}
                           for n in sorted(cluster.members)],
-                "cycles": cluster.cycles,
+                "cycles": to_wire(cluster.cycles),
                 "jobs": self.jobs.status(peer.uid),
                 "rejected_puts": self.peer_service.rejected_puts if self.peer_service else 0}
 

@@ -13,7 +13,7 @@ import subprocess
 import pyfuse3
 import trio
 
-from mountd.cluster import Cluster, EmbeddedCoordinator, RemoteCoordinator
+from mountd.cluster import Cluster, EmbeddedFactory, RemoteCoordinator
 from mountd.content_store import ContentStore
 from mountd.control_server import ControlServer
 from mountd.controller import Controller
@@ -21,14 +21,15 @@ from mountd.fs import QuiverFS
 from mountd.item_reader import ItemReader
 from mountd.job_files import ControlFiles
 from mountd.jobs import JobManager
-from mountd.metrics import MetricsEndpoint, MountdCollector
+from mountd.metrics import MountdCollector
 from mountd.mount_table import MountTable
 from mountd.peers import PeerService, PeerSet
 from mountd.registry import Registry
 from quiverfs import sd_notify
 from quiverfs.fs_identity import NOBODY, IdentityUnavailable, UserIdentity, acting_as
+from quiverfs.metrics_server import MetricsServer
 from quiverfs.process_limits import raise_open_file_limit
-from quiverfs.mountd_process import is_mounted
+from quiverfs.mount_point import is_mounted
 from quiverfs.option_types import listen_error
 from quiverfs.rpc import RpcClient, load_secret, parse_address
 from quiverfs.errors import ExitCode, QuietError
@@ -40,23 +41,24 @@ HIT_RECORD_INTERVAL = 1.0  # seconds between writes of LRU recency to the store
 
 @dataclasses.dataclass
 class MountdConfig:
-    """Settings of one mountd (command line or config file)."""
+    """Settings of one mountd (command line or config file, whose defaults are the
+    command line's)."""
 
     root: str
     cache_dir: str
-    cache_size: int
+    cache_size: int  # bytes
     control_socket: str
-    threads: int = 16  # blocking workers: diskcache, storage reads, hashing
-    fuse_tasks: int = 64  # FUSE requests handled at once
-    prefetch_concurrency: int = 16
-    chunk_bytes: int | None = None  # None: 10% of a dataset or 15 GiB, the smaller
-    force_evict_after: float = 120.0  # seconds a marked chunk may outlive its first release
+    threads: int  # blocking workers: diskcache, storage reads, hashing
+    force_evict_after: float  # seconds a marked chunk may outlive its first release
+    probe_batches: int  # for the embedded coordinator
+    chunk_bytes: int | None  # None: 10% of a dataset or 15 GiB, the smaller
+    coordinator: str | None  # HOST:PORT; None runs the coordinator logic embedded
+    listen: str | None  # HOST:PORT of the peer server (with a coordinator)
+    cluster_secret_file: str | None
+    metrics: tuple[str, int] | None  # where to serve Prometheus metrics
     node_id: str = dataclasses.field(default_factory=socket.gethostname)
-    coordinator: str | None = None  # HOST:PORT; None runs the coordinator logic embedded
-    listen: str | None = None  # HOST:PORT of the peer server (with a coordinator)
-    cluster_secret_file: str | None = None
-    probe_batches: int = 100  # for the embedded coordinator
-    metrics: tuple[str, int] | None = None  # where to serve Prometheus metrics
+    fuse_tasks: int = 64  # FUSE requests handled at once
+    prefetch_concurrency: int = 16  # items a prefetch fetches at once
 
 
 def prepare_root(root: str) -> None:
@@ -84,8 +86,9 @@ def prepare_root(root: str) -> None:
 class Mountd:
     """One mount root, one content store, one control socket."""
 
-    def __init__(self, cfg: MountdConfig) -> None:
+    def __init__(self, cfg: MountdConfig, embedded_coordinator: EmbeddedFactory) -> None:
         self.cfg = cfg
+        self.embedded_coordinator = embedded_coordinator  # used without cfg.coordinator
         self.root = os.path.abspath(cfg.root)
         self.store = ContentStore(os.path.join(cfg.cache_dir, "store"), cfg.cache_size)
         self.registry = Registry(os.path.join(cfg.cache_dir, "state"))
@@ -100,8 +103,9 @@ class Mountd:
         self.controller = Controller(self.root, self.table, self.registry, self.reader,
                                      self.jobs, cfg.prefetch_concurrency)
         self.fs = QuiverFS(self.table, self.reader, ControlFiles(self.jobs))
-        self.metrics = (MetricsEndpoint(cfg.metrics, MountdCollector(self.reader, self.table,
-                                                                     self.jobs))
+        # Bound now, so that a taken port fails before mounting.
+        self.metrics = (MetricsServer(cfg.metrics, MountdCollector(self.reader, self.table,
+                                                                   self.jobs))
                         if cfg.metrics else None)
         self._terminated = False
 
@@ -153,8 +157,9 @@ class Mountd:
         """Start the peer server and the coordinator link (or the embedded coordinator)."""
         cfg = self.cfg
         if cfg.coordinator is None:
-            link = EmbeddedCoordinator(os.path.join(cfg.cache_dir, "state", "coordinator"),
-                                       cfg.force_evict_after, cfg.probe_batches)
+            link = self.embedded_coordinator(
+                os.path.join(cfg.cache_dir, "state", "coordinator"), cfg.force_evict_after,
+                cfg.probe_batches, self.limiter)
             return Cluster(cfg.node_id, "local", cfg.cache_size, link, None)
         host, port = parse_address(cfg.listen or "127.0.0.1:0", "--listen")
         service = PeerService(self.store, self.limiter)
@@ -163,7 +168,7 @@ class Mountd:
             bound = await nursery.start(service.server(self.secret).serve, host, port)
         except OSError as exc:  # the port is taken, or the host is not ours
             raise listen_error("--listen", host, port, exc) from None
-        peers = PeerSet(self.secret)
+        peers = PeerSet(self.secret, self.limiter)
         await nursery.start(peers.run)
         chost, cport = parse_address(cfg.coordinator, "--coordinator")
         client = RpcClient(chost, cport, self.secret, timeout=10.0)
@@ -188,7 +193,7 @@ class Mountd:
                 pyfuse3.terminate()
 
 
-def run_mountd(cfg: MountdConfig) -> None:
+def run_mountd(cfg: MountdConfig, embedded_coordinator: EmbeddedFactory) -> None:
     faulthandler.register(signal.SIGUSR1)
     raise_open_file_limit()
-    Mountd(cfg).run()
+    Mountd(cfg, embedded_coordinator).run()

@@ -8,6 +8,7 @@ from mountd.dataset_tree import DatasetTree
 from mountd.registry import Registration
 from quiverfs.backends import Backend
 from quiverfs.digest import Digest
+from quiverfs.heartbeat import CacheMode
 
 
 @dataclasses.dataclass
@@ -33,7 +34,7 @@ class MountedDataset:
     inode_base: int
     counters: Counter[str] = dataclasses.field(default_factory=Counter)
     prefetch: PrefetchProgress | None = None
-    cache_mode: str = "coop"  # the coordinator's allocation: coop, full or none
+    cache_mode: CacheMode = CacheMode.COOP  # the coordinator's allocation
 
     @property
     def name(self) -> str:

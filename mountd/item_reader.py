@@ -22,6 +22,7 @@ from mountd.content_store import ContentStore, IntegrityError, StoreError
 from mountd.dataset import MountedDataset
 from mountd.metrics import read_latency
 from quiverfs.errors import QuietError
+from quiverfs.heartbeat import CacheMode
 from quiverfs.rpc import Unavailable
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,9 @@ class ItemReader:
         self.background: trio.Nursery | None = None  # where puts to owners run
         self._puts: dict[str, list[tuple[bytes, bytes]]] = {}  # by owner, not yet sent
         self._planned: dict[bytes, float] = {}  # hits in manifests, not read yet: when
+        # Dropping an inode's pages can wait in the kernel for a read of that inode,
+        # whose handler needs a worker of ``limiter``: so it never holds one of those.
+        self._invalidations = trio.CapacityLimiter(1)
 
     def owner(self, digest: bytes) -> str | None:
         """The node that should hold ``digest``; None when that is this node."""
@@ -84,7 +88,7 @@ class ItemReader:
         drop the kernel's pages of it (a probed job's batch)."""
         self._forced.update(ds.digest.hash(i) for i in items)
         inodes = [ds.inode_base + ds.tree.n_dirs + i for i in items]
-        await trio.to_thread.run_sync(_invalidate, inodes, limiter=self.limiter)
+        await trio.to_thread.run_sync(_invalidate, inodes, limiter=self._invalidations)
 
     def planned(self, hashes: list[bytes]) -> None:
         """These hits were promised in a manifest: keep them until read (or a while)."""
@@ -226,7 +230,7 @@ class ItemReader:
         digest = ds.digest.hash(index)
         owner = self.owner(digest)
         try:
-            keep = keep and ds.cache_mode != "none"  # a dataset allotted no cache keeps none
+            keep = keep and ds.cache_mode is not CacheMode.NONE  # allotted no cache: keep none
             if keep and owner is None:
                 # checks the hash; a store that cannot write leaves the item uncached
                 self.store.put(digest, data)

@@ -18,14 +18,16 @@ from typing import Any
 import numpy as np
 import trio
 
-from mountd.chunk_cycle import EpochRef, usable_chunks
 from mountd.dataset import MountedDataset
 from mountd.item_reader import ItemReader, ReadFailed
 from mountd.mount_table import MountTable
-from mountd.probing import PROBE_BATCHES, BenefitProbe
-from mountd.substitution import DEFAULT_SCAN_FACTOR, EpochSampler, epoch_shard
+from mountd.probing import BenefitProbe
+from mountd.substitution import DEFAULT_SCAN_FACTOR, EpochSampler, advance, epoch_shard
 from quiverfs import ownership
+from quiverfs.chunk_cycle import ChunkState, EpochRef
 from quiverfs.chunk_plan import default_chunk_bytes, make_plan
+from quiverfs.heartbeat import (CacheMode, CycleView, DatasetReport, JobReport, LoadedShare,
+                                to_wire)
 from quiverfs.rpc import Unavailable
 
 log = logging.getLogger(__name__)
@@ -152,6 +154,14 @@ class Job:
         self.counters["reported_batches"] += 1
         self.probe.record(epoch, batch, seconds)
 
+    def report(self) -> JobReport:
+        """What the coordinator needs of the job (once its epoch has begun)."""
+        t_miss, t_hit = self.probe.measured or (None, None)
+        return JobReport(id=self.id, gen=self.ref.started_generation, gpus=self.config.gpus,
+                         remaining=tuple(int(n) for n in self.ref.remaining_chunks),
+                         probe_seq=self.probe.seq, t_miss=t_miss, t_hit=t_hit,
+                         probing=self.probe.active)
+
     def benefit(self) -> dict[str, Any]:
         """t_miss and t_hit (seconds per batch) as the last complete probe measured them."""
         t_miss, t_hit = self.probe.measured or (None, None)
@@ -189,8 +199,8 @@ class DatasetJobs:
             chunk_bytes = min(default_chunk_bytes(ds.digest.total_bytes), max_chunk_bytes)
         self.plan = make_plan(ds.digest, chunk_bytes)
         self.jobs: dict[str, Job] = {}
-        self.snap: dict[str, Any] | None = None  # the coordinator's view of the cycle
-        self.loaded: list[list[Any]] = []  # [chunk, loaders] shares this node finished
+        self.view: CycleView | None = None  # the cycle, as the coordinator last said
+        self.loaded: list[LoadedShare] = []  # shares this node finished loading
         self.busy: set[str] = set()  # load tasks running, by key
         self.version = -1  # membership version of the last refill
         self.changed = trio.Event()  # set (and replaced) when the cycle moves
@@ -198,24 +208,22 @@ class DatasetJobs:
         self._share: tuple[tuple[Any, ...], np.ndarray, float] | None = None
 
     def cycle_key(self) -> tuple[Any, ...] | None:
-        snap = self.snap
-        return None if snap is None else (snap["loading"], snap["active"], snap["marked"],
-                                          snap["generation"], snap.get("mode"))
+        return None if self.view is None else self.view.key()
 
     def usable(self, ref: EpochRef) -> list[int]:
-        if self.snap is None:
+        if self.view is None:
             return []
-        if self.mode != "coop":  # whatever is cached may be used
+        if self.mode is not CacheMode.COOP:  # whatever is cached may be used
             return list(range(self.plan.n_chunks))
-        return usable_chunks(self.snap, ref)
+        return self.view.usable(ref)
 
     def oldest_usable(self, ref: EpochRef) -> int | None:
         """The oldest resident chunk the job-epoch has items left in (marked, else
         active), whose hits it should take first, in coop mode."""
-        if self.snap is None or self.mode != "coop":
+        if self.view is None or self.mode is not CacheMode.COOP:
             return None
         usable = self.usable(ref)
-        for chunk in (self.snap["marked"], self.snap["active"]):
+        for chunk in (self.view.marked, self.view.active):
             if chunk is not None and chunk in usable and ref.remaining_chunks[chunk] > 0:
                 return int(chunk)
         return None
@@ -225,14 +233,14 @@ class DatasetJobs:
         by rendezvous among the loaders) and their share of the chunk; None when no chunk
         loads or this node loads all of it. Another node's share is left to it: a job
         here fetching it too would read it from the bucket twice."""
-        snap = self.snap
-        if snap is None or snap["loading"] is None or snap["loaders"] == [me]:
+        view = self.view
+        if view is None or view.loading is None or view.loaders == (me,):
             return None
-        key = (snap["loading"], tuple(snap["loaders"]))
+        key = (view.loading, view.loaders)
         if self._share is None or self._share[0] != key:
-            members = self.plan.members[snap["loading"]]
+            members = self.plan.members[view.loading]
             digest = self.ds.digest
-            mine = np.array([ownership.owner(digest.hash(int(i)), snap["loaders"]) == me
+            mine = np.array([ownership.owner(digest.hash(int(i)), list(view.loaders)) == me
                              for i in members], dtype=bool)
             mask = np.zeros(len(self.plan.chunk_of), dtype=bool)
             mask[members[mine]] = True
@@ -241,23 +249,22 @@ class DatasetJobs:
 
     def upcoming(self) -> int | None:
         """The chunk that starts loading once the marked one is evicted, if none loads."""
-        snap = self.snap
-        if snap is None or snap["loading"] is not None or self.mode != "coop":
+        view = self.view
+        if view is None or view.loading is not None or self.mode is not CacheMode.COOP:
             return None
-        return int(snap["next"])
+        return view.next
 
     @property
-    def mode(self) -> str:
-        """The coordinator's allocation for the dataset: coop, full or none."""
-        return self.snap.get("mode", "coop") if self.snap is not None else "coop"
+    def mode(self) -> CacheMode:
+        """The coordinator's allocation for the dataset."""
+        return self.view.mode if self.view is not None else CacheMode.COOP
 
-    def report(self) -> dict[str, Any]:
-        return {"name": self.ds.name, "chunks": self.plan.n_chunks, "loaded": self.loaded,
-                "size": self.ds.digest.total_bytes, "chunk_bytes": max(self.plan.chunk_bytes),
-                "jobs": [{"id": j.id, "gen": j.ref.started_generation, "gpus": j.config.gpus,
-                          "remaining": j.ref.remaining_chunks.tolist(),
-                          "probe_seq": j.probe.seq, **j.benefit()}
-                         for j in self.jobs.values() if j.ref is not None and j.config]}
+    def report(self) -> DatasetReport:
+        return DatasetReport(
+            name=self.ds.name, chunks=self.plan.n_chunks, size=self.ds.digest.total_bytes,
+            chunk_bytes=int(max(self.plan.chunk_bytes)), loaded=tuple(self.loaded),
+            jobs=tuple(j.report() for j in self.jobs.values()
+                       if j.ref is not None and j.config is not None))
 
 
 class JobManager:
@@ -378,7 +385,7 @@ class JobManager:
         job.epoch = epoch
         job.sampler = EpochSampler(order, cfg.batch_size, seed=cfg.seed + epoch,
                                    scan_factor=cfg.scan_factor, chunk_of=group.plan.chunk_of)
-        generation = group.snap["generation"] if group.snap is not None else 0
+        generation = group.view.generation if group.view is not None else 0
         job.ref = EpochRef(generation, np.bincount(group.plan.chunk_of[order],
                                                    minlength=group.plan.n_chunks))
         job.manifests = {}
@@ -389,24 +396,21 @@ class JobManager:
         digest = group.ds.digest
         chunk_of = group.plan.chunk_of
         probing = job.probe.plan(job.epoch, sampler.planned, sampler.n_batches,
-                                 group.mode != "none")
+                                 group.mode is not CacheMode.NONE)
 
-        def is_cached(items: np.ndarray) -> np.ndarray:
-            if probing:  # the job must see what it would without the cache
-                return np.zeros(len(items), dtype=bool)
-            usable = np.isin(chunk_of[items], group.usable(ref))
+        async def is_cached(items: np.ndarray) -> np.ndarray:
             held = np.zeros(len(items), dtype=bool)
-            hashes = [digest.hash(int(i)) for i in items[usable]]
-            if self.cluster is None or self.cluster.peers is None:  # one node: ask here
-                held[usable] = [h in self.reader.store for h in hashes]
-            else:
-                held[usable] = trio.from_thread.run(self._held, hashes)
+            if probing:  # the job must see what it would without the cache
+                return held
+            usable = np.isin(chunk_of[items], group.usable(ref))
+            if usable.any():
+                held[usable] = await self._held([digest.hash(int(i)) for i in items[usable]])
             return held
 
         if not probing:
             await self._wait_for_chunks(job, group, min(sampler.batch_size, sampler.remaining))
         upcoming = group.upcoming()
-        loading = group.snap["loading"] if group.snap is not None else None
+        loading = group.view.loading if group.view is not None else None
         share = await self._loader_share(group)
 
         def prefer(items: np.ndarray) -> np.ndarray:
@@ -420,18 +424,25 @@ class JobManager:
             if share is not None:
                 rank[(chunks == loading) & ~share[0][items]] = 1
             return rank
-        batch = await trio.to_thread.run_sync(sampler.plan, is_cached, prefer,
-                                              group.oldest_usable(ref),
-                                              limiter=self.reader.limiter)
+        # The sampler's steps run in a worker; each block it asks about is looked up
+        # from here, between two steps, so no worker waits for another's token.
+        steps = sampler.planning(prefer, group.oldest_usable(ref))
+        items, batch = await trio.to_thread.run_sync(advance, steps, None,
+                                                     limiter=self.reader.limiter)
+        while batch is None:
+            items, batch = await trio.to_thread.run_sync(advance, steps,
+                                                         await is_cached(items),
+                                                         limiter=self.reader.limiter)
         if probing:
             await self.reader.force_misses(group.ds, batch.items)
-        elif group.mode != "none":
-            resident = ({*group.usable(ref), upcoming} if group.mode == "coop" else None)
+        elif group.mode is not CacheMode.NONE:
+            resident = ({*group.usable(ref), upcoming} if group.mode is CacheMode.COOP
+                        else None)
             await self._fetch_all(group.ds, batch.fetch, job.counters, resident)
             self.reader.planned([digest.hash(i) for i in batch.hits])
             if self.cluster is not None and self.cluster.peers is not None:
                 await self.reader.stage_from_peers(group.ds, batch.hits)
-        marked = group.snap["marked"] if group.snap is not None else None
+        marked = group.view.marked if group.view is not None else None
         held_marked = marked is not None and ref.remaining_chunks[marked] > 0
         np.subtract.at(ref.remaining_chunks, chunk_of[batch.items], 1)
         if held_marked and not ref.remaining_chunks[marked] and self.cluster is not None:
@@ -462,9 +473,10 @@ class JobManager:
         started = trio.current_time()
         key = group.cycle_key()
         with trio.move_on_after(CHUNK_WAIT) as scope:
-            while group.mode == "coop" and key is not None and key != job.gave_up_on:
+            while (group.mode is CacheMode.COOP and group.view is not None
+                   and key != job.gave_up_on):
                 usable = group.usable(job.ref)
-                marked, loading = group.snap["marked"], group.snap["loading"]
+                marked, loading = group.view.marked, group.view.loading
                 supply = int(job.ref.remaining_chunks[usable].sum())
                 share = await self._loader_share(group)
                 if share is not None and loading in usable:  # others' shares: once held
@@ -534,65 +546,66 @@ class JobManager:
         """What the coordinator needs, per dataset identity with jobs here."""
         return {g.ds.reg.identity: g.report() for g in self.groups.values() if g.jobs}
 
-    async def apply(self, cycles: dict[str, dict[str, Any]], version: int) -> None:
+    async def apply(self, cycles: dict[str, CycleView], version: int) -> None:
         """Act on the coordinator's answer: load shares, drop evicted chunks, refill."""
         me = self.cluster.me
         for group in list(self.groups.values()):
-            snap = cycles.get(group.ds.reg.identity)
-            if snap is None:
+            view = cycles.get(group.ds.reg.identity)
+            if view is None:
                 continue
             before = group.cycle_key()
-            previous, group.snap = group.snap, snap
+            previous, group.view = group.view, view
             if group.cycle_key() != before:
                 group.changed.set()
                 group.changed = trio.Event()
-            group.ds.cache_mode = snap.get("mode", "coop")
+            group.ds.cache_mode = view.mode
             for job in group.jobs.values():
-                seq = snap.get("probes", {}).get(job.id, 0)
+                seq = view.probes.get(job.id, 0)
                 if seq > job.probe.seq:
-                    batches = int(snap.get("probe_batches", PROBE_BATCHES))
-                    job.probe.begin(seq, batches)
-                    log.info("job %s: probe %d of %d batches", job.id, seq, batches)
-            loading = snap["loading"]
-            if loading is not None and me in snap["loaders"]:
-                key = [loading, snap["loaders"]]
-                if key not in group.loaded:
-                    self._spawn(group, f"load {loading}", loading, snap["loaders"], key)
+                    job.probe.begin(seq, view.probe_batches)
+                    log.info("job %s: probe %d of %d batches", job.id, seq,
+                             view.probe_batches)
+            if view.loading is not None and me in view.loaders:
+                share = LoadedShare(view.loading, view.loaders)
+                if share not in group.loaded:
+                    self._spawn(group, f"load {view.loading}", view.loading, view.loaders,
+                                share)
             if previous is not None:
-                for chunk, (old, new) in enumerate(zip(previous["states"], snap["states"])):
-                    if old != "evicted" and new == "evicted":
+                for chunk, (old, new) in enumerate(zip(previous.states, view.states)):
+                    if old is not ChunkState.EVICTED and new is ChunkState.EVICTED:
                         await self._evict_local(group, chunk)
-            if (version != group.version and snap["active"] is not None
-                    and me in snap["users"]):
+            if version != group.version and view.active is not None and me in view.users:
                 if group.version >= 0:  # membership changed: owners moved, refill
-                    self._spawn(group, f"refill {version}", snap["active"], snap["users"], None)
+                    self._spawn(group, f"refill {version}", view.active, view.users, None)
                 group.version = version
 
-    def _spawn(self, group: DatasetJobs, name: str, chunk: int, loaders: list[str],
-               key: list[Any] | None) -> None:
+    def _spawn(self, group: DatasetJobs, name: str, chunk: int, loaders: tuple[str, ...],
+               share: LoadedShare | None) -> None:
         if name in group.busy or self._nursery is None:
             return
         group.busy.add(name)
-        self._nursery.start_soon(self._load_share, group, name, chunk, loaders, key,
+        self._nursery.start_soon(self._load_share, group, name, chunk, loaders, share,
                                  name=f"{group.ds.name}: {name}")
 
     async def _load_share(self, group: DatasetJobs, name: str, chunk: int,
-                          loaders: list[str], key: list[Any] | None) -> None:
+                          loaders: tuple[str, ...], share: LoadedShare | None) -> None:
         """Fetch this node's share of a chunk (rendezvous among the loaders) into its
         owners' stores; report the share done."""
         try:
             me = self.cluster.me
             digest = group.ds.digest
-            mine = [int(i) for i in group.plan.members[chunk]
-                    if ownership.owner(digest.hash(int(i)), loaders) == me]
+            mine = await trio.to_thread.run_sync(
+                lambda: [int(i) for i in group.plan.members[chunk]
+                         if ownership.owner(digest.hash(int(i)), list(loaders)) == me],
+                limiter=self.reader.limiter)
             counters: collections.Counter[str] = collections.Counter()
             for start in range(0, len(mine), CHECK_BLOCK):
                 block = mine[start:start + CHECK_BLOCK]
                 held = await self._held([digest.hash(i) for i in block])
                 await self._fetch_all(group.ds, [i for i, h in zip(block, held) if not h],
                                       counters)
-            if key is not None:
-                group.loaded.append(key)
+            if share is not None:
+                group.loaded.append(share)
                 del group.loaded[:-4]  # the coordinator only asks about the current one
                 self.cluster.poke()
             log.info("dataset %s: %s done (%d items of chunk %d)", group.ds.name, name,
@@ -604,16 +617,19 @@ class JobManager:
         """Drop this node's copies of an evicted chunk (keeping items resident chunks
         share, and hits that manifests promised and were not read yet: the store's LRU
         drops those later)."""
-        snap, digest = group.snap, group.ds.digest
-        keep = {digest.hash(int(i)) for c in (snap["active"], snap["loading"], snap["marked"])
-                if c is not None for i in group.plan.members[c]}
-        hashes = [h for h in (digest.hash(int(i)) for i in group.plan.members[chunk])
-                  if h not in keep and not self.reader.awaiting_read(h)]
-        store = self.reader.store
-        await trio.to_thread.run_sync(lambda: [store.discard(h) for h in hashes],
-                                      limiter=self.reader.limiter)
+        view, digest, store = group.view, group.ds.digest, self.reader.store
+        resident = [c for c in (view.active, view.loading, view.marked) if c is not None]
+
+        def drop() -> None:
+            keep = {digest.hash(int(i)) for c in resident for i in group.plan.members[c]}
+            for h in (digest.hash(int(i)) for i in group.plan.members[chunk]):
+                if h not in keep and not self.reader.awaiting_read(h):
+                    store.discard(h)
+
+        await trio.to_thread.run_sync(drop, limiter=self.reader.limiter)
         log.info("dataset %s: chunk %d evicted here", group.ds.name, chunk)
 
     def status(self, uid: int) -> list[dict[str, Any]]:
-        return [{**job.stats(), "chunks": job.group.snap if job.group else None}
+        return [{**job.stats(),
+                 "chunks": to_wire(job.group.view) if job.group and job.group.view else None}
                 for job in self.jobs.values() if uid == 0 or job.uid == uid]

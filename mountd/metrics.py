@@ -1,27 +1,24 @@
-"""mountd's Prometheus endpoint: ``GET /metrics`` on ``--metrics HOST:PORT``.
+"""mountd's Prometheus collectors, served by quiverfs.metrics_server on ``--metrics``.
 
-The endpoint is served from the trio loop, on purpose: the read counters, the mount
-table, the jobs and the chunk cycles are only changed by tasks on that loop, so a
-collector running there reads them between two steps of those tasks and sees one
-consistent moment, with no locks and no copies. The one blocking read, the store's
-size and item count (SQLite), goes to a worker thread before the text is rendered.
+The read counters, the mount table, the jobs and the chunk cycles are only changed by
+tasks on mountd's trio loop, so their families are built there, in one plain function
+(``TrioLoop.run_sync`` from the scrape's thread): one consistent moment, with no locks.
+The store's numbers (a blocking SQLite read for its size and item count) are read in
+the scrape's own thread.
 """
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
-import socket
+import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
-import trio
-from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
-from prometheus_client.exposition import choose_encoder
+from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from mountd.chunk_cycle import ChunkState
-from quiverfs.errors import ExitCode, QuietError
+from quiverfs.chunk_cycle import ChunkState
+from quiverfs.metrics_server import LoopUnavailable, TrioLoop
 
 if TYPE_CHECKING:
     from mountd.item_reader import ItemReader
@@ -38,9 +35,6 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 HITS = {"local": "local_hits", "peer": "peer_hits", "bucket": "bucket_fetches"}
 BYTES = {"local": "local_bytes", "peer": "peer_bytes", "bucket": "bucket_bytes"}
 ERRORS = {"local": "store_errors", "peer": "peer_errors", "bucket": "bucket_errors"}
-REQUEST_TIMEOUT = 10.0  # seconds a client may take to send its request
-MAX_REQUEST = 8192  # bytes of request line and headers
-LISTEN_BACKLOG = 16
 
 
 def read_latency() -> Histogram:
@@ -50,38 +44,29 @@ def read_latency() -> Histogram:
                      "served it", ["tier"], buckets=LATENCY_BUCKETS, registry=None)
 
 
-@dataclasses.dataclass
-class CacheStats:
-    """The store's numbers, read in a worker thread before each scrape."""
-
-    used_bytes: int = 0
-    limit_bytes: int = 0
-    items: int = 0
-
-
 class MountdCollector:
-    """Metric families read from a running mountd's live state, on the trio loop."""
+    """Metric families of a running mountd: its live state read on the trio loop
+    through ``loop``, its store read in the scrape's thread."""
 
-    def __init__(self, reader: ItemReader, table: MountTable, jobs: JobManager) -> None:
+    def __init__(self, reader: ItemReader, table: MountTable, jobs: JobManager,
+                 loop: TrioLoop | None = None) -> None:
         self.reader = reader
         self.table = table
         self.jobs = jobs
-        self.cache = CacheStats()
-        self._limiter = trio.CapacityLimiter(1)  # scrapes never queue behind fetches
-
-    async def refresh(self) -> None:
-        store = self.reader.store
-        self.cache = await trio.to_thread.run_sync(
-            lambda: CacheStats(store.volume(), store.size_limit, len(store)),
-            limiter=self._limiter)
+        self.loop = loop or TrioLoop()
+        self._store_lock = threading.Lock()  # concurrent scrapes read the store in turn
 
     def collect(self) -> Iterator[Metric]:
-        yield from self._reads()
-        yield from self.reader.latency.collect()
-        yield from self._cache()
-        yield from self._datasets()
-        yield from self._chunks()
-        yield from self._jobs()
+        try:
+            yield from self.loop.run_sync(self._loop_families)
+        except LoopUnavailable as exc:  # the store's numbers need no loop
+            log.warning("metrics: %s: exporting only the store's numbers", exc)
+        yield from self._store()
+
+    def _loop_families(self) -> list[Metric]:
+        """Every family of the loop's state, built at one moment (runs on the loop)."""
+        return [*self._reads(), *self.reader.latency.collect(), *self._datasets(),
+                *self._chunks(), *self._jobs()]
 
     def _reads(self) -> Iterator[Metric]:
         c = self.reader.counters
@@ -105,24 +90,6 @@ class MountdCollector:
                                   value=c["integrity_failures"])
         yield CounterMetricFamily("quiver_coalesced_reads", "Reads that waited for a fetch "
                                   "already in flight", value=c["coalesced"])
-
-    def _cache(self) -> Iterator[Metric]:
-        yield GaugeMetricFamily("quiver_cache_used_bytes", "Bytes the local store uses on "
-                                "disk", value=self.cache.used_bytes)
-        yield GaugeMetricFamily("quiver_cache_limit_bytes", "The store's bound "
-                                "(--cache-size)", value=self.cache.limit_bytes)
-        yield GaugeMetricFamily("quiver_cache_items", "Items in the local store",
-                                value=self.cache.items)
-        yield CounterMetricFamily("quiver_cache_corrupt_dropped", "Store entries that failed "
-                                  "their checksum or hash and were dropped",
-                                  value=self.reader.store.corrupt_dropped)
-        health = self.reader.store.health()
-        yield GaugeMetricFamily("quiver_store_writable", "1 if the store's last write "
-                                "worked, 0 while it cannot write (reads served uncached)",
-                                value=int(health.writable))
-        yield CounterMetricFamily("quiver_store_write_failures", "Items the store could not "
-                                  "write (a full or failing disk): served uncached",
-                                  value=health.write_failures)
 
     def _datasets(self) -> Iterator[Metric]:
         datasets = list(self.table.by_name.values())
@@ -152,9 +119,9 @@ class MountdCollector:
         chunks = GaugeMetricFamily("quiver_chunks", "Chunks of a dataset with jobs, by state "
                                    "(as the coordinator last said)", labels=["dataset", "state"])
         for name, group in self.jobs.groups.items():
-            if group.snap is None:
+            if group.view is None:
                 continue
-            counts = collections.Counter(group.snap["states"])
+            counts = collections.Counter(group.view.states)
             for state in ChunkState:
                 chunks.add_metric([name, state.value], counts[state.value])
         yield chunks
@@ -190,109 +157,27 @@ class MountdCollector:
                 benefit.add_metric(key, s["benefit"])
         yield from (hits, fetched, epoch, batch, probed, benefit)
 
+    def _store(self) -> Iterator[Metric]:
+        """The store's families (blocking: runs in the scrape's thread)."""
+        store = self.reader.store
+        with self._store_lock:
+            used, limit, items = store.volume(), store.size_limit, len(store)
+            corrupt, health = store.corrupt_dropped, store.health()
+        yield GaugeMetricFamily("quiver_cache_used_bytes", "Bytes the local store uses on "
+                                "disk", value=used)
+        yield GaugeMetricFamily("quiver_cache_limit_bytes", "The store's bound "
+                                "(--cache-size)", value=limit)
+        yield GaugeMetricFamily("quiver_cache_items", "Items in the local store", value=items)
+        yield CounterMetricFamily("quiver_cache_corrupt_dropped", "Store entries that failed "
+                                  "their checksum or hash and were dropped", value=corrupt)
+        yield GaugeMetricFamily("quiver_store_writable", "1 if the store's last write "
+                                "worked, 0 while it cannot write (reads served uncached)",
+                                value=int(health.writable))
+        yield CounterMetricFamily("quiver_store_write_failures", "Items the store could not "
+                                  "write (a full or failing disk): served uncached",
+                                  value=health.write_failures)
+
 
 def _local_misses(counters: collections.Counter[str]) -> int:
     """Reads the local store could not serve: those a peer served, and the misses."""
     return counters["peer_hits"] + counters["misses"]
-
-
-class Collector(Protocol):
-    """A prometheus collector whose numbers may need a blocking read before a scrape."""
-
-    async def refresh(self) -> None: ...
-
-    def collect(self) -> Iterator[Metric]: ...
-
-
-class MetricsEndpoint:
-    """A minimal HTTP/1.1 responder: ``GET /metrics`` gets the exposition text."""
-
-    def __init__(self, address: tuple[str, int], collector: Collector) -> None:
-        self.collector = collector
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(collector)
-        ProcessCollector(registry=self.registry)
-        self._sock = _bind(*address)  # now, so that a taken port fails before mounting
-
-    @property
-    def address(self) -> tuple[str, int]:
-        host, port = self._sock.getsockname()[:2]
-        return host, port
-
-    async def serve(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
-        host, port = self.address
-        async with trio.SocketListener(trio.socket.from_stdlib_socket(self._sock)) as listener:
-            log.info("metrics on http://%s:%d/metrics", host, port)
-            task_status.started((host, port))
-            await trio.serve_listeners(self._answer, [listener])
-
-    async def _answer(self, stream: trio.SocketStream) -> None:
-        async with stream:
-            with trio.move_on_after(REQUEST_TIMEOUT):
-                try:
-                    head = await _read_head(stream)
-                    if head is not None:
-                        await stream.send_all(await self._response(head))
-                except trio.BrokenResourceError:
-                    log.debug("metrics client went away")
-
-    async def _response(self, head: bytes) -> bytes:
-        lines = head.decode("latin-1").splitlines()
-        parts = lines[0].split() if lines else []
-        if len(parts) != 3:
-            return _http("400 Bad Request", b"bad request\n")
-        method, target = parts[0], parts[1].split("?", 1)[0]
-        if method != "GET":
-            return _http("405 Method Not Allowed", b"only GET\n")
-        if target not in ("/", "/metrics"):
-            return _http("404 Not Found", b"try /metrics\n")
-        # The text format Prometheus asks for (OpenMetrics or the classic one).
-        accept = next((line.split(":", 1)[1].strip() for line in lines[1:]
-                       if line.lower().startswith("accept:")), "")
-        encode, content_type = choose_encoder(accept)
-        await self.collector.refresh()
-        try:
-            body = encode(self.registry)
-        except Exception:  # a bug in the metrics must not take the mount down with it
-            log.exception("rendering metrics failed")
-            return _http("500 Internal Server Error", b"rendering metrics failed\n")
-        return _http("200 OK", body, content_type)
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    where = f"{host}:{port}"
-    try:
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    except OSError as exc:
-        raise QuietError(f"cannot serve metrics on {where}: {exc.strerror}",
-                         ExitCode.USAGE) from None
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(sockaddr)
-        sock.listen(LISTEN_BACKLOG)
-    except OSError as exc:
-        sock.close()
-        raise QuietError(f"cannot serve metrics on {where}: {exc.strerror}: pick another "
-                         "--metrics address", ExitCode.USAGE) from None
-    return sock
-
-
-async def _read_head(stream: trio.SocketStream) -> bytes | None:
-    """The request line and headers, or None if the client closed or sent too much."""
-    data = b""
-    while b"\r\n\r\n" not in data and b"\n\n" not in data:
-        if len(data) > MAX_REQUEST:
-            return None
-        chunk = await stream.receive_some(4096)
-        if not chunk:
-            return None
-        data += chunk
-    return data
-
-
-def _http(status: str, body: bytes, content_type: str = "text/plain; charset=utf-8") -> bytes:
-    head = (f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
-    return head.encode("latin-1") + body

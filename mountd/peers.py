@@ -104,8 +104,9 @@ class PeerService:
 class PeerSet:
     """Connections to the other members; a peer that fails is skipped for a while."""
 
-    def __init__(self, secret: bytes) -> None:
+    def __init__(self, secret: bytes, limiter: trio.CapacityLimiter) -> None:
         self.secret = secret
+        self.limiter = limiter  # the daemon's blocking workers: hashing peers' answers
         self.clients: dict[str, RpcClient] = {}
         self.down_until: dict[str, float] = {}
         self.bad_gets = 0
@@ -185,7 +186,7 @@ class PeerSet:
                 out.append(data)
             return out
 
-        return await trio.to_thread.run_sync(check)
+        return await trio.to_thread.run_sync(check, limiter=self.limiter)
 
     async def put_many(self, node: str, items: list[tuple[bytes, bytes]]) -> list[bool]:
         """Store (hash, content) pairs at a peer, in requests of at most MAX_BATCH items

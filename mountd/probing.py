@@ -25,7 +25,6 @@ import statistics
 
 log = logging.getLogger(__name__)
 
-PROBE_BATCHES = 100  # the coordinator's default; it may say otherwise
 PROBE_LIMIT = 4  # a probe that measured too little after this many times N batches ends
 HIT, PROBE, NO_CACHE = 0, 1, 2  # how a batch was planned
 

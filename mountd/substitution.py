@@ -17,9 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from typing import TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
+# A planning step: yields candidate items, is sent which may be hits, returns a T.
+Planning = Generator[np.ndarray, np.ndarray, T]
 
 DEFAULT_SCAN_FACTOR = 10
 SCAN_BLOCK = 256  # items whose cache state is asked for at once
@@ -108,8 +113,7 @@ class EpochSampler:
         positions = self._by_chunk[self._chunk_start[chunk]:self._chunk_start[chunk + 1]]
         return self.order[positions[~self._consumed[positions]]]
 
-    def _hits_from_chunk(self, chunk: int, need: int, budget: int,
-                         is_cached: Callable[[np.ndarray], np.ndarray]) -> list[int]:
+    def _hits_from_chunk(self, chunk: int, need: int, budget: int) -> Planning[list[int]]:
         """Up to ``need`` cached pending items of ``chunk`` in visiting order, scanning at
         most ``budget`` of its pending items; marked consumed."""
         end = int(self._chunk_start[chunk + 1])
@@ -125,33 +129,34 @@ class EpochSampler:
             budget -= len(positions)
             if not len(positions):
                 continue
-            cached = np.asarray(is_cached(self.order[positions]), dtype=bool)
+            cached = np.asarray((yield self.order[positions]), dtype=bool)
             taken = positions[np.flatnonzero(cached)[:need - len(hits)]]
             self._consumed[taken] = True
             hits.extend(self.order[taken].tolist())
         return hits
 
-    def plan(self, is_cached: Callable[[np.ndarray], np.ndarray],
-             prefer: Callable[[np.ndarray], np.ndarray] | None = None,
-             first_chunk: int | None = None) -> Batch:
-        """Plan the next batch. ``is_cached(items)`` says which items may be served as
-        hits; ``prefer(items)`` ranks misses, higher fetched first (the chunk being
-        loaded before the rest); hits come from ``first_chunk`` first (the sampler
-        must have been given ``chunk_of``)."""
+    def planning(self, prefer: Callable[[np.ndarray], np.ndarray] | None = None,
+                 first_chunk: int | None = None) -> Planning[Batch]:
+        """Plan the next batch, as a generator: it yields blocks of candidate items and
+        is sent back which of them may be served as hits (cached, or held by their
+        owner); it returns the Batch. The caller asks the store in between, so no
+        thread waits on another while it does. ``prefer(items)`` ranks misses, higher
+        fetched first (the chunk being loaded before the rest); hits come from
+        ``first_chunk`` first (the sampler must have been given ``chunk_of``)."""
         if self.planned >= self.n_batches:
             raise IndexError("the epoch has no more batches")
         need = min(self.batch_size, self._remaining)
         budget = self._scan_budget(need)
         hits: list[int] = []
         if first_chunk is not None:
-            hits = self._hits_from_chunk(first_chunk, need, budget, is_cached)
+            hits = yield from self._hits_from_chunk(first_chunk, need, budget)
         scanned = 0
         while len(hits) < need and scanned < budget:
             idx, positions = self._next_block(self._block(need - len(hits), budget - scanned))
             if not len(idx):
                 self._cursor = len(self._pass)  # this pass is used up
                 continue
-            cached = np.asarray(is_cached(self.order[positions]), dtype=bool)
+            cached = np.asarray((yield self.order[positions]), dtype=bool)
             hit_at = np.flatnonzero(cached)[:need - len(hits)]
             if len(hit_at) == need - len(hits) and len(hit_at):
                 used = hit_at[-1] + 1  # stop right after the last hit taken
@@ -171,6 +176,16 @@ class EpochSampler:
         self.fetched += len(fetch)
         return batch
 
+    def plan(self, is_cached: Callable[[np.ndarray], np.ndarray],
+             prefer: Callable[[np.ndarray], np.ndarray] | None = None,
+             first_chunk: int | None = None) -> Batch:
+        """``planning`` driven to its end with ``is_cached(items)`` answering each block."""
+        steps = self.planning(prefer, first_chunk)
+        items, batch = advance(steps, None)
+        while batch is None:
+            items, batch = advance(steps, is_cached(items))
+        return batch
+
     def _choose_misses(self, n: int, prefer: Callable[[np.ndarray], np.ndarray] | None
                        ) -> list[int]:
         """A random subset of pending items, higher ``prefer`` ranks first; marked
@@ -185,3 +200,14 @@ class EpochSampler:
         chosen = pending[:n]
         self._consumed[chosen] = True
         return self.order[chosen].tolist()
+
+
+def advance(steps: Planning[T], answer: np.ndarray | None
+            ) -> tuple[np.ndarray | None, T | None]:
+    """Run a planning generator one step: send ``answer`` (None to start it); either the
+    next items it asks about (and None), or None and its result."""
+    try:
+        items = next(steps) if answer is None else steps.send(answer)
+    except StopIteration as done:
+        return None, done.value
+    return items, None

@@ -16,9 +16,10 @@ See docs/cli.md; the config file is described in docs/operations.md."""
 
 def build_parser() -> argparse.ArgumentParser:
     from coordinator import cli as coordinator_cli
+    from coordinator.embedded import EmbeddedCoordinator
     from digest_tools import cli as digest_cli
     from mountd import cli as mountd_cli
-    from quiverfs import bench_cli
+    from quiverfs.bench import cli as bench_cli
 
     parser = argparse.ArgumentParser(
         prog="quiver", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -35,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{config.DEFAULT_PATH}, if it exists)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     digest_cli.add_parsers(sub)
-    mountd_cli.add_parsers(sub)
+    mountd_cli.add_parsers(sub, embedded_coordinator=EmbeddedCoordinator)
     coordinator_cli.add_parsers(sub)
     bench_cli.add_parsers(sub)
     return parser

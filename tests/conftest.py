@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from quiverfs.bench_data import Tree, write_digits_tree, write_synthetic_tree
-from quiverfs.emulator import Emulator, emulator_available, running_emulator, upload_tree
+from quiverfs.bench.data import Tree, write_digits_tree, write_synthetic_tree
+from quiverfs.bench.emulator import Emulator, emulator_available, running_emulator, upload_tree
 
 SYNTHETIC_ITEMS = 40
 SYNTHETIC_CLASSES = 10

@@ -12,7 +12,8 @@ from digest_tools.create import create_digest
 from quiverfs import control_client
 from quiverfs.backends import StorageOptions
 from quiverfs.errors import QuietError
-from quiverfs.mountd_process import MountdProcess, is_mounted, unmount
+from quiverfs.bench.processes import MountdProcess, unmount
+from quiverfs.mount_point import is_mounted
 
 
 MountdFactory = Callable[..., MountdProcess]

@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from quiverfs.mountd_process import is_mounted, terminate, unmount
+from quiverfs.bench.processes import terminate, unmount
+from quiverfs.mount_point import is_mounted
 
 READY_TIMEOUT = 60.0  # seconds
 

@@ -10,9 +10,9 @@ import torch
 import torchvision
 
 from coordinator.allocation import NO_BENEFIT, DatasetDemand, JobBenefit, allocate
-from quiverfs.bench_data import write_synthetic_tree
-from quiverfs.mountd_process import CoordinatorProcess, MountdProcess, unmount
-from quiverfs.throttle_proxy import throttled
+from quiverfs.bench.data import write_synthetic_tree
+from quiverfs.bench.processes import CoordinatorProcess, MountdProcess, unmount
+from quiverfs.bench.throttle_proxy import throttled
 from quiverfs.torch import QuiverBatchSampler
 from tests.mountd_helpers import make_digest, mount, mountd_factory  # noqa: F401
 

@@ -12,7 +12,7 @@ import pytest
 
 from quiverfs.backends import Backend, StorageOptions, open_backend
 from quiverfs.backends.gcs import GCSBackend
-from quiverfs.emulator import Emulator
+from quiverfs.bench.emulator import Emulator
 from quiverfs.errors import ExitCode, QuietError
 
 BIG = 3 * (1 << 20) + 12345  # spans several 1 MiB read blocks

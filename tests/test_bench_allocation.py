@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from coordinator.bench_allocation import SIZES, measure, plot_throughput
-from quiverfs.emulator import emulator_available
+from quiverfs.bench.allocation import SIZES, measure, plot_throughput
+from quiverfs.bench.emulator import emulator_available
 
 pytestmark = [
     pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse"),

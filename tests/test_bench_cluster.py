@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from coordinator.bench_cluster import MODES, SIZES, measure, plot_timeline
-from quiverfs.emulator import emulator_available
+from quiverfs.bench.cluster import MODES, SIZES, measure, plot_timeline
+from quiverfs.bench.emulator import emulator_available
 
 pytestmark = [
     pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse"),

@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from quiverfs.bench_compare import CACHED_MODES, FRACTIONS, SIZES, rclone_available, run
-from quiverfs.emulator import emulator_available
-from quiverfs.mountd_process import is_mounted
+from quiverfs.bench.compare import CACHED_MODES, FRACTIONS, SIZES, rclone_available, run
+from quiverfs.bench.emulator import emulator_available
+from quiverfs.mount_point import is_mounted
 
 pytestmark = [
     pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse"),

@@ -8,7 +8,7 @@ import numpy as np
 from PIL import Image
 from sklearn.datasets import load_digits
 
-from quiverfs.bench_data import (MAX_SIZE, MIN_SIZE, Tree, synthetic_sizes,
+from quiverfs.bench.data import (MAX_SIZE, MIN_SIZE, Tree, synthetic_sizes,
                                  write_digits_tree, write_synthetic_tree)
 
 

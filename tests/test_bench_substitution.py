@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from mountd.bench_substitution import SIZES, run
-from quiverfs.emulator import emulator_available
-from quiverfs.throttle_proxy import throttled
+from quiverfs.bench.substitution import SIZES, run
+from quiverfs.bench.emulator import emulator_available
+from quiverfs.bench.throttle_proxy import throttled
 
 SUMMARY_KEYS = {
     "hit_ratio_sub", "hit_ratio_lru", "bucket_bytes_ratio_sub", "bucket_bytes_ratio_lru",

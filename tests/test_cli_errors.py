@@ -15,7 +15,8 @@ from mountd import job_files
 from mountd.registry import check_name
 from quiverfs import digest as fmt
 from quiverfs.errors import ExitCode, QuietError
-from quiverfs.mountd_process import is_mounted, terminate, unmount
+from quiverfs.bench.processes import terminate, unmount
+from quiverfs.mount_point import is_mounted
 from tests.test_digest_errors import assert_error, unprivileged  # noqa: F401 (a fixture)
 
 HUGE = "1" + "0" * 400

@@ -1,6 +1,7 @@
 """A cluster of real processes: a coordinator and mountd nodes on loopback."""
 from __future__ import annotations
 
+import collections
 import hashlib
 import os
 import threading
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 from mountd.content_store import ContentStore
 from mountd.peers import PeerService
 from quiverfs import ownership, wire
-from quiverfs.mountd_process import CoordinatorProcess, MountdProcess, unmount
+from quiverfs.bench.processes import CoordinatorProcess, MountdProcess, unmount
 from quiverfs.rpc import RpcClient, RpcServer, Unavailable
 from quiverfs.torch import QuiverBatchSampler
 from tests.mountd_helpers import make_digest, tree_hashes
@@ -41,7 +42,8 @@ class Cluster:
                                               extra_args=coordinator_args)
         self.nodes: dict[str, MountdProcess] = {}
 
-    def add_node(self, name: str, cache_size: str = "1G") -> MountdProcess:
+    def add_node(self, name: str, cache_size: str = "1G",
+                 extra_args: tuple[str, ...] = ()) -> MountdProcess:
         root = os.path.join(self.base, f"{name}-mnt")
         cache = os.path.join(self.base, f"{name}-cache")
         os.makedirs(root, exist_ok=True)
@@ -49,7 +51,8 @@ class Cluster:
         m = MountdProcess(root, cache, cache_size, os.path.join(self.base, f"{name}.log"),
                           extra_args=("--coordinator", self.coordinator.address,
                                       "--listen", "127.0.0.1:0", "--node-id", name,
-                                      "--cluster-secret-file", self.secret_file))
+                                      "--cluster-secret-file", self.secret_file,
+                                      *extra_args))
         m.start()
         self.nodes[name] = m
         return m
@@ -85,9 +88,11 @@ def cluster(tmp_path) -> Iterator[Cluster]:
     assert not problems, "\n".join(problems)
 
 
-def start_nodes(cluster: Cluster, names: list[str], data: bytes) -> None:
+def start_nodes(cluster: Cluster, names: list[str], data: bytes,
+                extra_args: tuple[str, ...] = ()) -> None:
     for name in names:
-        cluster.add_node(name).call({"op": "mount", "name": "syn", "digest": data})
+        cluster.add_node(name, extra_args=extra_args).call(
+            {"op": "mount", "name": "syn", "digest": data})
     everyone = sorted(cluster.nodes)
     cluster.wait_for(lambda: all(cluster.live_members(n) == everyone for n in everyone),
                      "every node to see every member")
@@ -156,6 +161,61 @@ def test_substitutable_hits_come_from_peers_in_batches(tmp_path, synthetic_tree)
     finally:
         if sampler is not None:
             sampler.close()
+        problems = c.stop()
+    assert not problems, "\n".join(problems)
+
+
+PLANNERS = 3  # jobs planning batches at once on one node
+THREADS = 1  # that node's blocking workers: fewer than its planners
+MAX_EPOCHS = 20
+
+
+def test_more_planners_than_worker_threads_finish(tmp_path, synthetic_tree):
+    """A planner asks the store and the peers about candidates between its steps, so
+    planners never hold every worker while waiting for one (a deadlock before)."""
+    c = Cluster(str(tmp_path), coordinator_args=("--probe-batches", "1"))
+    c.coordinator.start()
+    try:
+        start_nodes(c, ["a", "b"], make_digest(synthetic_tree.root, "syn"),
+                    extra_args=("--threads", str(THREADS)))
+        expected = tree_hashes(synthetic_tree.root)
+        root = os.path.join(c.nodes["a"].root, "syn")
+        for p in expected:  # cached at both owners: planning asks the store and the peer
+            read(os.path.join(root, p))
+        wrong: list[tuple[int, int]] = []  # (job, epoch) that did not see every item once
+        hits = collections.Counter[int]()
+
+        def job(n: int) -> None:
+            sampler = QuiverBatchSampler(root, 4, seed=n)
+            try:
+                # until an epoch had hits: the first ones come before the coordinator's
+                # first answer, or are probed, and are planned without look-ups
+                for epoch in range(MAX_EPOCHS):
+                    sampler.set_epoch(epoch)
+                    got = {}
+                    for b in range(len(sampler)):
+                        manifest = sampler.manifest(b)
+                        hits[n] += manifest["hits"]
+                        for p in manifest["paths"]:
+                            got[p] = hashlib.sha256(read(os.path.join(root, p))).hexdigest()
+                    if got != expected:
+                        wrong.append((n, epoch))
+                    if hits[n]:
+                        return
+            finally:
+                sampler.close()
+
+        threads = [threading.Thread(target=job, args=(n,), daemon=True)
+                   for n in range(PLANNERS)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 2 * DEADLINE
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in threads), "planners are stuck"
+        assert not wrong
+        assert all(hits[n] > 0 for n in range(PLANNERS))  # the look-ups did find items
+    finally:
         problems = c.stop()
     assert not problems, "\n".join(problems)
 

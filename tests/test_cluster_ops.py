@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from quiverfs.mountd_process import free_port
+from quiverfs.bench.processes import free_port
 from tests.notify_daemon import notify_daemon  # noqa: F401
 from tests.test_metrics import scrape, value
 from tests.test_systemd import MOUNTD_UNIT, UNITS, exec_lines, render

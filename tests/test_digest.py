@@ -11,8 +11,8 @@ import pytest
 from digest_tools.create import create_digest
 from quiverfs import digest as fmt
 from quiverfs.backends import StorageOptions
-from quiverfs.bench_data import Tree
-from quiverfs.emulator import Emulator
+from quiverfs.bench.data import Tree
+from quiverfs.bench.emulator import Emulator
 from quiverfs.errors import ExitCode, QuietError
 
 

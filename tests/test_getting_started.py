@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from quiverfs.mountd_process import is_mounted, unmount
+from quiverfs.bench.processes import unmount
+from quiverfs.mount_point import is_mounted
 from tests.mountd_helpers import tree_hashes
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")

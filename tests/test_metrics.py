@@ -1,4 +1,5 @@
-"""mountd's Prometheus endpoint, run with the config file docs/operations.md shows."""
+"""mountd's Prometheus endpoint, run with the config file docs/operations.md shows, and
+its collector scraped from another thread while the trio loop runs."""
 from __future__ import annotations
 
 import json
@@ -6,6 +7,7 @@ import os
 import re
 import socket
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -22,13 +24,15 @@ from mountd.jobs import JobManager
 from mountd.metrics import MountdCollector
 from mountd.mount_table import MountTable
 from quiverfs import digest as digest_format
-from quiverfs.bench_data import Tree
+from quiverfs.bench.data import Tree
+from quiverfs.bench.processes import free_port
 from quiverfs.chunk_plan import make_plan
 from quiverfs.errors import ExitCode
-from quiverfs.mountd_process import free_port
+from quiverfs import metrics_server
+from quiverfs.metrics_server import MetricsServer, TrioLoop
 from tests.notify_daemon import notify_daemon  # noqa: F401
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
+needs_fuse = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
 
 OPERATIONS = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
 QUIVER = os.path.join(os.path.dirname(sys.executable), "quiver")
@@ -60,6 +64,21 @@ def scrape(port: int, path: str = "/metrics") -> Samples:
 
 def value(samples: Samples, name: str, **labels: str) -> float:
     return samples[(name, frozenset(labels.items()))]
+
+
+def collected(collector: MountdCollector) -> Samples:
+    """``collector.collect()`` right now, in the calling thread."""
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in collector.collect() for s in family.samples}
+
+
+def scrape_while_serving(collector: MountdCollector) -> Samples:
+    """What a scrape sees: collect() in a thread of its own while the trio loop runs."""
+    async def scrape_once() -> Samples:
+        collector.loop.attach()
+        return await trio.to_thread.run_sync(collected, collector)
+
+    return trio.run(scrape_once)
 
 
 def read_tree(root: Path) -> int:
@@ -95,6 +114,7 @@ def register(quiver, cfg: str, src: str, digest: str, *names: str) -> None:
         assert r.returncode == 0, r.stderr
 
 
+@needs_fuse
 def test_read_and_cache_metrics_count_real_reads(documented_mountd, quiver, synthetic_tree:
                                                  Tree, tmp_path):
     cfg, port = documented_mountd()
@@ -131,6 +151,7 @@ def test_read_and_cache_metrics_count_real_reads(documented_mountd, quiver, synt
     assert status["counters"]["local_hits"] == value(m, "quiver_hits_total", tier="local")
 
 
+@needs_fuse
 def test_job_and_chunk_metrics(documented_mountd, quiver, synthetic_tree: Tree, tmp_path):
     cfg, port = documented_mountd()
     digest = str(tmp_path / "syn.qd")
@@ -172,6 +193,7 @@ def test_job_and_chunk_metrics(documented_mountd, quiver, synthetic_tree: Tree, 
     assert value(scrape(port), "quiver_jobs") == 0
 
 
+@needs_fuse
 def test_http_surface(documented_mountd):
     _, port = documented_mountd()
     request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={
@@ -179,9 +201,8 @@ def test_http_surface(documented_mountd):
     with urllib.request.urlopen(request, timeout=10) as reply:  # what Prometheus asks for
         assert reply.headers["Content-Type"].startswith("application/openmetrics-text")
         assert reply.read().endswith(b"# EOF\n")
-    with pytest.raises(urllib.error.HTTPError) as info:
-        scrape(port, "/other")
-    assert info.value.code == 404
+    # prometheus_client's server answers every path, as Prometheus's own exporters do
+    assert value(scrape(port, "/other"), "quiver_datasets") == 0
     request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", data=b"x")
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(request, timeout=10)
@@ -191,6 +212,7 @@ def test_http_surface(documented_mountd):
     assert value(scrape(port), "quiver_datasets") == 0  # and mountd still answers
 
 
+@needs_fuse
 def test_taken_metrics_port_fails_before_mounting(quiver, tmp_path):
     (tmp_path / "mnt").mkdir()
     with socket.socket() as taken:
@@ -202,7 +224,8 @@ def test_taken_metrics_port_fails_before_mounting(quiver, tmp_path):
                    "--control-socket", str(tmp_path / "ctl.sock"),
                    "--metrics", f"127.0.0.1:{port}")
     assert r.returncode == ExitCode.USAGE, r.stderr
-    assert f"cannot serve metrics on 127.0.0.1:{port}: Address already in use" in r.stderr
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in r.stderr
+    assert "another --metrics address" in r.stderr
     assert "Traceback" not in r.stderr
     assert not os.path.ismount(tmp_path / "mnt")
 
@@ -217,8 +240,7 @@ def test_job_benefit_once_probed(tmp_path):
     collector = MountdCollector(reader, MountTable(), jobs)
 
     def samples() -> Samples:
-        return {(s.name, frozenset(s.labels.items())): s.value
-                for family in collector.collect() for s in family.samples}
+        return scrape_while_serving(collector)
 
     key = {"job": "j1", "dataset": ""}
     assert ("quiver_job_benefit", frozenset(key.items())) not in samples()
@@ -240,3 +262,106 @@ def test_job_benefit_once_probed(tmp_path):
     assert value(m, "quiver_job_mean_batch_seconds", **key) == pytest.approx(
         sum(reported) / len(reported))
     store.close()
+
+
+def test_scrapes_during_reads_see_one_moment(tmp_path):
+    """Scrapes over HTTP while a loop task counts reads: each sees the hits and their
+    bytes from the same moment, every scrape works, and the port closes with the task."""
+    store = ContentStore(str(tmp_path / "store"), 1 << 20)
+    reader = ItemReader(store, trio.CapacityLimiter(1))
+    collector = MountdCollector(reader, MountTable(), JobManager(MountTable(), reader))
+    server = MetricsServer(("127.0.0.1", 0), collector)  # port 0: any free one
+    port = server.address[1]
+
+    async def count_reads() -> None:
+        while True:  # one read of 100 bytes per step, as ItemReader counts them
+            reader.counters["local_hits"] += 1
+            reader.counters["local_bytes"] += 100
+            await trio.lowlevel.checkpoint()
+
+    async def main() -> list[Samples]:
+        async with trio.open_nursery() as nursery:
+            assert await nursery.start(server.serve) == ("127.0.0.1", port)
+            nursery.start_soon(count_reads)
+            scrapes = [await trio.to_thread.run_sync(scrape, port) for _ in range(20)]
+            nursery.cancel_scope.cancel()
+        return scrapes
+
+    scrapes = trio.run(main)
+    hits = [value(m, "quiver_hits_total", tier="local") for m in scrapes]
+    for m, n in zip(scrapes, hits):
+        assert value(m, "quiver_bytes_total", tier="local") == 100 * n
+        assert value(m, "quiver_cache_limit_bytes") == 1 << 20
+    assert hits == sorted(hits) and hits[-1] > 0
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=10).close()
+    store.close()
+
+
+def test_a_stalled_loop_costs_only_its_families(tmp_path, caplog):
+    """A scrape that the loop does not answer in time exports the store's numbers, and
+    the next scrape, with the loop free again, exports everything."""
+    store = ContentStore(str(tmp_path / "store"), 1 << 20)
+    reader = ItemReader(store, trio.CapacityLimiter(1))
+    collector = MountdCollector(reader, MountTable(), JobManager(MountTable(), reader),
+                                TrioLoop(timeout=0.2))
+    reader.counters["local_hits"] = 3
+    stalled: list[Samples] = []
+    done = threading.Event()
+
+    def scrape_stalled() -> None:
+        stalled.append(collected(collector))
+        done.set()
+
+    async def main() -> Samples:
+        collector.loop.attach()
+        scraper = threading.Thread(target=scrape_stalled)
+        scraper.start()
+        assert done.wait(timeout=10)  # blocks the loop until the scrape gave up on it
+        scraper.join()
+        return await trio.to_thread.run_sync(collected, collector)
+
+    again = trio.run(main)
+    (m,) = stalled
+    assert value(m, "quiver_cache_limit_bytes") == 1 << 20
+    assert value(m, "quiver_store_writable") == 1
+    assert ("quiver_hits_total", frozenset({("tier", "local")})) not in m
+    assert "did not answer within 0.2 s" in caplog.text
+    assert value(again, "quiver_hits_total", tier="local") == 3
+    assert value(again, "quiver_cache_limit_bytes") == 1 << 20
+    store.close()
+
+
+class IdleCollector:
+    """A collector with nothing of its own: only the process's numbers are served."""
+
+    def __init__(self) -> None:
+        self.loop = TrioLoop()
+
+    def collect(self) -> list:
+        return []
+
+
+def test_idle_connections_cannot_take_the_endpoint(monkeypatch):
+    """Connections that send nothing are closed after REQUEST_TIMEOUT, and past
+    MAX_CONNECTIONS at once they are closed straight away: scrapes go on."""
+    monkeypatch.setattr(metrics_server._QuietHandler, "timeout", 0.5)
+    server = MetricsServer(("127.0.0.1", 0), IdleCollector())
+    try:
+        idle = [socket.create_connection(server.address) for _ in range(
+            metrics_server.MAX_CONNECTIONS + 8)]
+        deadline = time.monotonic() + 10
+        while True:  # the idle ones time out; then a scrape is served again
+            try:
+                with urllib.request.urlopen(f"http://{server.address[0]}:{server.address[1]}"
+                                            "/metrics", timeout=2) as reply:
+                    assert b"process_cpu_seconds_total" in reply.read()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the endpoint stayed blocked"
+        for s in idle:
+            s.settimeout(5)
+            assert s.recv(1) == b""  # closed by the server, not left open
+            s.close()
+    finally:
+        server.close()

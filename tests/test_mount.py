@@ -16,7 +16,7 @@ import torchvision
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
-from quiverfs.mountd_process import unmount
+from quiverfs.bench.processes import unmount
 from tests.mountd_helpers import (call_as, dataset_counters, make_digest, mount,
                                   mountd_factory, tree_hashes)
 

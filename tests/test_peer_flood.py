@@ -13,7 +13,7 @@ import pytest
 
 from quiverfs import rpc
 from quiverfs.errors import QuietError
-from quiverfs.mountd_process import CoordinatorProcess, MountdProcess, unmount
+from quiverfs.bench.processes import CoordinatorProcess, MountdProcess, unmount
 from tests.mountd_helpers import make_digest, mount, read_hashes, tree_hashes
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")

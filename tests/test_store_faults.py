@@ -12,7 +12,7 @@ import time
 import pytest
 
 from mountd.content_store import DAMAGED_SUFFIX, DISK_MIN_FILE_SIZE
-from quiverfs.mountd_process import MountdProcess
+from quiverfs.bench.processes import MountdProcess
 from tests.mountd_helpers import (dataset_counters, make_digest, mount,  # noqa: F401
                                   mountd_factory, read_hashes, tree_hashes)
 from tests.test_content_store import damage_pages, fill, mounted_tmpfs, value_files
@@ -168,4 +168,5 @@ def test_corrupted_chunk_cycle_state_is_moved_aside(mountd_factory, dataset):
     m2 = mountd_factory(cache_dir=m.cache_dir)
     assert read_hashes(os.path.join(m2.root, "syn"), sorted(expected)) == expected
     assert os.path.exists(state + ".corrupted")
-    assert "is corrupted" in m2.log_tail(50) and "started the chunk cycles afresh" in m2.log_tail(50)
+    log = m2.log_tail(50)
+    assert "is corrupted" in log and "started the chunk cycles afresh" in log

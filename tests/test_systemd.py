@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from quiverfs.mountd_process import is_mounted
+from quiverfs.mount_point import is_mounted
 from tests.notify_daemon import notify_daemon  # noqa: F401
 
 UNITS = Path(__file__).resolve().parent.parent / "systemd"

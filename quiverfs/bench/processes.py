@@ -1,4 +1,5 @@
-"""Run a mountd as a child process (tests, the demo and benchmarks), and always unmount."""
+"""mountd and coordinator child processes for tests, the demo and benchmarks; always
+stopped, and their mounts always unmounted."""
 from __future__ import annotations
 
 import contextlib
@@ -13,6 +14,7 @@ from typing import Any
 
 from quiverfs import control_client
 from quiverfs.errors import QuietError
+from quiverfs.mount_point import is_mounted
 
 START_TIMEOUT = 60.0  # seconds
 STOP_TIMEOUT = 30.0
@@ -39,19 +41,6 @@ def unmount(root: str) -> None:
             return
         subprocess.run(["fusermount3", *args, root], check=False,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def is_mounted(root: str, fuse_only: bool = False) -> bool:
-    """Whether something (a FUSE filesystem, with ``fuse_only``) is mounted at ``root``;
-    true for a dead FUSE mount too, which ``os.path.ismount`` cannot see."""
-    root = os.path.abspath(root)
-    with open("/proc/self/mounts", encoding="utf-8") as f:
-        for line in f:
-            fields = line.split()
-            target = fields[1].replace("\\040", " ")
-            if target == root and (not fuse_only or fields[2].startswith("fuse")):
-                return True
-    return False
 
 
 class MountdProcess:

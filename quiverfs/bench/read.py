@@ -24,9 +24,10 @@ import time
 
 from digest_tools.create import create_digest
 from quiverfs.backends import StorageOptions, open_backend
-from quiverfs.bench_data import write_synthetic_tree
-from quiverfs.emulator import running_emulator, upload_tree
-from quiverfs.mountd_process import MountdProcess, running_mountd
+from quiverfs.bench.cpu_time import process_cpu_seconds
+from quiverfs.bench.data import write_synthetic_tree
+from quiverfs.bench.emulator import running_emulator, upload_tree
+from quiverfs.bench.processes import MountdProcess, running_mountd
 
 FULL_ITEMS, QUICK_ITEMS = 19_000, 1_500  # x 110 KB: 2.1 GB and 165 MB
 COLD_FULL, COLD_QUICK = 2_000, 300  # items uploaded to the emulator (uploads are slow there)
@@ -44,12 +45,6 @@ def read_all(paths: list[str], threads: int, reader=_read_file) -> tuple[int, fl
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         total = sum(pool.map(reader, paths, chunksize=16))
     return total, time.perf_counter() - start
-
-
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _remount(m: MountdProcess, data: bytes, name: str, host: str | None = None) -> str:
@@ -74,9 +69,9 @@ def _files_under(directory: str) -> list[str]:
 
 def _compare(direct: list[str], mounted: list[str], threads: int, pid: int) -> dict:
     direct_bytes, direct_s = read_all(direct, threads)
-    cpu0 = _cpu_seconds(pid)
+    cpu0 = process_cpu_seconds(pid)
     mount_bytes, mount_s = read_all(mounted, threads)
-    cpu = _cpu_seconds(pid) - cpu0
+    cpu = process_cpu_seconds(pid) - cpu0
     if mount_bytes != direct_bytes:
         raise RuntimeError("the mount returned a different number of bytes")
     return {"direct_mb_s": round(direct_bytes / direct_s / 1e6, 1),

@@ -11,8 +11,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
+
+FORCE_EVICT_AFTER = 120.0  # seconds a marked chunk may outlive its first release
 
 
 class ChunkState(str, enum.Enum):
@@ -33,7 +37,7 @@ class EpochRef:
 class ChunkCycle:
     """The residency state machine of one dataset's chunks."""
 
-    def __init__(self, n_chunks: int, force_after: float = 120.0) -> None:
+    def __init__(self, n_chunks: int, force_after: float = FORCE_EVICT_AFTER) -> None:
         self.n_chunks = n_chunks
         self.force_after = force_after
         self.states = [ChunkState.EVICTED] * n_chunks
@@ -41,9 +45,9 @@ class ChunkCycle:
         self.active: int | None = None
         self.marked: int | None = None
         self.generation = 0  # bumped at every mark
-        self._marked_generation = 0
+        self.marked_generation = 0  # the generation the marked chunk was marked in
         self._first_release: float | None = None
-        self._next = 0
+        self.next = 0  # the chunk that loads next
         self.timeline: list[tuple[float, int, str]] = []
         self.max_resident = 0
 
@@ -61,8 +65,8 @@ class ChunkCycle:
             return None
         if self.n_chunks == 1 and self.active is not None:
             return None
-        chunk = self._next
-        self._next = (self._next + 1) % self.n_chunks
+        chunk = self.next
+        self.next = (self.next + 1) % self.n_chunks
         self.loading = chunk
         self._set(chunk, ChunkState.LOADING)
         return chunk
@@ -79,14 +83,10 @@ class ChunkCycle:
             return None
         self.marked = old
         self.generation += 1
-        self._marked_generation = self.generation
+        self.marked_generation = self.generation
         self._first_release = None
         self._set(old, ChunkState.MARKED)
         return old
-
-    def usable(self, ref: EpochRef) -> list[int]:
-        """Chunks a job-epoch may take hits from."""
-        return usable_chunks(self.snapshot(), ref)
 
     def evictable(self, refs: list[EpochRef], now: float | None = None) -> int | None:
         """The marked chunk, once released by every job-epoch that may use it, or once
@@ -94,7 +94,7 @@ class ChunkCycle:
         if self.marked is None:
             return None
         now = time.time() if now is None else now
-        holders = [r for r in refs if r.started_generation < self._marked_generation
+        holders = [r for r in refs if r.started_generation < self.marked_generation
                    and r.remaining_chunks[self.marked] > 0]
         released_some = len(holders) < len(refs) or not refs
         if released_some and self._first_release is None:
@@ -119,11 +119,11 @@ class ChunkCycle:
         self._set(chunk, ChunkState.EVICTED)
 
     def snapshot(self) -> dict:
-        """The state nodes act on (and ``restore`` takes back after a restart)."""
+        """The whole state, as the coordinator persists it (``restore`` takes it back)."""
         return {"chunks": self.n_chunks, "loading": self.loading,
                 "active": self.active, "marked": self.marked,
-                "generation": self.generation, "marked_generation": self._marked_generation,
-                "first_release": self._first_release, "next": self._next,
+                "generation": self.generation, "marked_generation": self.marked_generation,
+                "first_release": self._first_release, "next": self.next,
                 "max_resident": self.max_resident,
                 "states": [s.value for s in self.states]}
 
@@ -133,16 +133,9 @@ class ChunkCycle:
         cycle.states = [ChunkState(s) for s in snap["states"]]
         cycle.loading, cycle.active, cycle.marked = snap["loading"], snap["active"], snap["marked"]
         cycle.generation = int(snap["generation"])
-        cycle._marked_generation = int(snap["marked_generation"])
+        cycle.marked_generation = int(snap["marked_generation"])
         cycle._first_release = snap["first_release"]
-        cycle._next = int(snap["next"])
+        cycle.next = int(snap["next"])
         cycle.max_resident = int(snap["max_resident"])
         return cycle
 
-
-def usable_chunks(snap: dict, ref: EpochRef) -> list[int]:
-    """Chunks a job-epoch may take hits from, given a cycle snapshot."""
-    chunks = [c for c in (snap["active"], snap["loading"]) if c is not None]
-    if snap["marked"] is not None and ref.started_generation < snap["marked_generation"]:
-        chunks.append(snap["marked"])
-    return chunks

@@ -3,7 +3,8 @@
 Single node, one mountd per configuration, the cache at 10% or 20% of a synthetic
 ImageFolder dataset kept in the GCS emulator behind a bandwidth-capped proxy
 (``throttle_proxy``), so the "bucket" is slower than the local cache, as a shared
-bucket is. Each job is a separate process reading through the real mount:
+bucket is. Each job is a separate process (``reading_job``) reading through the real
+mount:
 
 - ``sub``: batches from ``QuiverBatchSampler`` (iterated as a DataLoader does; one job
   per process, each its own seed, world size 1);
@@ -15,47 +16,38 @@ ahead), drops their pages from the kernel's cache, and sleeps a simulated comput
 per batch. The parent holds all jobs at every epoch boundary, so mountd's counters can
 be read per epoch; epoch 0 (cold cache) is left out of the steady-state numbers.
 
-Then a small CNN (``quiverfs.demo.small_cnn``) is trained on the scikit-learn digits
-over a real mount, with a global shuffle and with ``QuiverBatchSampler``, and its test
-accuracy on a held-out split compared.
-
-Run as ``python -m mountd.bench_substitution SPEC`` this module is one job (the worker).
+Then a small CNN (``quiverfs.bench.demo.small_cnn``) is trained on the scikit-learn
+digits over a real mount, with a global shuffle and with ``QuiverBatchSampler``, and its
+test accuracy on a held-out split compared.
 """
 from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
 import dataclasses
-import json
 import logging
 import os
-import queue
 import shutil
-import sys
-import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from digest_tools.create import create_digest
-from quiverfs import digest as digest_format
-from quiverfs.backends import StorageOptions
-from quiverfs.bench_data import write_digits_tree, write_synthetic_tree
-from quiverfs.bench_jobs import JobChild
-from quiverfs.emulator import running_emulator, upload_tree
-from quiverfs.mountd_process import MountdProcess, running_mountd
-from quiverfs.throttle_proxy import ThrottleProxy, throttled
+from quiverfs.bench.bucket_dataset import Dataset, upload_synthetic
+from quiverfs.bench.data import write_digits_tree
+from quiverfs.bench.emulator import running_emulator
+from quiverfs.bench.job_child import run_epoch, running_jobs
+from quiverfs.bench.processes import MountdProcess, running_mountd
+from quiverfs.bench import reading_job
+from quiverfs.bench.reading_job import PREFETCH_BATCHES, READERS, JobSpec, MountSource
+from quiverfs.bench.throttle_proxy import ThrottleProxy, throttled
 
 log = logging.getLogger(__name__)
 
 BUCKET = "bench"
 DATASET = "syn"
 BUCKET_RATE = 20e6  # bytes/s the proxy lets through from the bucket (all connections)
-READERS = 4  # reader threads per job, like DataLoader workers
-PREFETCH_BATCHES = 2  # batches a job's readers may run ahead of its compute
 # Chunks of 40% of the cache: two (double buffering) fit with room for cooperative
 # fetches. mountd's default, 10% of the dataset, does not fit twice in a 10% or 20%
 # cache, and the allocation then gives substitutable jobs no cache at all.
@@ -95,194 +87,7 @@ SIZES = {
 }
 
 
-# -- the job (a separate process) ------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class JobSpec:
-    """What one job process does; sent to it as JSON on its command line."""
-
-    mode: str  # "sub" or "lru"
-    root: str  # the dataset's directory in the mount
-    seed: int
-    batch_size: int
-    compute_s: float
-    epochs: int
-
-
-def _read(path: str) -> int:
-    """Read a file, then drop its pages: with a dataset larger than RAM the kernel's page
-    cache could not hold it either (else it would serve later epochs, not mountd)."""
-    with open(path, "rb", buffering=0) as f:
-        n = len(f.read())
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    return n
-
-
-class _Loader:
-    """Reads batches' files with reader threads, one batch ahead of the consumer."""
-
-    def __init__(self, root: str, readers: int = READERS) -> None:
-        self.root = root
-        self.pool = concurrent.futures.ThreadPoolExecutor(readers)
-
-    def batches(self, plans: Iterator[list[str]]) -> Iterator[tuple[list[str], int]]:
-        """(paths, bytes read) per planned batch (paths relative to the root)."""
-        ready: queue.Queue[tuple[list[str], int] | BaseException | None] = queue.Queue(
-            PREFETCH_BATCHES)
-
-        def produce() -> None:
-            try:
-                for paths in plans:
-                    files = [os.path.join(self.root, p) for p in paths]
-                    ready.put((paths, sum(self.pool.map(_read, files))))
-                ready.put(None)
-            except BaseException as exc:  # handed to the consumer, which raises it
-                ready.put(exc)
-
-        producer = threading.Thread(target=produce, name="loader", daemon=True)
-        producer.start()
-        while (item := ready.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-        producer.join()
-
-    def close(self) -> None:
-        self.pool.shutdown()
-
-
-class _SubPlans:
-    """Batches from ``QuiverBatchSampler``, iterated as a DataLoader does (so per-batch
-    times are reported to mountd); hits per epoch from the job's ``stats`` file."""
-
-    def __init__(self, spec: JobSpec) -> None:
-        from quiverfs.torch import QuiverBatchSampler, image_folder_samples
-
-        self.paths = [os.path.relpath(p, spec.root) for p, _ in image_folder_samples(spec.root)]
-        self.sampler = QuiverBatchSampler(spec.root, spec.batch_size, seed=spec.seed)
-        self._hits = 0
-        self.wait_s = 0.0  # time spent waiting for the sampler's next batch
-
-    def epoch(self, epoch: int) -> Iterator[list[str]]:
-        self.sampler.set_epoch(epoch)
-        batches = iter(self.sampler)
-        while True:
-            asked = time.monotonic()
-            indices = next(batches, None)
-            self.wait_s += time.monotonic() - asked
-            if indices is None:
-                return
-            yield [self.paths[i] for i in indices]
-
-    def hits(self) -> int:
-        """Items the manifests listed as hits since the last call."""
-        with open(os.path.join(self.sampler.job_dir, "stats"), encoding="utf-8") as f:
-            total = int(json.load(f)["counters"].get("hits", 0))
-        new, self._hits = total - self._hits, total
-        return new
-
-    def close(self) -> None:
-        self.sampler.close()
-
-
-class _GlobalShufflePlans:
-    """Batches of a seeded permutation of every file (exact reads)."""
-
-    def __init__(self, spec: JobSpec) -> None:
-        self.spec = spec
-        self.paths = sorted(os.path.relpath(os.path.join(d, f), spec.root)
-                            for d, _, fs in os.walk(spec.root) for f in fs)
-
-    def epoch(self, epoch: int) -> Iterator[list[str]]:
-        order = np.random.default_rng([self.spec.seed, epoch]).permutation(len(self.paths))
-        size = self.spec.batch_size
-        for start in range(0, len(order), size):
-            yield [self.paths[i] for i in order[start:start + size]]
-
-    wait_s = 0.0  # batches are planned locally
-
-    def hits(self) -> int:
-        return -1  # exact reads: mountd's counters tell
-
-    def close(self) -> None:
-        pass
-
-
-def job_main(argv: list[str]) -> int:
-    """One job: announce readiness, then run an epoch for each ``go`` line on stdin,
-    answering with a JSON line (paths in order, manifest hits, seconds, and the seconds
-    spent waiting for the sampler's batches)."""
-    spec = JobSpec(**json.loads(argv[0]))
-    plans = _SubPlans(spec) if spec.mode == "sub" else _GlobalShufflePlans(spec)
-    loader = _Loader(spec.root)
-    try:
-        print(json.dumps({"ready": True}), flush=True)
-        for epoch in range(spec.epochs):
-            if sys.stdin.readline().strip() != "go":
-                return 1
-            start = time.monotonic()
-            paths: list[str] = []
-            nbytes = 0
-            for batch, batch_bytes in loader.batches(plans.epoch(epoch)):
-                time.sleep(spec.compute_s)  # the simulated training step
-                paths += batch
-                nbytes += batch_bytes
-            print(json.dumps({"epoch": epoch, "seconds": time.monotonic() - start,
-                              "paths": paths, "hits": plans.hits(), "bytes": nbytes,
-                              "manifest_s": plans.wait_s}), flush=True)
-            plans.wait_s = 0.0
-        sys.stdin.readline()  # the parent reads mountd's status before we unregister
-    finally:
-        loader.close()
-        plans.close()
-    return 0
-
-
-# -- the parent: running jobs ----------------------------------------------------------
-class JobProcess(JobChild):
-    """A job child running ``spec``."""
-
-    def __init__(self, spec: JobSpec, log_path: str) -> None:
-        argv = [sys.executable, "-m", "mountd.bench_substitution",
-                json.dumps(dataclasses.asdict(spec))]
-        super().__init__(f"{spec.seed} ({spec.mode})", argv, log_path)
-        self.spec = spec
-
-    def receive(self, timeout: float = EPOCH_TIMEOUT) -> dict[str, Any]:
-        return super().receive(timeout)
-
-
-@contextlib.contextmanager
-def running_jobs(specs: list[JobSpec], log_dir: str) -> Iterator[list[JobProcess]]:
-    """Started job processes, all ready; killed on exit if they have not finished."""
-    jobs: list[JobProcess] = []
-    try:
-        for i, spec in enumerate(specs):
-            jobs.append(JobProcess(spec, os.path.join(log_dir, f"job{i}-{spec.mode}.log")))
-        for job in jobs:
-            job.receive()
-        yield jobs
-    finally:
-        for job in jobs:
-            job.kill()
-
-
 # -- the parent: one configuration -----------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Dataset:
-    """The synthetic dataset in the bucket: its digest, paths (digest order) and labels."""
-
-    digest: bytes
-    paths: list[str]
-    labels: list[str]
-    bytes: int
-
-    @classmethod
-    def from_digest(cls, data: bytes) -> Dataset:
-        d = digest_format.decode(data)
-        return cls(data, [d.path(i) for i in range(len(d))],
-                   [d.label(i) for i in range(len(d))], d.total_bytes)
-
-
 def mountd_args(chunk_bytes: int) -> tuple[str, ...]:
     """mountd's options for a run: no probing, chunks of ``chunk_bytes`` item bytes."""
     return ("--probe-batches", str(PROBE_BATCHES), "--chunk-size", str(chunk_bytes))
@@ -356,16 +161,12 @@ def run_config(mode: str, fraction: float, n_jobs: int, data: Dataset, proxy: Th
         m.call({"op": "mount", "name": DATASET, "digest": data.digest,
                 "emulator_host": proxy.url})
         root = os.path.join(m.root, DATASET)
-        specs = [JobSpec(mode, root, seed, size.batch_size, size.compute_s, size.epochs)
-                 for seed in range(n_jobs)]
-        with running_jobs(specs, workdir) as jobs:
+        specs = {f"{seed}-{mode}": JobSpec(mode, root, seed, size.batch_size, size.compute_s,
+                                           size.epochs) for seed in range(n_jobs)}
+        with running_jobs(reading_job.__name__, specs, workdir, EPOCH_TIMEOUT) as jobs:
             for epoch in range(size.epochs):
                 before = _snapshot(m, proxy)
-                start = time.monotonic()
-                for job in jobs:
-                    job.send("go")
-                replies = [job.receive() for job in jobs]
-                seconds = time.monotonic() - start
+                replies, seconds = run_epoch(jobs, EPOCH_TIMEOUT)
                 epochs.append(_epoch_record(epoch, seconds, replies, before,
                                             _snapshot(m, proxy)))
                 for j, reply in enumerate(replies):
@@ -442,9 +243,9 @@ def stored_bytes(digest: bytes, workdir: str) -> int:
     with running_mountd(workdir, cache_size="1G", name="footprint") as m:
         m.call({"op": "mount", "name": "d", "digest": digest, "emulator_host": None})
         root = os.path.join(m.root, "d")
-        files = [os.path.join(dirpath, f) for dirpath, _, fs in os.walk(root) for f in fs]
+        source = MountSource(root)
         with concurrent.futures.ThreadPoolExecutor(READERS) as pool:
-            sum(pool.map(_read, files))
+            sum(pool.map(source.read, source.paths()))
         used = int(m.status()["cache"]["used_bytes"])
     shutil.rmtree(os.path.join(workdir, "footprint-cache"), ignore_errors=True)
     return used
@@ -458,7 +259,7 @@ def train_digits(root: str, seed: int, epochs: int, substitutable: bool,
     import torchvision
     from torch import nn
 
-    from quiverfs.demo import small_cnn
+    from quiverfs.bench.demo import small_cnn
     from quiverfs.torch import QuiverBatchSampler
 
     tf = torchvision.transforms.Compose([torchvision.transforms.Grayscale(),
@@ -527,23 +328,14 @@ def accuracy(size: Size, workdir: str) -> dict[str, Any]:
 
 
 # -- the benchmark ---------------------------------------------------------------------
-def _upload_dataset(emulator_host: str, size: Size, workdir: str) -> Dataset:
-    src = os.path.join(workdir, "src")
-    write_synthetic_tree(src, size.items, size.classes, seed=5)
-    upload_tree(emulator_host, BUCKET, DATASET, src)
-    shutil.rmtree(src)
-    return Dataset.from_digest(create_digest(
-        f"gs://{BUCKET}/{DATASET}", DATASET, workers=4,
-        options=StorageOptions(emulator_host=emulator_host)))
-
-
 def run(quick: bool, workdir: str, size: str | None = None) -> dict[str, Any]:
     """The benchmark; ``size`` ("full", "quick", "tiny") overrides ``quick``."""
     s = SIZES[size or ("quick" if quick else "full")]
     configs: dict[tuple[str, float, int], ConfigRun] = {}
     with running_emulator() as emulator:
         emulator.create_bucket(BUCKET)
-        data = _upload_dataset(emulator.host, s, workdir)
+        data = upload_synthetic(emulator.host, BUCKET, DATASET, workdir, s.items, s.classes,
+                                seed=5)
         with throttled(emulator.host, BUCKET_RATE) as proxy:
             for fraction, n_jobs in s.configs:
                 for mode in ("sub", "lru"):
@@ -597,7 +389,3 @@ def run(quick: bool, workdir: str, size: str | None = None) -> dict[str, Any]:
         "accuracy": acc,
         "summary": summary,
     }
-
-
-if __name__ == "__main__":
-    sys.exit(job_main(sys.argv[1:]))

@@ -17,16 +17,18 @@ from quiverfs.errors import ExitCode, QuietError
 # name -> ("module:function", help). Each function takes (quick: bool, workdir: str),
 # and plot: str | None if it draws a figure, and returns a dict holding at least "summary".
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "digest": ("digest_tools.bench:run",
+    "digest": ("quiverfs.bench.digest:run",
                "digest load time and memory at 1.3 M entries, hashing throughput"),
-    "read": ("mountd.bench_read:run",
+    "read": ("quiverfs.bench.read:run",
              "exact reads through the mount vs local files (warm) and the bucket (cold)"),
-    "substitution": ("mountd.bench_substitution:run", "substitutable vs exact reads, cache 10-20%"),
-    "cluster": ("coordinator.bench_cluster:run",
+    "substitution": ("quiverfs.bench.substitution:run",
+                     "substitutable vs exact reads, cache 10-20%"),
+    "cluster": ("quiverfs.bench.cluster:run",
                 "coordinated chunks on 3 nodes vs direct and LRU reads, cache 20%"),
-    "allocation": ("coordinator.bench_allocation:run",
+    "allocation": ("quiverfs.bench.allocation:run",
                    "benefit-aware allocation vs LRU, 3 job types, cache 15/30/90%"),
-    "compare": ("quiverfs.bench_compare:run", "Quiver vs direct reads and rclone, cache 10-100%"),
+    "compare": ("quiverfs.bench.compare:run",
+                "Quiver vs direct reads and rclone, cache 10-100%"),
 }
 
 

@@ -25,7 +25,7 @@ configured endpoint, and the emulator builds that link from the Host header of t
 request that uploaded the object. So the dataset is uploaded through the proxy: its
 links then point at the proxy, and rclone's downloads pass the same cap as everyone's.
 
-Run as ``python -m quiverfs.bench_compare`` this module is one job (the worker).
+Run as ``python -m quiverfs.bench.compare`` this module is one job (the worker).
 """
 from __future__ import annotations
 
@@ -36,7 +36,6 @@ import json
 import logging
 import math
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -45,15 +44,15 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from digest_tools.create import create_digest
-from mountd.bench_substitution import Dataset
-from quiverfs.backends import StorageOptions
-from quiverfs.bench_data import write_synthetic_tree
-from quiverfs.bench_jobs import JobChild
-from quiverfs.emulator import Emulator, gcs_client, running_emulator, upload_tree
-from quiverfs.mountd_process import (MountdProcess, is_mounted, running_mountd, terminate,
-                                     unmount)
-from quiverfs.throttle_proxy import ThrottleProxy, throttled
+from quiverfs.bench import figures
+from quiverfs.bench.bucket_dataset import Dataset, upload_synthetic
+from quiverfs.bench.cpu_time import own_cpu_seconds, process_cpu_seconds
+from quiverfs.bench.emulator import Emulator, gcs_client, running_emulator
+from quiverfs.bench.job_child import JobChild, run_epoch
+from quiverfs.bench.processes import MountdProcess, running_mountd, terminate, unmount
+from quiverfs.bench.reading_job import read_dropping_pages
+from quiverfs.bench.throttle_proxy import ThrottleProxy, throttled
+from quiverfs.mount_point import is_mounted
 
 log = logging.getLogger(__name__)
 
@@ -124,10 +123,7 @@ def _decode(data: bytes) -> Any:
 def load_image(path: str) -> Any:
     """ImageFolder's loader, dropping the file's pages after reading: else the kernel's
     page cache, not the cache under test, would serve later epochs."""
-    with open(path, "rb", buffering=0) as f:
-        data = f.read()
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    return _decode(data)
+    return _decode(read_dropping_pages(path))
 
 
 class BucketImages:
@@ -155,12 +151,6 @@ class BucketImages:
         name, label = self.samples[index]
         data = self._client.bucket(BUCKET).blob(name).download_as_bytes(checksum=None)
         return self.transform(_decode(data)), label
-
-
-def _own_cpu_seconds() -> float:
-    """CPU seconds of this process and its reaped children (the DataLoader workers)."""
-    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
-                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
 class _Training:
@@ -196,14 +186,14 @@ class _Training:
         """Train one epoch; its items, seconds and CPU seconds."""
         if self.sampler is not None:
             self.sampler.set_epoch(self.epoch)
-        cpu = _own_cpu_seconds()
+        cpu = own_cpu_seconds()
         start = time.monotonic()
         items = 0
         for _, labels in self.loader:
             time.sleep(self.spec.compute_s)  # the simulated training step
             items += len(labels)
         record = {"epoch": self.epoch, "items": items, "seconds": time.monotonic() - start,
-                  "cpu_s": _own_cpu_seconds() - cpu}
+                  "cpu_s": own_cpu_seconds() - cpu}
         self.epoch += 1
         return record
 
@@ -244,22 +234,14 @@ def job_main() -> int:
 
 
 # -- the parent: jobs ------------------------------------------------------------------
-class JobProcess(JobChild):
-    """A job child that runs one configuration after another."""
-
-    def __init__(self, index: int, log_path: str) -> None:
-        super().__init__(str(index), [sys.executable, "-m", "quiverfs.bench_compare"],
-                         log_path)
-        self.index = index
-
-
 @contextlib.contextmanager
-def running_jobs(n: int, log_dir: str) -> Iterator[list[JobProcess]]:
-    """``n`` started job processes, all ready; stopped (or killed) on exit."""
-    jobs: list[JobProcess] = []
+def running_jobs(n: int, log_dir: str) -> Iterator[list[JobChild]]:
+    """``n`` started job processes (this module), all ready; stopped (or killed) on exit."""
+    jobs: list[JobChild] = []
     try:
         for i in range(n):
-            jobs.append(JobProcess(i, os.path.join(log_dir, f"job{i}.log")))
+            jobs.append(JobChild(str(i), [sys.executable, "-m", __name__],
+                                 os.path.join(log_dir, f"job{i}.log")))
         for job in jobs:
             job.receive(START_TIMEOUT)
         yield jobs
@@ -280,13 +262,6 @@ class Target:
     # polls (mountd's store evicts on every insert).
     sampled_cache_dir: str | None = None
     hit_counters: Callable[[], tuple[int, int]] | None = None  # mountd's (hits, lookups)
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a live process, all its threads."""
-    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _quiver_hits(m: MountdProcess, mode: str) -> tuple[int, int]:
@@ -422,7 +397,7 @@ def _epoch_record(epoch: int, seconds: float, replies: list[dict[str, Any]],
             "lookups": after["lookups"] - before["lookups"] if counted else None}
 
 
-def measure(mode: str, target: Target, jobs: list[JobProcess], n_epochs: int, size: Size,
+def measure(mode: str, target: Target, jobs: list[JobChild], n_epochs: int, size: Size,
             proxy: ThrottleProxy) -> list[dict[str, Any]]:
     """Run ``n_epochs`` epochs of ``mode`` on every job, all starting each epoch together;
     a record per epoch. A failure kills the jobs (the mount can then go)."""
@@ -435,11 +410,7 @@ def measure(mode: str, target: Target, jobs: list[JobProcess], n_epochs: int, si
             job.receive(START_TIMEOUT)
         for epoch in range(n_epochs):
             before = _snapshot(target, proxy)
-            start = time.monotonic()
-            for job in jobs:
-                job.send("go")
-            replies = [job.receive(EPOCH_TIMEOUT) for job in jobs]
-            seconds = time.monotonic() - start
+            replies, seconds = run_epoch(jobs, EPOCH_TIMEOUT)
             records.append(_epoch_record(epoch, seconds, replies, before,
                                          _snapshot(target, proxy)))
         for job in jobs:
@@ -473,7 +444,7 @@ def aggregate(records: list[dict[str, Any]], data: Dataset) -> dict[str, Any]:
             "cpu_s_daemon": round(sum(r["daemon_cpu_s"] for r in records), 1)}
 
 
-def run_config(mode: str, fraction: float | None, jobs: list[JobProcess], data: Dataset,
+def run_config(mode: str, fraction: float | None, jobs: list[JobChild], data: Dataset,
                proxy: ThrottleProxy, size: Size, workdir: str) -> dict[str, Any]:
     """One configuration: ``mode`` with a cache of ``fraction`` of the dataset (None: no
     cache), read by every job in ``jobs``."""
@@ -493,7 +464,8 @@ def run_config(mode: str, fraction: float | None, jobs: list[JobProcess], data: 
         records = measure(mode, target, jobs, n_epochs, size, proxy)
     warm = records if mode == "direct" else records[1:]
     return {"mode": mode, "cache_fraction": fraction, "cache_bytes": cache_bytes,
-            "peak_cache_disk_bytes": disk.peak if disk.path else None, "jobs": len(jobs), "epochs": records,
+            "peak_cache_disk_bytes": disk.peak if disk.path else None, "jobs": len(jobs),
+            "epochs": records,
             "all": aggregate(records, data), "steady": aggregate(warm, data)}
 
 
@@ -502,13 +474,8 @@ def upload_dataset(emulator: Emulator, proxy: ThrottleProxy, size: Size,
                    workdir: str) -> Dataset:
     """Write the synthetic dataset, upload it through the proxy (see the module's
     docstring) and digest it from the emulator directly (unthrottled)."""
-    src = os.path.join(workdir, "src")
-    write_synthetic_tree(src, size.items, size.classes, seed=5, mean_size=size.mean_item_bytes)
-    upload_tree(proxy.url, BUCKET, DATASET, src)
-    shutil.rmtree(src)
-    return Dataset.from_digest(create_digest(
-        f"gs://{BUCKET}/{DATASET}", DATASET, workers=4,
-        options=StorageOptions(emulator_host=emulator.host)))
+    return upload_synthetic(emulator.host, BUCKET, DATASET, workdir, size.items, size.classes,
+                            seed=5, mean_size=size.mean_item_bytes, upload_host=proxy.url)
 
 
 def _summary(configs: list[dict[str, Any]], jobs: int) -> dict[str, Any]:
@@ -540,11 +507,7 @@ def _goals(summary: dict[str, Any]) -> dict[str, bool | None]:
 def plot_bars(report: dict[str, Any], out: str) -> None:
     """Grouped bars: steady-state aggregate items/s per configuration and cache budget, one
     panel per job count."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
+    plt = figures.pyplot()
     configs = report["configs"]
     job_counts = sorted({c["jobs"] for c in configs})
     width = 0.8 / len(MODES)
@@ -569,9 +532,7 @@ def plot_bars(report: dict[str, Any], out: str) -> None:
     settings = report["settings"]
     fig.suptitle(f"{report['dataset']['items']} items, bucket capped at "
                  f"{settings['bucket_rate'] / 1e6:g} MB/s", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    figures.save(fig, out)
 
 
 def run(quick: bool, workdir: str, plot: str | None = None, size: str | None = None) -> dict:

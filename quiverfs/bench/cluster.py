@@ -15,27 +15,21 @@ processes, spread over the nodes) read the dataset three ways:
 - ``direct``: the same permutation read from the bucket with the google-cloud-storage
   client, through the same proxy.
 
-A job reads each batch's files with a few threads (like DataLoader workers, one batch
-ahead) and sleeps a simulated compute time per batch. The parent holds the jobs at
-every epoch boundary so the proxy's bytes can be counted per epoch; with a cache,
-epoch 0 (cold) is left out of the steady-state numbers. A thread polls the coordinator
-for the chunk timeline, which ``--plot`` draws like the paper's Figure 7.
-
-Run as ``python -m coordinator.bench_cluster SPEC`` this module is one job (the worker).
+A job (``reading_job``) reads each batch's files with a few threads (like DataLoader
+workers, one batch ahead) and sleeps a simulated compute time per batch. The parent
+holds the jobs at every epoch boundary so the proxy's bytes can be counted per epoch;
+with a cache, epoch 0 (cold) is left out of the steady-state numbers. A thread polls
+the coordinator for the chunk timeline, which ``--plot`` draws like the paper's Figure 7.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import os
-import queue
 import secrets
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -43,20 +37,19 @@ from typing import Any
 
 import numpy as np
 
-from digest_tools.bench import BackgroundCpu
-from digest_tools.create import create_digest
-from mountd.bench_substitution import Dataset
 from quiverfs import digest as digest_format
 from quiverfs import ownership
-from quiverfs.backends import StorageOptions
-from quiverfs.bench_data import write_synthetic_tree
-from quiverfs.bench_jobs import JobChild
+from quiverfs.bench import figures, reading_job
+from quiverfs.bench.bucket_dataset import Dataset, upload_synthetic
+from quiverfs.bench.cpu_time import BackgroundCpu
+from quiverfs.bench.emulator import running_emulator
+from quiverfs.bench.job_child import JobProcess, run_epoch, running_jobs
+from quiverfs.bench.processes import CoordinatorProcess, MountdProcess
+from quiverfs.bench.reading_job import PREFETCH_BATCHES, READERS, JobSpec, bucket_address
+from quiverfs.bench.throttle_proxy import ThrottleProxy, throttled
 from quiverfs.chunk_plan import make_plan
-from quiverfs.emulator import gcs_client, running_emulator, upload_tree
 from quiverfs.errors import QuietError
-from quiverfs.mountd_process import CoordinatorProcess, MountdProcess
 from quiverfs.rpc import call_once
-from quiverfs.throttle_proxy import ThrottleProxy, throttled
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +64,6 @@ MAX_CHUNKS_FACTOR = 3  # chunks may be this many times smaller than the largest 
 HEARTBEAT_TIMEOUT = 10.0  # seconds; generous, since two cores run a dozen processes
 FORCE_EVICT_AFTER = 30.0  # seconds a marked chunk may outlive its first release
 PROBE_BATCHES = 4  # batches a new job runs without hits to measure its benefit (epoch 0)
-READERS = 4  # reader threads per job, like DataLoader workers
-PREFETCH_BATCHES = 2  # batches a job's readers may run ahead of its compute
 EPOCH_TIMEOUT = 900.0  # seconds a job may take for one epoch (or to start)
 JOB_STOP_TIMEOUT = 30.0  # seconds a job may take to unregister and exit
 MEMBERSHIP_TIMEOUT = 60.0  # seconds for every node to see every member
@@ -104,211 +95,6 @@ SIZES = {
     "quick": Size(300, 10, 40_000, 4, 16, 0.28, 3.6e6, 1, 2),
     "tiny": Size(420, 5, 30_000, 2, 8, 0.01, 16e6, 1, 2),
 }
-
-
-# -- the job (a separate process) ------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class JobSpec:
-    """What one job process does; sent to it as JSON on its command line."""
-
-    mode: str  # "sub", "lru" or "direct"
-    source: str  # the dataset's directory in a mount; for "direct" the bucket's endpoint
-    seed: int
-    batch_size: int
-    compute_s: float
-    epochs: int
-
-
-def _read_file(path: str) -> int:
-    """Read a file, then drop its pages: with a dataset larger than RAM the kernel's page
-    cache could not hold it either (else it would serve later epochs, not mountd)."""
-    with open(path, "rb", buffering=0) as f:
-        n = len(f.read())
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    return n
-
-
-class _MountSource:
-    """The dataset's files in a mount."""
-
-    def __init__(self, root: str) -> None:
-        self.root = root
-
-    def paths(self) -> list[str]:
-        return sorted(os.path.relpath(os.path.join(d, f), self.root)
-                      for d, _, fs in os.walk(self.root) for f in fs)
-
-    def read(self, path: str) -> int:
-        return _read_file(os.path.join(self.root, path))
-
-    def close(self) -> None:
-        pass
-
-
-class _BucketSource:
-    """The dataset's objects, read with the GCS client (one client per reader thread)."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self._clients: list[Any] = []
-
-    def _client(self) -> Any:
-        client = getattr(self._local, "client", None)
-        if client is None:
-            client = self._local.client = gcs_client(self.endpoint)
-            with self._lock:
-                self._clients.append(client)
-        return client
-
-    def paths(self) -> list[str]:
-        prefix = f"{DATASET}/"
-        return sorted(b.name[len(prefix):] for b in self._client().list_blobs(BUCKET,
-                                                                              prefix=prefix))
-
-    def read(self, path: str) -> int:
-        blob = self._client().bucket(BUCKET).blob(f"{DATASET}/{path}")
-        return len(blob.download_as_bytes(checksum=None))
-
-    def close(self) -> None:
-        with self._lock:
-            clients, self._clients = self._clients, []
-        for client in clients:
-            client.close()
-
-
-class _SubPlans:
-    """Batches from ``QuiverBatchSampler``, iterated as a DataLoader does (so mountd gets
-    the per-batch times its benefit probing uses); hits from the job's ``stats`` file."""
-
-    def __init__(self, spec: JobSpec) -> None:
-        from quiverfs.torch import QuiverBatchSampler, image_folder_samples
-
-        self.paths = [os.path.relpath(p, spec.source)
-                      for p, _ in image_folder_samples(spec.source)]
-        self.sampler = QuiverBatchSampler(spec.source, spec.batch_size, seed=spec.seed)
-        self._hits = 0
-
-    def epoch(self, epoch: int) -> Iterator[list[str]]:
-        self.sampler.set_epoch(epoch)
-        for indices in self.sampler:
-            yield [self.paths[i] for i in indices]
-
-    def hits(self) -> int | None:
-        """Items the manifests listed as hits since the last call."""
-        with open(os.path.join(self.sampler.job_dir, "stats"), encoding="utf-8") as f:
-            total = int(json.load(f)["counters"].get("hits", 0))
-        new, self._hits = total - self._hits, total
-        return new
-
-    def close(self) -> None:
-        self.sampler.close()
-
-
-class _ShufflePlans:
-    """Batches of a seeded permutation of every path (exact reads; no hit count)."""
-
-    def __init__(self, spec: JobSpec, paths: list[str]) -> None:
-        self.spec = spec
-        self.paths = paths
-
-    def epoch(self, epoch: int) -> Iterator[list[str]]:
-        order = np.random.default_rng([self.spec.seed, epoch]).permutation(len(self.paths))
-        size = self.spec.batch_size
-        for start in range(0, len(order), size):
-            yield [self.paths[i] for i in order[start:start + size]]
-
-    def hits(self) -> int | None:
-        return None
-
-    def close(self) -> None:
-        pass
-
-
-def _loaded_batches(read: Callable[[str], int], pool: concurrent.futures.Executor,
-                    plans: Iterator[list[str]]) -> Iterator[tuple[list[str], int]]:
-    """(paths, bytes read) per planned batch, read by ``pool`` up to PREFETCH_BATCHES
-    batches ahead of the consumer."""
-    ready: queue.Queue[tuple[list[str], int] | BaseException | None] = queue.Queue(
-        PREFETCH_BATCHES)
-
-    def produce() -> None:
-        try:
-            for paths in plans:
-                ready.put((paths, sum(pool.map(read, paths))))
-            ready.put(None)
-        except BaseException as exc:  # handed to the consumer, which raises it
-            ready.put(exc)
-
-    producer = threading.Thread(target=produce, name="loader", daemon=True)
-    producer.start()
-    while (item := ready.get()) is not None:
-        if isinstance(item, BaseException):
-            raise item
-        yield item
-    producer.join()
-
-
-def job_main(argv: list[str]) -> int:
-    """One job: announce readiness, then run an epoch for each ``go`` line on stdin,
-    answering with a JSON line (paths in order, manifest hits or null, bytes, seconds)."""
-    spec = JobSpec(**json.loads(argv[0]))
-    source = _BucketSource(spec.source) if spec.mode == "direct" else _MountSource(spec.source)
-    pool = concurrent.futures.ThreadPoolExecutor(READERS)
-    plans: _SubPlans | _ShufflePlans | None = None
-    try:
-        plans = _SubPlans(spec) if spec.mode == "sub" else _ShufflePlans(spec, source.paths())
-        print(json.dumps({"ready": True}), flush=True)
-        for epoch in range(spec.epochs):
-            if sys.stdin.readline().strip() != "go":
-                return 1
-            start = time.monotonic()
-            paths: list[str] = []
-            nbytes = 0
-            for batch, batch_bytes in _loaded_batches(source.read, pool, plans.epoch(epoch)):
-                time.sleep(spec.compute_s)  # the simulated training step
-                paths += batch
-                nbytes += batch_bytes
-            print(json.dumps({"epoch": epoch, "seconds": time.monotonic() - start,
-                              "paths": paths, "hits": plans.hits(), "bytes": nbytes}),
-                  flush=True)
-        sys.stdin.readline()  # the parent reads the cluster's status before we unregister
-    finally:
-        pool.shutdown()
-        if plans is not None:
-            plans.close()
-        source.close()
-    return 0
-
-
-# -- the parent: jobs ------------------------------------------------------------------
-class JobProcess(JobChild):
-    """A job child running ``spec``."""
-
-    def __init__(self, spec: JobSpec, log_path: str) -> None:
-        argv = [sys.executable, "-m", "coordinator.bench_cluster",
-                json.dumps(dataclasses.asdict(spec))]
-        super().__init__(f"{spec.seed} ({spec.mode})", argv, log_path)
-        self.spec = spec
-
-    def receive(self, timeout: float = EPOCH_TIMEOUT) -> dict[str, Any]:
-        return super().receive(timeout)
-
-
-@contextlib.contextmanager
-def running_jobs(specs: list[JobSpec], log_dir: str) -> Iterator[list[JobProcess]]:
-    """Started job processes, all ready; killed on exit if they have not finished."""
-    jobs: list[JobProcess] = []
-    try:
-        for i, spec in enumerate(specs):
-            jobs.append(JobProcess(spec, os.path.join(log_dir, f"job{i}-{spec.mode}.log")))
-        for job in jobs:
-            job.receive()
-        yield jobs
-    finally:
-        for job in jobs:
-            job.kill()
 
 
 # -- the parent: the cluster -----------------------------------------------------------
@@ -490,11 +276,8 @@ def _epochs(jobs: list[JobProcess], n_epochs: int, proxy: ThrottleProxy,
     orders: list[list[list[str]]] = [[] for _ in jobs]
     for epoch in range(n_epochs):
         before, proxy_before = counters(), proxy.bytes_down
-        start_wall, start = time.time(), time.monotonic()
-        for job in jobs:
-            job.send("go")
-        replies = [job.receive() for job in jobs]
-        seconds = time.monotonic() - start
+        start_wall = time.time()
+        replies, seconds = run_epoch(jobs, EPOCH_TIMEOUT)
         after = counters()
         records.append({
             "epoch": epoch, "start": start_wall, "seconds": round(seconds, 2),
@@ -540,13 +323,15 @@ def run_mode(mode: str, data: Dataset, proxy: ThrottleProxy, size: Size, workdir
     report: dict[str, Any] = {"mode": mode, "jobs": size.jobs,
                               "load_average_before": os.getloadavg()[0]}
 
-    def specs(roots: list[str]) -> list[JobSpec]:
-        return [JobSpec(mode, roots[i % len(roots)], seed=i, batch_size=size.batch_size,
-                        compute_s=size.compute_s, epochs=n_epochs) for i in range(size.jobs)]
+    def running(sources: list[str]) -> contextlib.AbstractContextManager[list[JobProcess]]:
+        specs = {f"{i}-{mode}": JobSpec(mode, sources[i % len(sources)], seed=i,
+                                        batch_size=size.batch_size, compute_s=size.compute_s,
+                                        epochs=n_epochs) for i in range(size.jobs)}
+        return running_jobs(reading_job.__name__, specs, base, EPOCH_TIMEOUT)
 
     log.info("%s: %d jobs, %d epochs", mode, size.jobs, n_epochs)
     if mode == "direct":
-        with running_jobs(specs([proxy.url]), base) as jobs:
+        with running([bucket_address(proxy.url, BUCKET, DATASET)]) as jobs:
             records, orders = _epochs(jobs, n_epochs, proxy, dict)  # no nodes to count
             for job in jobs:
                 job.finish(JOB_STOP_TIMEOUT)
@@ -556,7 +341,7 @@ def run_mode(mode: str, data: Dataset, proxy: ThrottleProxy, size: Size, workdir
 
     with running_cluster(base, data, node_cache, chunk_bytes, proxy.url) as cluster:
         roots = [os.path.join(cluster.nodes[n].root, DATASET) for n in NODES]
-        with running_jobs(specs(roots), base) as jobs, TimelineRecorder(cluster) as recorder:
+        with running(roots) as jobs, TimelineRecorder(cluster) as recorder:
             report["jobs_on"] = [NODES[i % len(NODES)] for i in range(size.jobs)]
             records, orders = _epochs(jobs, n_epochs, proxy, cluster.counters)
             statuses = {n: m.status() for n, m in cluster.nodes.items()}
@@ -588,16 +373,6 @@ class Measurement:
     paths: list[str]  # the dataset's paths (every job's shard: world size 1)
 
 
-def _upload_dataset(emulator_host: str, size: Size, workdir: str) -> Dataset:
-    src = os.path.join(workdir, "src")
-    write_synthetic_tree(src, size.items, size.classes, seed=7, mean_size=size.mean_item_bytes)
-    upload_tree(emulator_host, BUCKET, DATASET, src)
-    shutil.rmtree(src)
-    return Dataset.from_digest(create_digest(
-        f"gs://{BUCKET}/{DATASET}", DATASET, workers=4,
-        options=StorageOptions(emulator_host=emulator_host)))
-
-
 def _goals(summary: dict[str, Any]) -> dict[str, bool]:
     return {k: (summary[k] <= bound if op == "<=" else summary[k] >= bound)
             for k, (op, bound) in GOALS.items()}
@@ -609,7 +384,8 @@ def measure(size: Size, workdir: str) -> Measurement:
     with running_emulator() as emulator:
         emulator.create_bucket(BUCKET)
         started = time.monotonic()
-        data = _upload_dataset(emulator.host, size, workdir)
+        data = upload_synthetic(emulator.host, BUCKET, DATASET, workdir, size.items,
+                                size.classes, seed=7, mean_size=size.mean_item_bytes)
         upload_s = time.monotonic() - started
         node_cache = int(CACHE_FRACTION * data.bytes / len(NODES))
         chunk_bytes, chunking = choose_chunk_bytes(data, node_cache)
@@ -672,12 +448,9 @@ STATE_COLORS = {"loading": "tab:orange", "active": "tab:green", "marked": "tab:r
 def plot_timeline(report: dict[str, Any], out: str) -> None:
     """Which chunks are resident over time (x: seconds, y: chunk), like Figure 7 of the
     paper: a bar per chunk state, the epoch boundaries of the sub run as dashed lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
     from matplotlib.patches import Patch
 
+    plt = figures.pyplot()
     sub = report["modes"]["sub"]
     chunks = report["cache"]["chunks"]
     t0 = sub["epochs"][0]["start"]
@@ -709,9 +482,7 @@ def plot_timeline(report: dict[str, Any], out: str) -> None:
     ax.set_xlim(0, end)
     ax.legend(handles=[Patch(color=c, label=st) for st, c in STATE_COLORS.items()],
               loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    figures.save(fig, out)
 
 
 def run(quick: bool, workdir: str, plot: str | None = None, size: str | None = None) -> dict:
@@ -723,7 +494,3 @@ def run(quick: bool, workdir: str, plot: str | None = None, size: str | None = N
     if plot:
         plot_timeline(report, plot)
     return report
-
-
-if __name__ == "__main__":
-    sys.exit(job_main(sys.argv[1:]))

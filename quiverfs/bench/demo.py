@@ -19,8 +19,9 @@ import torch
 import torchvision
 from torch import nn
 
-from quiverfs.bench_data import write_digits_tree
-from quiverfs.mountd_process import is_mounted, unmount
+from quiverfs.bench.data import write_digits_tree
+from quiverfs.bench.processes import unmount
+from quiverfs.mount_point import is_mounted
 
 EPOCHS = 4
 

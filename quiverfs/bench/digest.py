@@ -4,8 +4,8 @@ Load: a synthetic digest with ImageNet-1k-like paths (fabricated hashes and size
 part measures loading, not hashing) is loaded in fresh subprocesses; each reports the
 wall time of ``quiverfs.digest.load`` and its own peak RSS.
 
-Hashing: real JPEG files (``bench_data.write_synthetic_tree``) are read once to warm
-the page cache, then digested with one worker per CPU. The ratio compares that
+Hashing: real JPEG files (``quiverfs.bench.data.write_synthetic_tree``) are read once
+to warm the page cache, then digested with one worker per CPU. The ratio compares that
 throughput with single-core ``hashlib.sha256`` on in-memory data times the workers.
 """
 from __future__ import annotations
@@ -20,7 +20,10 @@ import sys
 import threading
 import time
 
+from digest_tools.create import create_digest
 from quiverfs import digest as digest_format
+from quiverfs.bench.cpu_time import BackgroundCpu
+from quiverfs.bench.data import synthetic_sizes, write_synthetic_tree
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +54,6 @@ print(json.dumps({"entries": len(d), "seconds": seconds, "rss_before_mb": before
 
 def imagenet_like_items(n: int) -> list[digest_format.NewItem]:
     """``n`` items named like ImageNet's (``n01440764/n01440764_10026.JPEG``) in 1000 classes."""
-    from quiverfs.bench_data import synthetic_sizes
-
     wnids = [f"n{1440764 + 9973 * c:08d}" for c in range(CLASSES)]
     items = []
     for i, size in enumerate(synthetic_sizes(n, SEED).tolist()):
@@ -86,34 +87,6 @@ def measure_load(entries: int, workdir: str) -> dict:
             "page_cache": "warm (file just written)"}
 
 
-class BackgroundCpu:
-    """CPU time that other processes used during a measurement, from /proc/stat."""
-
-    cores = 0.0  # after the block: the average number of CPUs others kept busy
-
-    def __enter__(self) -> BackgroundCpu:
-        self.started = time.perf_counter()
-        self.busy0, self.own0 = _busy_seconds(), _own_seconds()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        wall = time.perf_counter() - self.started
-        others = (_busy_seconds() - self.busy0) - (_own_seconds() - self.own0)
-        self.cores = max(0.0, others / wall)
-
-
-def _busy_seconds() -> float:
-    with open("/proc/stat", encoding="ascii") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_seconds() -> float:
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
-
-
 def memory_sha256(threads: int) -> float:
     """Bytes/s of ``threads`` threads each hashing in-memory data at once (best of 5).
 
@@ -143,8 +116,6 @@ def _read_all(root: str) -> int:
 
 
 def _time_create(root: str, workers: int) -> dict:
-    from digest_tools.create import create_digest
-
     runs = []
     for _ in range(HASH_RUNS):
         with BackgroundCpu() as bg:
@@ -158,8 +129,6 @@ def _time_create(root: str, workers: int) -> dict:
 
 def measure_hashing(total_bytes: int, workdir: str) -> dict:
     """Digest real files with one worker per CPU (and one), against in-memory hashing."""
-    from quiverfs.bench_data import write_synthetic_tree
-
     log.info("writing %d MiB of JPEGs", total_bytes >> 20)
     tree = write_synthetic_tree(os.path.join(workdir, "tree"), max(10, total_bytes // 110_000),
                                 n_classes=100, seed=SEED)

@@ -20,7 +20,7 @@ two ahead of its compute) and sleeps its compute time per batch. Cluster through
 the items all jobs finished per second after a warm-up (which holds the probes and the
 first, cold epoch of a cached dataset), normalized by the ``nocache`` throughput.
 
-Run as ``python -m coordinator.bench_allocation SPEC`` this module is one job (the worker).
+Run as ``python -m quiverfs.bench.allocation SPEC`` this module is one job (the worker).
 """
 from __future__ import annotations
 
@@ -36,30 +36,27 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
 
 import numpy as np
 
 from coordinator.allocation import DatasetDemand, JobBenefit
-from digest_tools.create import create_digest
-from mountd.bench_substitution import Dataset
 from quiverfs import digest as digest_format
-from quiverfs.backends import StorageOptions
-from quiverfs.bench_data import write_synthetic_tree
-from quiverfs.bench_jobs import JobChild
+from quiverfs.bench import figures
+from quiverfs.bench.bucket_dataset import Dataset, upload_synthetic
+from quiverfs.bench.emulator import running_emulator
+from quiverfs.bench.job_child import JobProcess, running_jobs
+from quiverfs.bench.processes import MountdProcess, running_mountd
+from quiverfs.bench.reading_job import PREFETCH_BATCHES, READERS, JobInput, bucket_address
+from quiverfs.bench.throttle_proxy import ThrottleProxy, throttled
 from quiverfs.chunk_plan import make_plan
-from quiverfs.emulator import gcs_client, running_emulator, upload_tree
-from quiverfs.mountd_process import MountdProcess, running_mountd
-from quiverfs.throttle_proxy import ThrottleProxy, throttled
 
 log = logging.getLogger(__name__)
 
 BUCKET = "bench"
 CACHED = ("lru", "quiver")  # the ways to read through a cache, run at every budget
-READERS = 4  # reader threads per job, like DataLoader workers
-PREFETCH_BATCHES = 2  # batches a job's readers may run ahead of its compute
 POLL_INTERVAL = 1.0  # seconds between samples of mountd's status and the proxy's bytes
 JOB_START_TIMEOUT = 180.0  # seconds a job may take to start (importing torch, registering)
 JOB_REPORT_SLACK = 120.0  # seconds past its run time a job may take to finish its batch
@@ -118,105 +115,11 @@ class JobSpec:
     """What one job process does; sent to it as JSON on its command line."""
 
     kind: str  # "nocache", or one of CACHED
-    source: str  # the dataset's directory in the mount; for nocache "ENDPOINT BUCKET PREFIX"
+    source: str  # the dataset's directory in the mount; for nocache a bucket_address
     seed: int
     batch_size: int
     compute_s: float
     seconds: float  # stop after the batch that ends past this many seconds
-
-
-class _MountSource:
-    """The dataset's files in a mount."""
-
-    def __init__(self, root: str) -> None:
-        self.root = root
-
-    def paths(self) -> list[str]:
-        return sorted(os.path.relpath(os.path.join(d, f), self.root)
-                      for d, _, fs in os.walk(self.root) for f in fs)
-
-    def read(self, path: str) -> int:
-        """Read a file, then drop its pages: the kernel's page cache must not stand in
-        for the cache under test (a real dataset would not fit in RAM)."""
-        with open(os.path.join(self.root, path), "rb", buffering=0) as f:
-            n = len(f.read())
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        return n
-
-    def close(self) -> None:
-        pass
-
-
-class _BucketSource:
-    """The dataset's objects, read with the GCS client (one client per reader thread)."""
-
-    def __init__(self, source: str) -> None:
-        self.endpoint, self.bucket, prefix = source.split(" ")
-        self.prefix = prefix.strip("/") + "/"
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self._clients: list[Any] = []
-
-    def _client(self) -> Any:
-        client = getattr(self._local, "client", None)
-        if client is None:
-            client = self._local.client = gcs_client(self.endpoint)
-            with self._lock:
-                self._clients.append(client)
-        return client
-
-    def paths(self) -> list[str]:
-        blobs = self._client().list_blobs(self.bucket, prefix=self.prefix)
-        return sorted(b.name[len(self.prefix):] for b in blobs)
-
-    def read(self, path: str) -> int:
-        blob = self._client().bucket(self.bucket).blob(self.prefix + path)
-        return len(blob.download_as_bytes(checksum=None))
-
-    def close(self) -> None:
-        with self._lock:
-            clients, self._clients = self._clients, []
-        for client in clients:
-            client.close()
-
-
-class _QuiverPlans:
-    """Batches from ``QuiverBatchSampler``, iterated as a DataLoader does (so mountd gets
-    the time between batches, which its probes measure)."""
-
-    def __init__(self, spec: JobSpec) -> None:
-        from quiverfs.torch import QuiverBatchSampler, image_folder_samples
-
-        self.paths = [os.path.relpath(p, spec.source)
-                      for p, _ in image_folder_samples(spec.source)]
-        self.sampler = QuiverBatchSampler(spec.source, spec.batch_size, seed=spec.seed)
-        self.job_id = self.sampler.job_id
-
-    def epoch(self, epoch: int) -> Iterator[list[str]]:
-        self.sampler.set_epoch(epoch)
-        for indices in self.sampler:
-            yield [self.paths[i] for i in indices]
-
-    def close(self) -> None:
-        self.sampler.close()
-
-
-class _ShufflePlans:
-    """Batches of a seeded permutation of every path (exact reads)."""
-
-    def __init__(self, spec: JobSpec, paths: list[str]) -> None:
-        self.spec = spec
-        self.paths = paths
-        self.job_id = None
-
-    def epoch(self, epoch: int) -> Iterator[list[str]]:
-        order = np.random.default_rng([self.spec.seed, epoch]).permutation(len(self.paths))
-        size = self.spec.batch_size
-        for start in range(0, len(order), size):
-            yield [self.paths[i] for i in order[start:start + size]]
-
-    def close(self) -> None:
-        pass
 
 
 _Planned = tuple[list[str], list[concurrent.futures.Future]]  # a batch and its reads
@@ -233,7 +136,7 @@ class _Prefetcher:
     dispatches index batches to its workers); leaving the ``with`` block stops planning
     and waits for the reads already handed out."""
 
-    def __init__(self, read: Any, pool: concurrent.futures.Executor,
+    def __init__(self, read: Callable[[str], int], pool: concurrent.futures.Executor,
                  plans: Iterator[list[str]]) -> None:
         self._read = read
         self._pool = pool
@@ -284,9 +187,7 @@ class _Prefetcher:
             yield paths
 
 
-def _train(spec: JobSpec, source: _MountSource | _BucketSource,
-           pool: concurrent.futures.Executor, plans: _QuiverPlans | _ShufflePlans
-           ) -> dict[str, Any]:
+def _train(spec: JobSpec, job: JobInput) -> dict[str, Any]:
     """Run epochs for ``spec.seconds``: when each batch's compute ended (monotonic clock,
     which every process shares) and its size; each epoch's items, and for a complete
     epoch the digest of its paths."""
@@ -297,14 +198,14 @@ def _train(spec: JobSpec, source: _MountSource | _BucketSource,
     epoch = 0
     while time.monotonic() < stop_at:
         paths: list[str] = []
-        with _Prefetcher(source.read, pool, plans.epoch(epoch)) as loaded:
+        with _Prefetcher(job.source.read, job.pool, job.plans.epoch(epoch)) as loaded:
             for batch in loaded:
                 time.sleep(spec.compute_s)  # the simulated training step
                 paths += batch
                 batches.append((round(time.monotonic(), 4), len(batch)))
                 if time.monotonic() >= stop_at:
                     break
-        complete = len(paths) == len(plans.paths)
+        complete = len(paths) == len(job.plans.paths)
         epochs.append({"epoch": epoch, "items": len(paths), "complete": complete,
                        "paths_sha256": paths_digest(paths) if complete else None})
         epoch += 1
@@ -315,49 +216,14 @@ def job_main(argv: list[str]) -> int:
     """One job: announce readiness (and its mountd job id), train for its time after a
     ``go`` line on stdin, answer with one JSON line, and exit after the next line."""
     spec = JobSpec(**json.loads(argv[0]))
-    source = _BucketSource(spec.source) if spec.kind == "nocache" else _MountSource(spec.source)
-    pool = concurrent.futures.ThreadPoolExecutor(READERS)
-    plans: _QuiverPlans | _ShufflePlans | None = None
-    try:
-        plans = _QuiverPlans(spec) if spec.kind == "quiver" else _ShufflePlans(spec,
-                                                                               source.paths())
-        print(json.dumps({"ready": True, "job": plans.job_id}), flush=True)
+    with JobInput(spec.source, spec.kind == "nocache", spec.kind == "quiver", spec.batch_size,
+                  spec.seed) as job:
+        print(json.dumps({"ready": True, "job": job.plans.job_id}), flush=True)
         if sys.stdin.readline().strip() != "go":
             return 1
-        print(json.dumps(_train(spec, source, pool, plans)), flush=True)
+        print(json.dumps(_train(spec, job)), flush=True)
         sys.stdin.readline()  # the parent reads mountd's status before we unregister
-    finally:
-        pool.shutdown()
-        if plans is not None:
-            plans.close()
-        source.close()
     return 0
-
-
-# -- the parent: jobs ------------------------------------------------------------------
-class JobProcess(JobChild):
-    """A job child running ``spec``."""
-
-    def __init__(self, name: str, spec: JobSpec, log_path: str) -> None:
-        super().__init__(name, [sys.executable, "-m", "coordinator.bench_allocation",
-                                json.dumps(dataclasses.asdict(spec))], log_path)
-        self.spec = spec
-        self.job_id: str | None = None  # mountd's, for quiver jobs
-
-
-@contextlib.contextmanager
-def running_jobs(specs: dict[str, JobSpec], log_dir: str) -> Iterator[list[JobProcess]]:
-    """Started job processes (name -> spec), all ready; killed on exit if still there."""
-    jobs: list[JobProcess] = []
-    try:
-        for name, spec in specs.items():
-            jobs.append(JobProcess(name, spec, os.path.join(log_dir, f"job-{name}.log")))
-        for job in jobs:
-            job.job_id = job.receive(JOB_START_TIMEOUT)["job"]
-        yield jobs
-    finally:
-        for job in jobs:
-            job.kill()
 
 
 # -- the parent: one configuration -----------------------------------------------------
@@ -455,7 +321,7 @@ def run_config(kind: str, budget: float, data: dict[str, Dataset], proxy: Thrott
     with contextlib.ExitStack() as stack:
         m: MountdProcess | None = None
         if kind == "nocache":
-            sources = {t: f"{proxy.url} {BUCKET} {t}" for t in types}
+            sources = {t: bucket_address(proxy.url, BUCKET, t) for t in types}
         else:
             m = stack.enter_context(running_mountd(
                 base, cache_size=str(cache_bytes), extra_args=(
@@ -468,7 +334,7 @@ def run_config(kind: str, budget: float, data: dict[str, Dataset], proxy: Thrott
         specs = {f"{t.name}{i}": JobSpec(kind, sources[t.name], i, size.batch_size,
                                          t.compute_s, size.seconds)
                  for t in size.types for i in range(t.jobs)}
-        jobs = stack.enter_context(running_jobs(specs, base))
+        jobs = stack.enter_context(running_jobs(__name__, specs, base, JOB_START_TIMEOUT))
         go, samples = _watch(jobs, m, proxy, size.seconds)
         replies = {job.name: job.receive(JOB_REPORT_SLACK) for job in jobs}
         final = _sample(m, proxy, time.monotonic() - go)  # while the jobs are registered
@@ -515,17 +381,9 @@ def run_config(kind: str, budget: float, data: dict[str, Dataset], proxy: Thrott
 # -- the benchmark ---------------------------------------------------------------------
 def _upload(emulator_host: str, size: Size, workdir: str) -> dict[str, Dataset]:
     """Write, upload and digest each job type's dataset (distinct seeds: distinct items)."""
-    data = {}
-    for seed, t in enumerate(size.types, start=11):
-        src = os.path.join(workdir, "src", t.name)
-        write_synthetic_tree(src, t.items, size.classes, seed=seed,
-                             mean_size=size.mean_item_bytes)
-        upload_tree(emulator_host, BUCKET, t.name, src)
-        data[t.name] = Dataset.from_digest(create_digest(
-            f"gs://{BUCKET}/{t.name}", t.name, workers=4,
-            options=StorageOptions(emulator_host=emulator_host)))
-    shutil.rmtree(os.path.join(workdir, "src"))
-    return data
+    return {t.name: upload_synthetic(emulator_host, BUCKET, t.name, workdir, t.items,
+                                     size.classes, seed=seed, mean_size=size.mean_item_bytes)
+            for seed, t in enumerate(size.types, start=11)}
 
 
 def _chunking(data: Dataset, chunk_bytes: int, total: int) -> dict[str, Any]:
@@ -597,11 +455,7 @@ def measure(size: Size, workdir: str) -> dict[str, Any]:
 
 def plot_throughput(report: dict[str, Any], out: str) -> None:
     """Normalized cluster throughput per budget, Quiver next to LRU (no cache = 1)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
+    plt = figures.pyplot()
     budgets = list(report["normalized"]["quiver"])
     modes = {str(round(c["budget"] * 100)): c["modes"] for c in report["configs"]
              if c["kind"] == "quiver"}
@@ -624,9 +478,7 @@ def plot_throughput(report: dict[str, Any], out: str) -> None:
         f"{t['jobs']}x {t['name']} ({t['compute_s']:g} s/batch)" for t in size["types"]),
         fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    figures.save(fig, out)
 
 
 def run(quick: bool, workdir: str, plot: str | None = None, size: str | None = None) -> dict:

@@ -1,13 +1,17 @@
-"""A benchmark's job: a child process spoken to in lines on its stdin, answering in JSON
-lines on its stdout, its stderr in a log file whose tail every error names."""
+"""A benchmark's job, on the parent's side: a child process spoken to in lines on its
+stdin, answering in JSON lines on its stdout, its stderr in a log file whose tail every
+error names."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import selectors
 import subprocess
+import sys
 import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 
@@ -74,3 +78,41 @@ class JobChild:
         for pipe in (self.proc.stdin, self.proc.stdout):
             with contextlib.suppress(OSError):
                 pipe.close()
+
+
+class JobProcess(JobChild):
+    """A job child running ``python -m MODULE SPEC`` (``spec`` a dataclass, as JSON)."""
+
+    def __init__(self, name: str, module: str, spec: Any, log_path: str) -> None:
+        super().__init__(name, [sys.executable, "-m", module,
+                                json.dumps(dataclasses.asdict(spec))], log_path)
+        self.spec = spec
+        self.job_id: str | None = None  # mountd's, for a job with a sampler
+
+
+@contextlib.contextmanager
+def running_jobs(module: str, specs: dict[str, Any], log_dir: str, start_timeout: float
+                 ) -> Iterator[list[JobProcess]]:
+    """Started job processes (name -> spec), all ready, each logging to
+    ``log_dir/job-NAME.log``; killed on exit if they have not finished."""
+    jobs: list[JobProcess] = []
+    try:
+        for name, spec in specs.items():
+            jobs.append(JobProcess(name, module, spec,
+                                   os.path.join(log_dir, f"job-{name}.log")))
+        for job in jobs:
+            job.job_id = job.receive(start_timeout).get("job")
+        yield jobs
+    finally:
+        for job in jobs:
+            job.kill()
+
+
+def run_epoch(jobs: Sequence[JobChild], timeout: float) -> tuple[list[dict[str, Any]], float]:
+    """Start an epoch on every job at once (``go``); their replies and the wall seconds
+    until the last one answered."""
+    start = time.monotonic()
+    for job in jobs:
+        job.send("go")
+    replies = [job.receive(timeout) for job in jobs]
+    return replies, time.monotonic() - start

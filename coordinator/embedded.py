@@ -1,0 +1,44 @@
+"""The coordinator's state machine inside mountd, for a single node without
+``--coordinator``: the same chunk cycles drive one VM, with no network in between."""
+from __future__ import annotations
+
+import logging
+import os
+import trio
+
+from coordinator.state import CoordinatorState, StateCorrupted
+from quiverfs.heartbeat import Heartbeat, HeartbeatReply
+
+log = logging.getLogger(__name__)
+
+
+class EmbeddedCoordinator:
+    """The coordinator's state machine inside mountd (single node)."""
+
+    interval = 0.2  # seconds between heartbeats: each is a function call
+
+    def __init__(self, state_dir: str, force_after: float, probe_batches: int,
+                 limiter: trio.CapacityLimiter) -> None:
+        self.limiter = limiter
+
+        def load() -> CoordinatorState:
+            return CoordinatorState(state_dir, heartbeat_timeout=3600.0,
+                                    force_after=force_after, probe_batches=probe_batches)
+
+        try:
+            self.state = load()
+        except StateCorrupted as exc:
+            # Only chunk cycles live there, rebuilt from the next heartbeat: a damaged
+            # file must not keep mountd from starting.
+            aside = f"{exc.path}.corrupted"
+            os.replace(exc.path, aside)
+            log.warning("%s: moved it to %s and started the chunk cycles afresh",
+                        exc.message, aside)
+            self.state = load()
+
+    async def heartbeat(self, beat: Heartbeat) -> HeartbeatReply:
+        reply = self.state.heartbeat(beat)
+        data = self.state.changes()
+        if data is not None:  # heartbeats come one at a time: the writes keep their order
+            await trio.to_thread.run_sync(self.state.write, data, limiter=self.limiter)
+        return reply

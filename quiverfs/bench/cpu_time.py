@@ -1,0 +1,42 @@
+"""CPU seconds: of another process, of this one, and of everything else on the machine."""
+from __future__ import annotations
+
+import os
+import time
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process, all its threads."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    """User + system CPU seconds of this process and its reaped children."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def _busy_seconds() -> float:
+    """CPU seconds the whole machine has been busy (not idle or waiting for I/O)."""
+    with open("/proc/stat", encoding="ascii") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+class BackgroundCpu:
+    """CPU time that other processes used during a measurement, from /proc/stat."""
+
+    cores = 0.0  # after the block: the average number of CPUs others kept busy
+
+    def __enter__(self) -> BackgroundCpu:
+        self.started = time.perf_counter()
+        self.busy0, self.own0 = _busy_seconds(), own_cpu_seconds()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall = time.perf_counter() - self.started
+        others = (_busy_seconds() - self.busy0) - (own_cpu_seconds() - self.own0)
+        self.cores = max(0.0, others / wall)

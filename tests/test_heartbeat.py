@@ -1,0 +1,74 @@
+"""The node-coordinator protocol: typed records, checked on the way in, driving the
+coordinator's chunk cycles."""
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from coordinator.server import CoordinatorServer
+from coordinator.state import CoordinatorState
+from quiverfs.chunk_cycle import ChunkState
+from quiverfs.heartbeat import (CacheMode, DatasetReport, Heartbeat, HeartbeatReply, JobReport,
+                                LoadedShare, from_wire, to_wire)
+
+CHUNKS = 4
+
+
+def beat(node: str, loaded: tuple[LoadedShare, ...] = (), gen: int = 0) -> Heartbeat:
+    job = JobReport(id=f"{node}-job", gen=gen, gpus=1, remaining=(5,) * CHUNKS, probe_seq=0)
+    report = DatasetReport(name="ds", chunks=CHUNKS, size=4000, chunk_bytes=500,
+                           loaded=loaded, jobs=(job,))
+    return Heartbeat(node, f"127.0.0.1:{len(node)}", 1500, {"ident": report})  # COOP fits
+
+
+def over_the_wire(record: object, kind: type) -> object:
+    return from_wire(msgpack.unpackb(msgpack.packb(to_wire(record)), raw=False), kind)
+
+
+def test_records_survive_the_wire():
+    hb = beat("a", loaded=(LoadedShare(1, ("a", "b")),))
+    assert over_the_wire(hb, Heartbeat) == hb
+
+
+@pytest.mark.parametrize("mangle, field", [
+    (lambda w: w.update(node=5), "node"),
+    (lambda w: w.pop("capacity"), "capacity"),
+    (lambda w: w["datasets"]["ident"].update(chunks="4"), "chunks"),
+    (lambda w: w["datasets"]["ident"]["jobs"][0].update(remaining=[1, "x"]), "remaining"),
+    (lambda w: w["datasets"]["ident"].update(loaded=[[1, "a"]]), "loaded"),
+    (lambda w: w.update(datasets=[]), "datasets"),
+])
+def test_a_malformed_heartbeat_is_refused_naming_the_field(mangle, field):
+    wire = to_wire(beat("a"))
+    mangle(wire)
+    with pytest.raises(ValueError, match=f"malformed Heartbeat: .*{field}"):
+        from_wire(wire, Heartbeat)
+
+
+async def test_the_coordinator_answers_a_malformed_heartbeat_with_an_error(tmp_path):
+    server = CoordinatorServer(CoordinatorState(str(tmp_path)), b"s" * 16)
+    with pytest.raises(ValueError):
+        await server.heartbeat({"node": "a", "peer": "p", "capacity": "lots"})
+    reply = from_wire(await server.heartbeat(to_wire(beat("a"))), HeartbeatReply)
+    assert [m.id for m in reply.nodes] == ["a"]
+
+
+def test_typed_reports_drive_the_cycle_and_survive_a_restart(tmp_path):
+    state = CoordinatorState(str(tmp_path), heartbeat_timeout=60.0)
+    first = state.heartbeat(beat("a"), now=1.0).cycles["ident"]
+    assert first.mode is CacheMode.COOP
+    assert first.loading == 0 and first.loaders == ("a",) and first.users == ("a",)
+    assert first.states[0] is ChunkState.LOADING
+    state.heartbeat(beat("b"), now=1.1)  # b joins while a loads chunk 0 alone
+    view = state.heartbeat(beat("a", loaded=(LoadedShare(0, ("a",)),)), now=1.2).cycles["ident"]
+    assert view.active == 0 and view.loading == 1  # the next one loads at once, by both
+    assert view.loaders == ("a", "b") and view.users == ("a", "b")
+    assert view.usable(beat("a").datasets["ident"].jobs[0].epoch_ref()) == [0, 1]
+
+    data = state.changes()
+    assert data is not None and state.changes() is None  # once per change
+    state.write(data)
+    again = CoordinatorState(str(tmp_path), heartbeat_timeout=60.0)
+    cycle = again.datasets["ident"].cycle
+    assert (cycle.active, cycle.loading, cycle.next) == (0, 1, 2)
+    assert again.datasets["ident"].mode is CacheMode.COOP
