@@ -42,7 +42,6 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from quiverfs.process_limits import raise_open_file_limit
     from quiverfs.rpc import load_secret
 
-    host, port = args.listen
     secret = load_secret(args.cluster_secret_file)
     from quiverfs.sizes import parse_size
 
@@ -60,8 +59,5 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     metrics = (MetricsServer(args.metrics, CoordinatorCollector(state))
                if args.metrics else None)
     raise_open_file_limit()
-    try:
-        trio.run(CoordinatorServer(state, secret, metrics).serve, host, port)
-    except* QuietError as group:  # raised inside the nursery: unwrapped, it prints as one line
-        raise group.exceptions[0] from None
+    trio.run(CoordinatorServer(state, secret, args.listen, metrics).serve)
     return ExitCode.OK

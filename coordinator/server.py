@@ -11,7 +11,6 @@ from coordinator.state import CoordinatorState
 from quiverfs import sd_notify
 from quiverfs.heartbeat import Heartbeat, from_wire, to_wire
 from quiverfs.metrics_server import MetricsServer
-from quiverfs.option_types import listen_error
 from quiverfs.rpc import RpcServer
 
 log = logging.getLogger(__name__)
@@ -20,11 +19,12 @@ log = logging.getLogger(__name__)
 class CoordinatorServer:
     """RPC ops: heartbeat (a node joins with its first), status."""
 
-    def __init__(self, state: CoordinatorState, secret: bytes,
+    def __init__(self, state: CoordinatorState, secret: bytes, address: tuple[str, int],
                  metrics: MetricsServer | None = None) -> None:
         self.state = state
         self.metrics = metrics
         self.rpc = RpcServer(secret, {"heartbeat": self.heartbeat, "status": self.status})
+        self.address = self.rpc.bind(*address, "--listen")  # a taken port fails now
         self._saves = trio.CapacityLimiter(1)  # one state write at a time, in order
 
     async def heartbeat(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -40,13 +40,10 @@ class CoordinatorServer:
     async def status(self, args: dict[str, Any]) -> dict[str, Any]:
         return self.state.status()
 
-    async def serve(self, host: str, port: int) -> None:
+    async def serve(self) -> None:
         async with trio.open_nursery() as nursery:
-            try:
-                bound = await nursery.start(self.rpc.serve, host, port)
-            except OSError as exc:  # the port is taken, or the host is not ours
-                raise listen_error("--listen", host, port, exc) from None
-            log.info("coordinator listening on %s:%d", host, bound)
+            await nursery.start(self.rpc.serve)
+            log.info("coordinator listening on %s", self.address)
             if self.metrics is not None:
                 await nursery.start(self.metrics.serve)
             sd_notify.notify("READY=1")

@@ -7,7 +7,7 @@ import sys
 
 from digest_tools.hashing import default_workers
 from quiverfs import digest as digest_format
-from quiverfs.errors import ExitCode, QuietError
+from quiverfs.errors import ExitCode
 from quiverfs.option_types import IntAtLeast
 from quiverfs.sizes import human
 from quiverfs.storage_cli import add_storage_options, storage_options

@@ -8,14 +8,17 @@ from typing import Any
 import pyfuse3
 import trio
 
+from mountd.cluster import Cluster
 from mountd.control_server import Peer
 from mountd.dataset import MountedDataset, PrefetchProgress
 from mountd.dataset_tree import DatasetTree
 from mountd.item_reader import ItemReader, ReadFailed
-from mountd.jobs import JobManager
+from mountd.job_registry import JobRegistry
 from mountd.mount_table import MountTable
+from mountd.peers import PeerService
 from mountd.registry import Registration, Registry, check_name, new_registration
 from quiverfs import digest as digest_format
+from quiverfs.background import BackgroundTasks
 from quiverfs import ownership
 from quiverfs.backends import StorageOptions
 from quiverfs.digest import Digest
@@ -42,31 +45,25 @@ class Controller:
     """Owns the mount table's membership; every change is persisted in the registry."""
 
     def __init__(self, root: str, table: MountTable, registry: Registry, reader: ItemReader,
-                 jobs: JobManager, prefetch_concurrency: int) -> None:
+                 jobs: JobRegistry, cluster: Cluster, peer_service: PeerService | None,
+                 prefetch_concurrency: int) -> None:
         self.root = root
         self.table = table
         self.registry = registry
         self.reader = reader
         self.jobs = jobs
         self.limiter = reader.limiter
-        self.cluster: Any = None  # mountd.cluster.Cluster, wired by the daemon
-        self.peer_service: Any = None  # mountd.peers.PeerService when clustered
+        self.cluster = cluster
+        self.peer_service = peer_service  # with --coordinator
         self.prefetch_concurrency = prefetch_concurrency
         self._lock = trio.Lock()
-        self._nursery: trio.Nursery | None = None
+        self.tasks = BackgroundTasks()  # where prefetches run
         self._prefetch_scopes: dict[str, trio.CancelScope] = {}
         self._retired_failures: dict[int, int] = {}  # hash-check failures of unmounted datasets
 
     def handlers(self) -> dict[str, Any]:
         return {"mount": self.mount, "umount": self.umount, "status": self.status,
                 "prefetch": self.prefetch, "cluster": self.cluster_status}
-
-    async def run(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
-        """Hold the nursery that background prefetches run in."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            task_status.started()
-            await trio.sleep_forever()
 
     # -- building datasets ------------------------------------------------------------
     def _build(self, reg: Registration, digest: Digest) -> MountedDataset:
@@ -278,7 +275,7 @@ class Controller:
                           "write_failures": health.write_failures},
                 "counters": dict(self.reader.counters), "datasets": datasets,
                 "jobs": self.jobs.status(peer.uid),
-                "cluster": self.cluster.status() if self.cluster is not None else None}
+                "cluster": self.cluster.status()}
 
     async def cluster_status(self, peer: Peer, req: dict[str, Any]) -> dict[str, Any]:
         """Members, each one's share of this node's datasets' keys, and the cycles."""
@@ -305,12 +302,12 @@ class Controller:
 
     # -- prefetch ---------------------------------------------------------------------
     def _start_prefetch(self, ds: MountedDataset) -> None:
-        if ds.name in self._prefetch_scopes or self._nursery is None:
+        if ds.name in self._prefetch_scopes or not self.tasks.running:
             return
         scope = trio.CancelScope()
         self._prefetch_scopes[ds.name] = scope
         ds.prefetch = PrefetchProgress(len(ds.digest), ds.digest.total_bytes)
-        self._nursery.start_soon(self._prefetch, ds, ds.prefetch, scope,
+        self.tasks.start_soon(self._prefetch, ds, ds.prefetch, scope,
                                  name=f"prefetch {ds.name}")
 
     async def _prefetch(self, ds: MountedDataset, progress: PrefetchProgress,

@@ -13,6 +13,9 @@ import subprocess
 import pyfuse3
 import trio
 
+from mountd.batch_planner import BatchPlanner
+from mountd.bulk_fetch import BulkFetch
+from mountd.chunk_loader import ChunkLoader
 from mountd.cluster import Cluster, EmbeddedFactory, RemoteCoordinator
 from mountd.content_store import ContentStore
 from mountd.control_server import ControlServer
@@ -20,7 +23,7 @@ from mountd.controller import Controller
 from mountd.fs import QuiverFS
 from mountd.item_reader import ItemReader
 from mountd.job_files import ControlFiles
-from mountd.jobs import JobManager
+from mountd.job_registry import JobRegistry
 from mountd.metrics import MountdCollector
 from mountd.mount_table import MountTable
 from mountd.peers import PeerService, PeerSet
@@ -30,8 +33,8 @@ from quiverfs.fs_identity import NOBODY, IdentityUnavailable, UserIdentity, acti
 from quiverfs.metrics_server import MetricsServer
 from quiverfs.process_limits import raise_open_file_limit
 from quiverfs.mount_point import is_mounted
-from quiverfs.option_types import listen_error
-from quiverfs.rpc import RpcClient, load_secret, parse_address
+from quiverfs.option_types import parse_address
+from quiverfs.rpc import RpcClient, RpcServer, load_secret
 from quiverfs.errors import ExitCode, QuietError
 
 log = logging.getLogger(__name__)
@@ -88,21 +91,27 @@ class Mountd:
 
     def __init__(self, cfg: MountdConfig, embedded_coordinator: EmbeddedFactory) -> None:
         self.cfg = cfg
-        self.embedded_coordinator = embedded_coordinator  # used without cfg.coordinator
         self.root = os.path.abspath(cfg.root)
         self.store = ContentStore(os.path.join(cfg.cache_dir, "store"), cfg.cache_size)
         self.registry = Registry(os.path.join(cfg.cache_dir, "state"))
         self.table = MountTable()
         self.limiter = trio.CapacityLimiter(cfg.threads)
-        self.reader = ItemReader(self.store, self.limiter)
+        self.peer_service: PeerService | None = None
+        self.peer_server: RpcServer | None = None
+        self.coordinator_client: RpcClient | None = None
+        self.cluster = self._cluster(embedded_coordinator)
+        self.reader = ItemReader(self.store, self.limiter, self.cluster)
         # A lone node sizes chunks so that two fit its cache; in a cluster every node
         # must compute the same plan, so the default stays 10% (or --chunk-size).
-        self.jobs = JobManager(self.table, self.reader, cfg.chunk_bytes,
-                               None if cfg.coordinator else cfg.cache_size / 2.5)
-        self.secret = load_secret(cfg.cluster_secret_file) if cfg.coordinator else b""
+        self.jobs = JobRegistry(self.table, self.limiter, cfg.chunk_bytes,
+                                None if cfg.coordinator else cfg.cache_size / 2.5)
+        self.bulk = BulkFetch(self.reader, self.cluster)
+        self.planner = BatchPlanner(self.reader, self.bulk, self.cluster)
+        self.loader = ChunkLoader(self.jobs, self.reader, self.bulk, self.cluster)
         self.controller = Controller(self.root, self.table, self.registry, self.reader,
-                                     self.jobs, cfg.prefetch_concurrency)
-        self.fs = QuiverFS(self.table, self.reader, ControlFiles(self.jobs))
+                                     self.jobs, self.cluster, self.peer_service,
+                                     cfg.prefetch_concurrency)
+        self.fs = QuiverFS(self.table, self.reader, ControlFiles(self.jobs, self.planner))
         # Bound now, so that a taken port fails before mounting.
         self.metrics = (MetricsServer(cfg.metrics, MountdCollector(self.reader, self.table,
                                                                    self.jobs))
@@ -135,12 +144,14 @@ class Mountd:
     async def _serve(self) -> None:
         server = ControlServer(self.cfg.control_socket, self.controller.handlers())
         async with trio.open_nursery() as nursery:
-            await nursery.start(self.controller.run)
-            await nursery.start(self.jobs.run)
-            cluster = await self._join_cluster(nursery)
-            self.reader.cluster = self.jobs.cluster = self.controller.cluster = cluster
-            self.reader.background = nursery
-            nursery.start_soon(cluster.run, self.jobs.report, self.jobs.apply)
+            await nursery.start(self.controller.tasks.run)
+            await nursery.start(self.planner.tasks.run)
+            await nursery.start(self.reader.tasks.run)
+            if self.peer_server is not None:
+                await nursery.start(self.peer_server.serve)
+                await nursery.start(self.cluster.peers.tasks.run)
+                await nursery.start(self.coordinator_client.tasks.run)
+            await nursery.start(self.loader.run)
             await nursery.start(server.serve)
             if self.metrics is not None:
                 await nursery.start(self.metrics.serve)
@@ -153,30 +164,28 @@ class Mountd:
             raise QuietError(f"the FUSE session at {self.root} ended unexpectedly "
                              "(unmounted from outside?)", ExitCode.MOUNT)
 
-    async def _join_cluster(self, nursery: trio.Nursery) -> Cluster:
-        """Start the peer server and the coordinator link (or the embedded coordinator)."""
+    def _cluster(self, embedded_coordinator: EmbeddedFactory) -> Cluster:
+        """This node's cluster: with --coordinator, the peer server's port is bound now
+        (a taken one fails before mounting) and its tasks start with the others; else a
+        lone node with the coordinator embedded."""
         cfg = self.cfg
         if cfg.coordinator is None:
-            link = self.embedded_coordinator(
-                os.path.join(cfg.cache_dir, "state", "coordinator"), cfg.force_evict_after,
-                cfg.probe_batches, self.limiter)
+            link = embedded_coordinator(os.path.join(cfg.cache_dir, "state", "coordinator"),
+                                        cfg.force_evict_after, cfg.probe_batches,
+                                        self.limiter)
             return Cluster(cfg.node_id, "local", cfg.cache_size, link, None)
+        secret = load_secret(cfg.cluster_secret_file)
+        self.peer_service = PeerService(self.store, self.limiter)
+        self.peer_server = self.peer_service.server(secret)
         host, port = parse_address(cfg.listen or "127.0.0.1:0", "--listen")
-        service = PeerService(self.store, self.limiter)
-        self.controller.peer_service = service
-        try:
-            bound = await nursery.start(service.server(self.secret).serve, host, port)
-        except OSError as exc:  # the port is taken, or the host is not ours
-            raise listen_error("--listen", host, port, exc) from None
-        peers = PeerSet(self.secret, self.limiter)
-        await nursery.start(peers.run)
+        address = self.peer_server.bind(host, port, "--listen")
         chost, cport = parse_address(cfg.coordinator, "--coordinator")
-        client = RpcClient(chost, cport, self.secret, timeout=10.0)
-        await nursery.start(client.run)
-        log.info("node %s: peer server on %s:%d, coordinator %s", cfg.node_id, host, bound,
+        self.coordinator_client = RpcClient(chost, cport, secret, timeout=10.0)
+        log.info("node %s: peer server on %s, coordinator %s", cfg.node_id, address,
                  cfg.coordinator)
-        return Cluster(cfg.node_id, f"{host}:{bound}", cfg.cache_size,
-                       RemoteCoordinator(client), peers)
+        return Cluster(cfg.node_id, address, cfg.cache_size,
+                       RemoteCoordinator(self.coordinator_client),
+                       PeerSet(secret, self.limiter))
 
     async def _record_hits(self) -> None:
         while True:

@@ -13,14 +13,15 @@ import hashlib
 import logging
 import time
 from collections import Counter
-from typing import Any
 
 import pyfuse3
 import trio
 
+from mountd.cluster import Cluster
 from mountd.content_store import ContentStore, IntegrityError, StoreError
 from mountd.dataset import MountedDataset
 from mountd.metrics import read_latency
+from quiverfs.background import BackgroundTasks
 from quiverfs.errors import QuietError
 from quiverfs.heartbeat import CacheMode
 from quiverfs.rpc import Unavailable
@@ -54,9 +55,11 @@ class _Flight:
 class ItemReader:
     """Serves item bytes by (dataset, entry); counts hits, misses and bytes per tier."""
 
-    def __init__(self, store: ContentStore, limiter: trio.CapacityLimiter) -> None:
+    def __init__(self, store: ContentStore, limiter: trio.CapacityLimiter,
+                 cluster: Cluster) -> None:
         self.store = store
         self.limiter = limiter
+        self.cluster = cluster
         self._inflight: dict[bytes, _Flight] = {}
         self.counters: Counter[str] = Counter()
         self.latency = read_latency()  # seconds per read served, by tier
@@ -64,8 +67,7 @@ class ItemReader:
         # fetched for one coming read, not cached; oldest first
         self._staged: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
         self._staged_bytes = 0
-        self.cluster: Any = None  # mountd.cluster.Cluster, set once the daemon wires it
-        self.background: trio.Nursery | None = None  # where puts to owners run
+        self.tasks = BackgroundTasks()  # where puts to owners run
         self._puts: dict[str, list[tuple[bytes, bytes]]] = {}  # by owner, not yet sent
         self._planned: dict[bytes, float] = {}  # hits in manifests, not read yet: when
         # Dropping an inode's pages can wait in the kernel for a read of that inode,
@@ -74,8 +76,6 @@ class ItemReader:
 
     def owner(self, digest: bytes) -> str | None:
         """The node that should hold ``digest``; None when that is this node."""
-        if self.cluster is None:
-            return None
         node = self.cluster.owner(digest)
         return None if node == self.cluster.me else node
 
@@ -247,12 +247,12 @@ class ItemReader:
 
     def _put_to_owner(self, owner: str, digest: bytes, data: bytes) -> None:
         """Queue an item for its owner; the first one queued starts the batch's sender."""
-        if self.background is None:
+        if not self.tasks.running:
             return
         queued = self._puts.setdefault(owner, [])
         queued.append((digest, data))
         if len(queued) == 1:
-            self.background.start_soon(self._send_puts, owner)
+            self.tasks.start_soon(self._send_puts, owner)
 
     async def _send_puts(self, owner: str) -> None:
         await trio.sleep(PUT_LINGER)  # a chunk load's concurrent fetches join the batch

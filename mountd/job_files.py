@@ -22,7 +22,8 @@ import time
 
 import pyfuse3
 
-from mountd.jobs import Job, JobError, JobLimit, JobManager
+from mountd.batch_planner import BatchPlanner
+from mountd.job_registry import Job, JobError, JobLimit, JobRegistry
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,9 @@ TIMEOUT = 1.0  # seconds the kernel may cache control entries
 class ControlFiles:
     """Inodes, attributes and I/O of the control area."""
 
-    def __init__(self, jobs: JobManager) -> None:
+    def __init__(self, jobs: JobRegistry, planner: BatchPlanner) -> None:
         self.jobs = jobs
+        self.planner = planner
         self._numbers: dict[str, int] = {}  # job id -> number
         self._by_number: dict[int, Job] = {}
         self._next = 1
@@ -163,14 +165,16 @@ class ControlFiles:
             raise pyfuse3.FUSEError(errno.EISDIR)
         if writing and kind not in ("config", "report"):
             raise pyfuse3.FUSEError(errno.EACCES)
-        return ControlHandle(self.jobs, job, kind, epoch, batch)
+        return ControlHandle(self.jobs, self.planner, job, kind, epoch, batch)
 
 
 class ControlHandle:
     """An open control file. Reads produce the content once, on the first read."""
 
-    def __init__(self, jobs: JobManager, job: Job, kind: str, epoch: int, batch: int) -> None:
+    def __init__(self, jobs: JobRegistry, planner: BatchPlanner, job: Job, kind: str,
+                 epoch: int, batch: int) -> None:
         self.jobs = jobs
+        self.planner = planner
         self.job = job
         self.kind = kind
         self.epoch = epoch
@@ -186,7 +190,7 @@ class ControlHandle:
         job = self.job
         if self.kind == "batch":
             try:
-                return await self.jobs.manifest(job, self.epoch, self.batch)
+                return await self.planner.manifest(job, self.epoch, self.batch)
             except JobError as exc:
                 job.error = str(exc)
                 raise pyfuse3.FUSEError(errno.EINVAL) from None

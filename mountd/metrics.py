@@ -22,7 +22,7 @@ from quiverfs.metrics_server import LoopUnavailable, TrioLoop
 
 if TYPE_CHECKING:
     from mountd.item_reader import ItemReader
-    from mountd.jobs import JobManager
+    from mountd.job_registry import JobRegistry
     from mountd.mount_table import MountTable
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class MountdCollector:
     """Metric families of a running mountd: its live state read on the trio loop
     through ``loop``, its store read in the scrape's thread."""
 
-    def __init__(self, reader: ItemReader, table: MountTable, jobs: JobManager,
+    def __init__(self, reader: ItemReader, table: MountTable, jobs: JobRegistry,
                  loop: TrioLoop | None = None) -> None:
         self.reader = reader
         self.table = table

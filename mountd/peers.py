@@ -15,6 +15,7 @@ from typing import Any
 import trio
 
 from mountd.content_store import ContentStore, IntegrityError, StoreError
+from quiverfs.background import BackgroundTasks
 from quiverfs.rpc import RpcClient, RpcError, RpcServer, Unavailable
 
 log = logging.getLogger(__name__)
@@ -110,27 +111,20 @@ class PeerSet:
         self.clients: dict[str, RpcClient] = {}
         self.down_until: dict[str, float] = {}
         self.bad_gets = 0
-        self._nursery: trio.Nursery | None = None
-
-    async def run(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            task_status.started()
-            await trio.sleep_forever()
+        self.tasks = BackgroundTasks()  # where the clients' connections live
 
     def update(self, members: dict[str, str]) -> None:
         """Track the current members (node id -> peer HOST:PORT)."""
         for node in list(self.clients):
             if node not in members or self._address(node) != members[node]:
                 client = self.clients.pop(node)
-                if self._nursery is not None:
-                    self._nursery.start_soon(client.close)
+                self.tasks.start_soon(client.close)
         for node, peer in members.items():
-            if node not in self.clients and self._nursery is not None:
+            if node not in self.clients and self.tasks.running:
                 host, _, port = peer.rpartition(":")
                 client = RpcClient(host, int(port), self.secret, timeout=10.0)
                 self.clients[node] = client
-                self._nursery.start_soon(client.run)
+                self.tasks.start_soon(client.tasks.run)
 
     def _address(self, node: str) -> str:
         c = self.clients[node]

@@ -11,7 +11,6 @@ import dataclasses
 from typing import ClassVar
 
 from quiverfs.errors import ExitCode, QuietError
-from quiverfs.rpc import parse_address
 from quiverfs.sizes import parse_size
 
 
@@ -72,3 +71,10 @@ def listen_error(option: str, host: str, port: int, exc: OSError) -> QuietError:
     """The one-line error of a daemon that cannot listen where ``option`` says."""
     return QuietError(f"cannot listen on {host}:{port}: {exc.strerror or exc}: stop what uses "
                       f"it or pick another {option} address", ExitCode.USAGE)
+
+
+def parse_address(text: str, what: str = "address") -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise QuietError(f"invalid {what} {text!r}: use HOST:PORT", ExitCode.USAGE)
+    return host, int(port)

@@ -28,7 +28,9 @@ from typing import Any
 import trio
 
 from quiverfs import wire
+from quiverfs.background import BackgroundTasks
 from quiverfs.errors import ExitCode, QuietError
+from quiverfs.option_types import listen_error, parse_address
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,7 @@ MAX_CONCURRENT = 64  # requests one connection may have in progress on a server
 MAX_UNAUTHENTICATED = 256  # connections still in their handshake, all sources together
 MAX_UNAUTHENTICATED_PER_HOST = 32  # and from one source address
 MAX_AUTHENTICATED = 1024  # connections past the handshake (cluster members hold a few)
+LISTEN_BACKLOG = 4096  # connections the kernel queues before accepting
 
 Handler = Callable[[dict[str, Any]], Awaitable[Any]]
 
@@ -73,13 +76,6 @@ def _mac(secret: bytes, challenge: bytes, role: bytes) -> bytes:
     return hmac.new(secret, MAGIC + role + challenge, hashlib.sha256).digest()
 
 
-def parse_address(text: str, what: str = "address") -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise QuietError(f"invalid {what} {text!r}: use HOST:PORT", ExitCode.USAGE)
-    return host, int(port)
-
-
 class RpcServer:
     """Serves ``handlers[op](args)`` to authenticated clients."""
 
@@ -88,16 +84,28 @@ class RpcServer:
         self.secret = secret
         self.handlers = handlers
         self.max_frame = max_frame
+        self._socket: socket.socket | None = None  # bound by ``bind``
         self.rejected = 0  # connections that failed authentication
         self.refused = 0  # connections closed at once: over a cap
         self._handshaking: dict[str, int] = {}  # by source address
         self._authenticated = 0
 
-    async def serve(self, host: str, port: int, *,
-                    task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(port, host=host)
-        task_status.started(listeners[0].socket.getsockname()[1])
-        await trio.serve_listeners(self._connection, listeners)
+    def bind(self, host: str, port: int, option: str) -> str:
+        """Bind the server's port now, before the daemon starts serving (a taken port
+        fails at once, with one line naming ``option``); the HOST:PORT bound."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            self._socket = socket.create_server((host, port), family=family,
+                                                backlog=LISTEN_BACKLOG)
+        except OSError as exc:  # the port is taken, or the host is not ours
+            raise listen_error(option, host, port, exc) from None
+        return f"{host}:{self._socket.getsockname()[1]}"
+
+    async def serve(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve connections on the port ``bind`` took."""
+        listener = trio.SocketListener(trio.socket.from_stdlib_socket(self._socket))
+        task_status.started()
+        await trio.serve_listeners(self._connection, [listener])
 
     async def _authenticate(self, stream: trio.SocketStream) -> bool:
         challenge = secrets.token_bytes(32)
@@ -203,7 +211,8 @@ class RpcServer:
 
 
 class RpcClient:
-    """One authenticated, pipelined connection; ``run()`` must be running in a nursery."""
+    """One authenticated, pipelined connection; ``tasks.run()`` must be running in a
+    nursery (the connection's reader lives there)."""
 
     def __init__(self, host: str, port: int, secret: bytes, timeout: float = 30.0,
                  max_frame: int = MAX_FRAME) -> None:
@@ -216,20 +225,13 @@ class RpcClient:
         self._waiting: dict[int, trio.MemorySendChannel] = {}
         self._send_lock = trio.Lock()
         self._connect_lock = trio.Lock()
-        self._nursery: trio.Nursery | None = None
-
-    async def run(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
-        """Hold the nursery that connection readers live in."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            task_status.started()
-            await trio.sleep_forever()
+        self.tasks = BackgroundTasks()
 
     async def _connect(self) -> trio.SocketStream:
         async with self._connect_lock:
             if self._stream is not None:
                 return self._stream
-            if self._nursery is None:
+            if not self.tasks.running:
                 raise Unavailable("client not running")
             try:
                 with trio.fail_after(HANDSHAKE_TIMEOUT):
@@ -241,7 +243,7 @@ class RpcClient:
                 raise Unavailable(f"{self.host}:{self.port}: {exc or type(exc).__name__}"
                                   ) from None
             self._stream = stream
-            self._nursery.start_soon(self._reader, stream)
+            self.tasks.start_soon(self._reader, stream)
             return stream
 
     async def _reader(self, stream: trio.SocketStream) -> None:

@@ -7,12 +7,19 @@ import os
 from collections.abc import Callable, Iterator
 
 import pytest
+import trio
 
+from coordinator.embedded import EmbeddedCoordinator
 from digest_tools.create import create_digest
+from mountd.cluster import Cluster
+from mountd.content_store import ContentStore
+from mountd.item_reader import ItemReader
 from quiverfs import control_client
 from quiverfs.backends import StorageOptions
-from quiverfs.errors import QuietError
 from quiverfs.bench.processes import MountdProcess, unmount
+from quiverfs.chunk_cycle import FORCE_EVICT_AFTER
+from quiverfs.errors import QuietError
+from quiverfs.heartbeat import PROBE_BATCHES
 from quiverfs.mount_point import is_mounted
 
 
@@ -71,6 +78,14 @@ def tree_hashes(root: str) -> dict[str, str]:
             with open(path, "rb") as fh:
                 out[os.path.relpath(path, root)] = hashlib.sha256(fh.read()).hexdigest()
     return out
+
+
+def lone_reader(store: ContentStore, state_dir: str) -> ItemReader:
+    """An ItemReader of a single node, with its coordinator embedded (for tests of what
+    reads and jobs count, without a mount)."""
+    limiter = trio.CapacityLimiter(1)
+    link = EmbeddedCoordinator(state_dir, FORCE_EVICT_AFTER, PROBE_BATCHES, limiter)
+    return ItemReader(store, limiter, Cluster("node", "local", store.size_limit, link, None))
 
 
 def read_hashes(root: str, paths: list[str]) -> dict[str, str]:

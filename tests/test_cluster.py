@@ -284,7 +284,7 @@ def _call(port: int, secret: bytes, op: str, args: dict) -> object:
         client = RpcClient("127.0.0.1", port, secret, timeout=5)
         out: dict = {}
         async with trio.open_nursery() as nursery:
-            await nursery.start(client.run)
+            await nursery.start(client.tasks.run)
             try:
                 out["result"] = await client.call(op, args)
             except Unavailable as exc:  # raised outside the nursery, not in a group

@@ -15,15 +15,14 @@ from collections.abc import Iterator
 
 import diskcache
 import pytest
-import trio
 
 from mountd import content_store
 from mountd.content_store import (DAMAGED_SUFFIX, DISK_MIN_FILE_SIZE, KEEP_DAMAGED,
                                   ContentStore, IntegrityError, StoreError)
-from mountd.item_reader import ItemReader
-from mountd.jobs import JobManager
+from mountd.job_registry import JobRegistry
 from mountd.metrics import MountdCollector
 from mountd.mount_table import MountTable
+from tests.mountd_helpers import lone_reader
 
 STORE_LOGGER = "mountd.content_store"
 
@@ -458,12 +457,12 @@ def test_damage_found_while_serving_rebuilds_the_store(tmp_path, no_back_off):
 
 # -- what metrics show ----------------------------------------------------------------
 
-def test_metrics_show_a_store_that_cannot_write(store, monkeypatch):
+def test_metrics_show_a_store_that_cannot_write(store, monkeypatch, tmp_path):
     def full(*args: object, **kwargs: object) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    reader = ItemReader(store, trio.CapacityLimiter(1))
-    collector = MountdCollector(reader, MountTable(), JobManager(MountTable(), reader))
+    reader = lone_reader(store, str(tmp_path / "coordinator"))
+    collector = MountdCollector(reader, MountTable(), JobRegistry(MountTable(), reader.limiter))
 
     def samples() -> dict[str, float]:
         return {s.name: s.value for family in collector.collect() for s in family.samples

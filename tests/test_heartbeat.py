@@ -46,7 +46,7 @@ def test_a_malformed_heartbeat_is_refused_naming_the_field(mangle, field):
 
 
 async def test_the_coordinator_answers_a_malformed_heartbeat_with_an_error(tmp_path):
-    server = CoordinatorServer(CoordinatorState(str(tmp_path)), b"s" * 16)
+    server = CoordinatorServer(CoordinatorState(str(tmp_path)), b"s" * 16, ("127.0.0.1", 0))
     with pytest.raises(ValueError):
         await server.heartbeat({"node": "a", "peer": "p", "capacity": "lots"})
     reply = from_wire(await server.heartbeat(to_wire(beat("a"))), HeartbeatReply)

@@ -19,17 +19,17 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from mountd.content_store import ContentStore
-from mountd.item_reader import ItemReader
-from mountd.jobs import JobManager
+from mountd.job_registry import JobRegistry
 from mountd.metrics import MountdCollector
 from mountd.mount_table import MountTable
 from quiverfs import digest as digest_format
+from quiverfs import metrics_server
 from quiverfs.bench.data import Tree
 from quiverfs.bench.processes import free_port
 from quiverfs.chunk_plan import make_plan
 from quiverfs.errors import ExitCode
-from quiverfs import metrics_server
 from quiverfs.metrics_server import MetricsServer, TrioLoop
+from tests.mountd_helpers import lone_reader
 from tests.notify_daemon import notify_daemon  # noqa: F401
 
 needs_fuse = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
@@ -231,11 +231,11 @@ def test_taken_metrics_port_fails_before_mounting(quiver, tmp_path):
 
 
 def test_job_benefit_once_probed(tmp_path):
-    """The benefit families, from a real JobManager's job (probing needs a coordinator
+    """The benefit families, from a real JobRegistry's job (probing needs a coordinator
     and a training loop; its outcome, the batch times, is what the collector reads)."""
     store = ContentStore(str(tmp_path / "store"), 1 << 20)
-    reader = ItemReader(store, trio.CapacityLimiter(1))
-    jobs = JobManager(MountTable(), reader)
+    reader = lone_reader(store, str(tmp_path / "coordinator"))
+    jobs = JobRegistry(MountTable(), reader.limiter)
     job = jobs.create("j1", 1000, 1000)
     collector = MountdCollector(reader, MountTable(), jobs)
 
@@ -268,8 +268,8 @@ def test_scrapes_during_reads_see_one_moment(tmp_path):
     """Scrapes over HTTP while a loop task counts reads: each sees the hits and their
     bytes from the same moment, every scrape works, and the port closes with the task."""
     store = ContentStore(str(tmp_path / "store"), 1 << 20)
-    reader = ItemReader(store, trio.CapacityLimiter(1))
-    collector = MountdCollector(reader, MountTable(), JobManager(MountTable(), reader))
+    reader = lone_reader(store, str(tmp_path / "coordinator"))
+    collector = MountdCollector(reader, MountTable(), JobRegistry(MountTable(), reader.limiter))
     server = MetricsServer(("127.0.0.1", 0), collector)  # port 0: any free one
     port = server.address[1]
 
@@ -302,8 +302,8 @@ def test_a_stalled_loop_costs_only_its_families(tmp_path, caplog):
     """A scrape that the loop does not answer in time exports the store's numbers, and
     the next scrape, with the loop free again, exports everything."""
     store = ContentStore(str(tmp_path / "store"), 1 << 20)
-    reader = ItemReader(store, trio.CapacityLimiter(1))
-    collector = MountdCollector(reader, MountTable(), JobManager(MountTable(), reader),
+    reader = lone_reader(store, str(tmp_path / "coordinator"))
+    collector = MountdCollector(reader, MountTable(), JobRegistry(MountTable(), reader.limiter),
                                 TrioLoop(timeout=0.2))
     reader.counters["local_hits"] = 3
     stalled: list[Samples] = []

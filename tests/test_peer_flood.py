@@ -12,8 +12,9 @@ from collections.abc import Iterator
 import pytest
 
 from quiverfs import rpc
-from quiverfs.errors import QuietError
 from quiverfs.bench.processes import CoordinatorProcess, MountdProcess, unmount
+from quiverfs.errors import QuietError
+from quiverfs.option_types import parse_address
 from tests.mountd_helpers import make_digest, mount, read_hashes, tree_hashes
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
@@ -69,7 +70,7 @@ def test_unauthenticated_flood_leaves_the_node_serving(node, synthetic_tree, tmp
     expected = tree_hashes(src)
     mount(node, make_digest(src, "syn"), "syn")
     peer = [n["peer"] for n in node.call({"op": "cluster"})["nodes"] if n["id"] == "n1"][0]
-    host, port = rpc.parse_address(peer)
+    host, port = parse_address(peer)
     base = os.path.join(node.root, "syn")
     flooders = [subprocess.Popen([sys.executable, "-c", FLOODER, host, str(port),
                                   str(FLOOD // FLOODERS)], stdin=subprocess.PIPE,

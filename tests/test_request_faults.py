@@ -16,7 +16,7 @@ import trio
 
 from mountd.control_server import MAX_CONNECTIONS_PER_UID, ControlServer, Peer
 from mountd.fs import QuiverFS
-from mountd.jobs import MAX_JOBS_PER_USER, JobLimit, JobManager
+from mountd.job_registry import MAX_JOBS_PER_USER, JobLimit, JobRegistry
 from mountd.mount_table import FIRST_DATASET_INODE, MountTable
 from quiverfs import control_client, wire
 from quiverfs.errors import ExitCode, QuietError
@@ -136,7 +136,7 @@ async def test_one_uid_cannot_take_all_control_connections():
 
 
 def test_jobs_per_uid_are_bounded():
-    jobs = JobManager(MountTable(), None)  # type: ignore[arg-type]
+    jobs = JobRegistry(MountTable(), trio.CapacityLimiter(1))
     for i in range(MAX_JOBS_PER_USER):
         jobs.create(f"j{i}", 1000, 1000)
     with pytest.raises(JobLimit):

@@ -1,0 +1,186 @@
+"""The batch planner: each read of a job's batch file ``eE-bI`` returns the manifest of
+mini-batch I of epoch E, planned by an EpochSampler over the items the job's ImageFolder
+sees. Misses the sampler picks are fetched before the manifest is returned, so the
+job's workers read cache hits.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import numpy as np
+import trio
+
+from mountd.bulk_fetch import BulkFetch
+from mountd.cluster import Cluster
+from mountd.dataset_jobs import DatasetJobs
+from mountd.item_reader import ItemReader
+from mountd.job_registry import Job, JobConfig, JobError
+from mountd.substitution import EpochSampler, advance, epoch_shard
+from quiverfs.background import BackgroundTasks
+from quiverfs.chunk_cycle import EpochRef
+from quiverfs.heartbeat import CacheMode
+
+log = logging.getLogger(__name__)
+
+# Seconds a coop job waits for the chunk cycle to bring it cached items before it
+# fetches misses outside the resident chunks (each of those is a bucket read that no
+# other job shares). A wait that times out is not repeated until the cycle moves.
+CHUNK_WAIT = 20.0
+WAIT_POLL = 0.25  # seconds between looks at what other nodes loaded, while waiting
+
+
+class BatchPlanner:
+    """Plans each job's batches in order, one ahead of the job's reads."""
+
+    def __init__(self, reader: ItemReader, bulk: BulkFetch, cluster: Cluster) -> None:
+        self.reader = reader
+        self.bulk = bulk
+        self.cluster = cluster
+        self.tasks = BackgroundTasks()  # where plans ahead run
+
+    async def manifest(self, job: Job, epoch: int, index: int) -> bytes:
+        """The manifest of batch ``index`` of ``epoch`` (planning earlier ones first)."""
+        async with job.lock:
+            if job.config is None or job.group is None:
+                raise JobError(job.error or "the job has no config: write its config first")
+            if epoch < job.epoch:
+                raise JobError(f"epoch {epoch} is over (the job is at epoch {job.epoch})")
+            sampler = job.sampler
+            if epoch > job.epoch or sampler is None:
+                sampler = self._start_epoch(job, job.config, job.group, epoch)
+            if index >= sampler.n_batches:
+                raise JobError(f"epoch {epoch} has {sampler.n_batches} batches")
+            while sampler.planned <= index:
+                await self._plan_next(job, job.group, sampler)
+            if sampler.planned == index + 1 < sampler.n_batches:
+                # plan the next batch while the job's workers read this one
+                self.tasks.start_soon(self._plan_ahead, job, sampler)
+            return job.manifests[index]
+
+    async def _plan_ahead(self, job: Job, sampler: EpochSampler) -> None:
+        async with job.lock:
+            if job.sampler is not sampler or job.group is None or (
+                    sampler.planned >= sampler.n_batches):
+                return  # the job moved on, or left
+            try:
+                await self._plan_next(job, job.group, sampler)
+            except Exception:  # the job's own request for the batch will meet it again
+                log.exception("job %s: planning batch %d ahead failed", job.id,
+                              sampler.planned)
+
+    @staticmethod
+    def _start_epoch(job: Job, cfg: JobConfig, group: DatasetJobs, epoch: int) -> EpochSampler:
+        order = epoch_shard(job.universe, cfg.seed, epoch, cfg.rank, cfg.world_size)
+        job.epoch = epoch
+        job.sampler = EpochSampler(order, cfg.batch_size, seed=cfg.seed + epoch,
+                                   scan_factor=cfg.scan_factor, chunk_of=group.plan.chunk_of)
+        generation = group.view.generation if group.view is not None else 0
+        job.ref = EpochRef(generation, np.bincount(group.plan.chunk_of[order],
+                                                   minlength=group.plan.n_chunks))
+        job.manifests = {}
+        return job.sampler
+
+    async def _plan_next(self, job: Job, group: DatasetJobs, sampler: EpochSampler) -> None:
+        ref = job.ref
+        digest = group.ds.digest
+        chunk_of = group.plan.chunk_of
+        probing = job.probe.plan(job.epoch, sampler.planned, sampler.n_batches,
+                                 group.mode is not CacheMode.NONE)
+
+        async def is_cached(items: np.ndarray) -> np.ndarray:
+            held = np.zeros(len(items), dtype=bool)
+            if probing:  # the job must see what it would without the cache
+                return held
+            usable = np.isin(chunk_of[items], group.usable(ref))
+            if usable.any():
+                held[usable] = await self.bulk.held([digest.hash(int(i)) for i in items[usable]])
+            return held
+
+        if not probing:
+            await self._wait_for_chunks(job, group, min(sampler.batch_size, sampler.remaining))
+        upcoming = group.upcoming()
+        loading = group.view.loading if group.view is not None else None
+        share = await self._loader_share(group)
+
+        def prefer(items: np.ndarray) -> np.ndarray:
+            # Misses in the resident chunks first: this node's share of the loading
+            # chunk, and items of the active or marked chunks that were culled
+            # (refilling them lets those chunks be consumed, released and replaced).
+            # Then the chunk that loads next: its loader will find them held, and other
+            # jobs will hit them. Then other nodes' shares of the loading chunk.
+            chunks = chunk_of[items]
+            rank = 3 * np.isin(chunks, group.usable(ref)) + 2 * (chunks == upcoming)
+            if share is not None:
+                rank[(chunks == loading) & ~share[0][items]] = 1
+            return rank
+        # The sampler's steps run in a worker; each block it asks about is looked up
+        # from here, between two steps, so no worker waits for another's token.
+        steps = sampler.planning(prefer, group.oldest_usable(ref))
+        items, batch = await trio.to_thread.run_sync(advance, steps, None,
+                                                     limiter=self.reader.limiter)
+        while batch is None:
+            items, batch = await trio.to_thread.run_sync(advance, steps,
+                                                         await is_cached(items),
+                                                         limiter=self.reader.limiter)
+        if probing:
+            await self.reader.force_misses(group.ds, batch.items)
+        elif group.mode is not CacheMode.NONE:
+            resident = ((chunk_of, {*group.usable(ref), upcoming})
+                        if group.mode is CacheMode.COOP else None)
+            await self.bulk.fetch_all(group.ds, batch.fetch, job.counters, resident)
+            self.reader.planned([digest.hash(i) for i in batch.hits])
+            if self.cluster.peers is not None:
+                await self.reader.stage_from_peers(group.ds, batch.hits)
+        marked = group.view.marked if group.view is not None else None
+        held_marked = marked is not None and ref.remaining_chunks[marked] > 0
+        np.subtract.at(ref.remaining_chunks, chunk_of[batch.items], 1)
+        if held_marked and not ref.remaining_chunks[marked]:
+            self.cluster.poke()  # this job-epoch released the marked chunk
+        job.counters["hits"] += len(batch.hits)
+        job.counters["fetched"] += len(batch.fetch)
+        prefix = job.config.prefix.strip("/")
+        cut = len(prefix) + 1 if prefix else 0
+        items = batch.items
+        job.manifests[batch.index] = json.dumps({
+            "epoch": job.epoch, "batch": batch.index, "hits": len(batch.hits),
+            "paths": [digest.path(i)[cut:] for i in items],
+            "labels": [digest.label(i) for i in items],
+            "hashes": [digest.hash(i).hex() for i in items]}).encode()
+
+    async def _loader_share(self, group: DatasetJobs) -> tuple[np.ndarray, float] | None:
+        return await trio.to_thread.run_sync(group.loader_share, self.cluster.me,
+                                             limiter=self.reader.limiter)
+
+    async def _wait_for_chunks(self, job: Job, group: DatasetJobs, need: int) -> None:
+        """In coop mode, wait (at most CHUNK_WAIT) until the usable chunks hold ``need``
+        of the job's pending items: cached, or for this node to load. Until then its
+        batch would be filled with misses that no other job shares now (or that another
+        node is loading), so the bucket's bandwidth is better left to the loaders. A
+        job with items left in the marked chunk never waits: its batches release it."""
+        started = trio.current_time()
+        key = group.cycle_key()
+        with trio.move_on_after(CHUNK_WAIT) as scope:
+            while (group.mode is CacheMode.COOP and group.view is not None
+                   and key != job.gave_up_on):
+                usable = group.usable(job.ref)
+                marked, loading = group.view.marked, group.view.loading
+                supply = int(job.ref.remaining_chunks[usable].sum())
+                share = await self._loader_share(group)
+                if share is not None and loading in usable:  # others' shares: once held
+                    pending = job.sampler.pending_in(loading)
+                    others = pending[~share[0][pending]]
+                    held = await self.bulk.held([group.ds.digest.hash(int(i)) for i in others])
+                    supply -= len(others) - sum(held)
+                if (supply >= need
+                        or marked in usable and job.ref.remaining_chunks[marked] > 0):
+                    break  # enough to plan from, or the job holds back the marked chunk
+                with trio.move_on_after(WAIT_POLL if share is not None else math.inf):
+                    await group.changed.wait()
+                key = group.cycle_key()
+        if scope.cancelled_caught:
+            job.gave_up_on = key
+            log.info("job %s: no chunk came in %.0f s; fetching misses", job.id, CHUNK_WAIT)
+        job.counters["chunk_wait_s"] += trio.current_time() - started
+

@@ -1,0 +1,130 @@
+"""The chunk loader: carries out the coordinator's chunk cycles on this node (loads its
+share of a loading chunk, drops an evicted one, refills after membership changes) and
+reports what the coordinator needs in each heartbeat."""
+from __future__ import annotations
+
+import collections
+import logging
+
+import trio
+
+from mountd.bulk_fetch import BulkFetch
+from mountd.cluster import Cluster
+from mountd.dataset_jobs import DatasetJobs
+from mountd.item_reader import ItemReader
+from mountd.job_registry import JobRegistry
+from quiverfs import ownership
+from quiverfs.chunk_cycle import ChunkState
+from quiverfs.heartbeat import CycleView, DatasetReport, LoadedShare
+
+log = logging.getLogger(__name__)
+
+CHECK_BLOCK = 512  # items whose store membership is checked per thread call
+
+
+class ChunkLoader:
+    """Acts on each heartbeat's answer for the datasets with jobs here."""
+
+    def __init__(self, registry: JobRegistry, reader: ItemReader, bulk: BulkFetch,
+                 cluster: Cluster) -> None:
+        self.registry = registry
+        self.reader = reader
+        self.bulk = bulk
+        self.cluster = cluster
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+        """Heartbeat (``cluster.run``) inside the nursery that chunk loads run in, so
+        that every answer it acts on can start them."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await self.cluster.run(self.report, self.apply)
+
+    def report(self) -> dict[str, DatasetReport]:
+        """What the coordinator needs, per dataset identity with jobs here."""
+        return {g.ds.reg.identity: g.report() for g in self.registry.groups.values() if g.jobs}
+
+    async def apply(self, cycles: dict[str, CycleView], version: int) -> None:
+        """Act on the coordinator's answer: load shares, drop evicted chunks, refill."""
+        me = self.cluster.me
+        for group in list(self.registry.groups.values()):
+            view = cycles.get(group.ds.reg.identity)
+            if view is None:
+                continue
+            before = group.cycle_key()
+            previous, group.view = group.view, view
+            if group.cycle_key() != before:
+                group.changed.set()
+                group.changed = trio.Event()
+            group.ds.cache_mode = view.mode
+            for job in group.jobs.values():
+                seq = view.probes.get(job.id, 0)
+                if seq > job.probe.seq:
+                    job.probe.begin(seq, view.probe_batches)
+                    log.info("job %s: probe %d of %d batches", job.id, seq,
+                             view.probe_batches)
+            if view.loading is not None and me in view.loaders:
+                share = LoadedShare(view.loading, view.loaders)
+                if share not in group.loaded:
+                    self._spawn(group, f"load {view.loading}", view.loading, view.loaders,
+                                share)
+            if previous is not None:
+                for chunk, (old, new) in enumerate(zip(previous.states, view.states)):
+                    if old is not ChunkState.EVICTED and new is ChunkState.EVICTED:
+                        await self._evict_local(group, chunk)
+            if version != group.version and view.active is not None and me in view.users:
+                if group.version >= 0:  # membership changed: owners moved, refill
+                    self._spawn(group, f"refill {version}", view.active, view.users, None)
+                group.version = version
+
+    def _spawn(self, group: DatasetJobs, name: str, chunk: int, loaders: tuple[str, ...],
+               share: LoadedShare | None) -> None:
+        if name in group.busy or self._nursery is None:
+            return
+        group.busy.add(name)
+        self._nursery.start_soon(self._load_share, group, name, chunk, loaders, share,
+                                 name=f"{group.ds.name}: {name}")
+
+    async def _load_share(self, group: DatasetJobs, name: str, chunk: int,
+                          loaders: tuple[str, ...], share: LoadedShare | None) -> None:
+        """Fetch this node's share of a chunk (rendezvous among the loaders) into its
+        owners' stores; report the share done."""
+        try:
+            me = self.cluster.me
+            digest = group.ds.digest
+            mine = await trio.to_thread.run_sync(
+                lambda: [int(i) for i in group.plan.members[chunk]
+                         if ownership.owner(digest.hash(int(i)), list(loaders)) == me],
+                limiter=self.reader.limiter)
+            counters: collections.Counter[str] = collections.Counter()
+            for start in range(0, len(mine), CHECK_BLOCK):
+                block = mine[start:start + CHECK_BLOCK]
+                held = await self.bulk.held([digest.hash(i) for i in block])
+                await self.bulk.fetch_all(group.ds, [i for i, h in zip(block, held) if not h],
+                                      counters)
+            if share is not None:
+                group.loaded.append(share)
+                del group.loaded[:-4]  # the coordinator only asks about the current one
+                self.cluster.poke()
+            log.info("dataset %s: %s done (%d items of chunk %d)", group.ds.name, name,
+                     len(mine), chunk)
+        finally:
+            group.busy.discard(name)
+
+    async def _evict_local(self, group: DatasetJobs, chunk: int) -> None:
+        """Drop this node's copies of an evicted chunk (keeping items resident chunks
+        share, and hits that manifests promised and were not read yet: the store's LRU
+        drops those later)."""
+        view, digest, store = group.view, group.ds.digest, self.reader.store
+        resident = [c for c in (view.active, view.loading, view.marked) if c is not None]
+
+        def drop() -> None:
+            keep = {digest.hash(int(i)) for c in resident for i in group.plan.members[c]}
+            for h in (digest.hash(int(i)) for i in group.plan.members[chunk]):
+                if h not in keep and not self.reader.awaiting_read(h):
+                    store.discard(h)
+
+        await trio.to_thread.run_sync(drop, limiter=self.reader.limiter)
+        log.info("dataset %s: chunk %d evicted here", group.ds.name, chunk)
+
