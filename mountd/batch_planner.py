@@ -130,9 +130,9 @@ class BatchPlanner:
             resident = ((chunk_of, {*group.usable(ref), upcoming})
                         if group.mode is CacheMode.COOP else None)
             await self.bulk.fetch_all(group.ds, batch.fetch, job.counters, resident)
-            self.reader.planned([digest.hash(i) for i in batch.hits])
+            self.reader.staging.planned([digest.hash(i) for i in batch.hits])
             if self.cluster.peers is not None:
-                await self.reader.stage_from_peers(group.ds, batch.hits)
+                await self.bulk.stage_from_peers(group.ds, batch.hits)
         marked = group.view.marked if group.view is not None else None
         held_marked = marked is not None and ref.remaining_chunks[marked] > 0
         np.subtract.at(ref.remaining_chunks, chunk_of[batch.items], 1)

@@ -58,7 +58,7 @@ class BulkFetch:
             async with slots:
                 try:
                     if resident is not None and int(resident[0][i]) not in resident[1]:
-                        await self.reader.stage(ds, i)
+                        await self.stage(ds, i)
                     else:
                         await self.reader.fetch(ds, i)
                 except ReadFailed:
@@ -68,3 +68,36 @@ class BulkFetch:
             for i in items:
                 nursery.start_soon(one, i)
 
+    async def stage(self, ds: MountedDataset, index: int) -> None:
+        """Fetch an item for one coming read without caching it: it is kept in memory
+        until read once (a substitutable job's miss outside the resident chunks, which
+        would otherwise push the chunks' items out of the store)."""
+        data = await self.reader.fetch(ds, index, keep=False)
+        self.reader.staging.keep(ds.digest.hash(index), data)
+
+    async def stage_from_peers(self, ds: MountedDataset, items: list[int]) -> None:
+        """Stage items their owning peers hold, one batched get per peer, so that their
+        reads do not each make a peer round trip (a substitutable job's planned hits)."""
+        staging, stats = self.reader.staging, self.reader.stats
+        by_owner: dict[str, list[bytes]] = collections.defaultdict(list)
+        for i in items:
+            digest = ds.digest.hash(i)
+            owner = self.reader.owner(digest)
+            if owner is not None and digest not in staging:
+                by_owner[owner].append(digest)
+
+        async def from_peer(owner: str, hashes: list[bytes]) -> None:
+            try:
+                got = await self.cluster.peers.get_many(owner, hashes)
+            except Unavailable:
+                return  # the reads ask again, then fall back to the bucket
+            stats.count(ds, "peer_batch_gets")
+            for digest, data in zip(hashes, got):
+                if data is not None:
+                    stats.count(ds, "peer_hits")
+                    stats.count(ds, "peer_bytes", len(data))
+                    staging.keep(digest, data)
+
+        async with trio.open_nursery() as nursery:
+            for owner, hashes in by_owner.items():
+                nursery.start_soon(from_peer, owner, hashes)

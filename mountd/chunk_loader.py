@@ -122,7 +122,7 @@ class ChunkLoader:
         def drop() -> None:
             keep = {digest.hash(int(i)) for c in resident for i in group.plan.members[c]}
             for h in (digest.hash(int(i)) for i in group.plan.members[chunk]):
-                if h not in keep and not self.reader.awaiting_read(h):
+                if h not in keep and not self.reader.staging.awaiting_read(h):
                     store.discard(h)
 
         await trio.to_thread.run_sync(drop, limiter=self.reader.limiter)

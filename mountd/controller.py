@@ -273,7 +273,7 @@ class Controller:
                           "writable": health.writable, "write_error": health.write_error,
                           "write_error_since": health.write_error_since,
                           "write_failures": health.write_failures},
-                "counters": dict(self.reader.counters), "datasets": datasets,
+                "counters": dict(self.reader.stats.counters), "datasets": datasets,
                 "jobs": self.jobs.status(peer.uid),
                 "cluster": self.cluster.status()}
 

@@ -146,7 +146,7 @@ class Mountd:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.controller.tasks.run)
             await nursery.start(self.planner.tasks.run)
-            await nursery.start(self.reader.tasks.run)
+            await nursery.start(self.reader.puts.tasks.run)
             if self.peer_server is not None:
                 await nursery.start(self.peer_server.serve)
                 await nursery.start(self.cluster.peers.tasks.run)

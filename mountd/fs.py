@@ -204,7 +204,7 @@ class QuiverFS(pyfuse3.Operations):
         if isinstance(f, _OpenFile) and f.data is None and not f.failed:
             # opened and closed without a read reaching us: the kernel's page cache
             # served it (keep_cache), or nothing was read
-            self.reader.count(f.ds, "page_cache_opens")
+            self.reader.stats.count(f.ds, "page_cache_opens")
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         f = self._files[fh]

@@ -14,7 +14,6 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from quiverfs.chunk_cycle import ChunkState
@@ -27,21 +26,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Seconds: from a tenth of a millisecond (a hot local hit) to a slow bucket.
-LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-                   0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-# The ItemReader counters behind the per-tier families. An exact read ends as one of
+# The ReadStats counters behind the per-tier families. An exact read ends as one of
 # local_hits, peer_hits or misses, and every miss as a bucket fetch or a bucket error.
 HITS = {"local": "local_hits", "peer": "peer_hits", "bucket": "bucket_fetches"}
 BYTES = {"local": "local_bytes", "peer": "peer_bytes", "bucket": "bucket_bytes"}
 ERRORS = {"local": "store_errors", "peer": "peer_errors", "bucket": "bucket_errors"}
 
-
-def read_latency() -> Histogram:
-    """The read latency histogram an ItemReader observes (registered nowhere: the
-    collector below exports it)."""
-    return Histogram("quiver_read_seconds", "Seconds to serve a read, by the tier that "
-                     "served it", ["tier"], buckets=LATENCY_BUCKETS, registry=None)
 
 
 class MountdCollector:
@@ -65,11 +55,11 @@ class MountdCollector:
 
     def _loop_families(self) -> list[Metric]:
         """Every family of the loop's state, built at one moment (runs on the loop)."""
-        return [*self._reads(), *self.reader.latency.collect(), *self._datasets(),
+        return [*self._reads(), *self.reader.stats.latency.collect(), *self._datasets(),
                 *self._chunks(), *self._jobs()]
 
     def _reads(self) -> Iterator[Metric]:
-        c = self.reader.counters
+        c = self.reader.stats.counters
         hits = CounterMetricFamily("quiver_hits", "Reads served, by tier", labels=["tier"])
         misses = CounterMetricFamily("quiver_misses", "Reads a tier could not serve "
                                      "(local: went on to a peer or the bucket)", labels=["tier"])

@@ -275,8 +275,8 @@ def test_scrapes_during_reads_see_one_moment(tmp_path):
 
     async def count_reads() -> None:
         while True:  # one read of 100 bytes per step, as ItemReader counts them
-            reader.counters["local_hits"] += 1
-            reader.counters["local_bytes"] += 100
+            reader.stats.counters["local_hits"] += 1
+            reader.stats.counters["local_bytes"] += 100
             await trio.lowlevel.checkpoint()
 
     async def main() -> list[Samples]:
@@ -305,7 +305,7 @@ def test_a_stalled_loop_costs_only_its_families(tmp_path, caplog):
     reader = lone_reader(store, str(tmp_path / "coordinator"))
     collector = MountdCollector(reader, MountTable(), JobRegistry(MountTable(), reader.limiter),
                                 TrioLoop(timeout=0.2))
-    reader.counters["local_hits"] = 3
+    reader.stats.counters["local_hits"] = 3
     stalled: list[Samples] = []
     done = threading.Event()
 
