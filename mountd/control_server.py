@@ -18,6 +18,7 @@ from typing import Any
 import trio
 
 from quiverfs import wire
+from quiverfs.connection_slots import ConnectionSlots
 from quiverfs.errors import ExitCode, QuietError
 from quiverfs.fs_identity import UserIdentity
 
@@ -70,7 +71,7 @@ class ControlServer:
     def __init__(self, path: str, handlers: dict[str, Handler]) -> None:
         self.path = path
         self.handlers = handlers
-        self._open_by_uid: dict[int, int] = {}
+        self._slots = ConnectionSlots(MAX_CONNECTIONS_PER_UID, MAX_CONNECTIONS)
 
     async def serve(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
@@ -97,19 +98,12 @@ class ControlServer:
                 peer = peer_of(stream.socket)
             except OSError:
                 return  # gone before we could ask who it was
-            held = self._open_by_uid.get(peer.uid, 0)
-            if sum(self._open_by_uid.values()) >= MAX_CONNECTIONS or (
-                    peer.uid != 0 and held >= MAX_CONNECTIONS_PER_UID):
-                await self._reply_error(stream, "too many control connections open: close "
-                                        "some and try again", ExitCode.DAEMON)
-                return
-            self._open_by_uid[peer.uid] = held + 1
-            try:
-                await self._serve_peer(stream, peer)
-            finally:
-                self._open_by_uid[peer.uid] -= 1
-                if not self._open_by_uid[peer.uid]:
-                    del self._open_by_uid[peer.uid]
+            with self._slots.hold(peer.uid, capped=peer.uid != 0) as admitted:
+                if admitted:
+                    await self._serve_peer(stream, peer)
+                else:
+                    await self._reply_error(stream, "too many control connections open: "
+                                            "close some and try again", ExitCode.DAEMON)
 
     async def _serve_peer(self, stream: trio.SocketStream, peer: Peer) -> None:
         while True:

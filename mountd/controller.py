@@ -18,8 +18,8 @@ from mountd.mount_table import MountTable
 from mountd.peers import PeerService
 from mountd.registry import Registration, Registry, check_name, new_registration
 from quiverfs import digest as digest_format
-from quiverfs.background import BackgroundTasks
 from quiverfs import ownership
+from quiverfs.background import BackgroundTasks
 from quiverfs.backends import StorageOptions
 from quiverfs.digest import Digest
 from quiverfs.errors import ExitCode, QuietError
@@ -198,7 +198,7 @@ class Controller:
                 await self._save()
             except QuietError:
                 self.table.remove(name)
-                self._forget(ds)
+                await self._forget(ds)
                 raise
         log.info("uid %d mounted %s: %d items from %s", peer.uid, name, len(digest),
                  digest.source)
@@ -233,7 +233,7 @@ class Controller:
             self._retired_failures[uid] = (self._retired_failures.get(uid, 0)
                                            + ds.counters["integrity_failures"])
             await self._save()
-            self._forget(ds)
+            await self._forget(ds)
         pyfuse3.invalidate_entry_async(pyfuse3.ROOT_INODE, name.encode(), ignore_enoent=True)
         await trio.to_thread.run_sync(ds.backend.close, limiter=self.limiter)
         log.info("uid %d unmounted %s", peer.uid, name)
@@ -249,9 +249,11 @@ class Controller:
             raise QuietError(f"mountd cannot save its registrations: {exc.strerror or exc}",
                              ExitCode.DAEMON) from None
 
-    def _forget(self, ds: MountedDataset) -> None:
+    async def _forget(self, ds: MountedDataset) -> None:
         """Remove what the registry keeps for ``ds`` that no other dataset uses."""
-        self.registry.forget(ds.reg, {d.reg.identity for d in self.table.by_name.values()})
+        still_used = {d.reg.identity for d in self.table.by_name.values()}
+        await trio.to_thread.run_sync(self.registry.forget, ds.reg, still_used,
+                                      limiter=self.limiter)
 
     async def status(self, peer: Peer, req: dict[str, Any]) -> dict[str, Any]:
         store = self.reader.store

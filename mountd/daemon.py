@@ -134,8 +134,6 @@ class Mountd:
                  self.cfg.cache_size)
         try:
             trio.run(self._serve)
-        except* QuietError as group:  # raised inside the nursery: unwrapped, it prints as one line
-            raise group.exceptions[0] from None
         finally:
             pyfuse3.close(unmount=True)
             self.store.close()

@@ -69,7 +69,7 @@ def _current_groups(uid: int, gid: int) -> frozenset[int] | None:
     return groups
 
 
-def effective_groups(user: UserIdentity) -> list[int]:
+def _effective_groups(user: UserIdentity) -> list[int]:
     """The groups an open runs with: those the user had at registration that the user
     still has now (a group taken away since is dropped; one added is not granted)."""
     groups = {user.gid, *user.groups}
@@ -105,7 +105,7 @@ def acting_as(user: UserIdentity | None) -> Iterator[None]:
                                   f"{platform.machine()}")
     saved_groups = os.getgroups()
     saved_uid, saved_gid = _libc.setfsuid(-1), _libc.setfsgid(-1)
-    _setgroups_this_thread(effective_groups(user))
+    _setgroups_this_thread(_effective_groups(user))
     try:
         _set_fs_ids(user.uid, user.gid)
         yield

@@ -29,6 +29,7 @@ import trio
 
 from quiverfs import wire
 from quiverfs.background import BackgroundTasks
+from quiverfs.connection_slots import ConnectionSlots
 from quiverfs.errors import ExitCode, QuietError
 from quiverfs.option_types import listen_error, parse_address
 
@@ -86,9 +87,8 @@ class RpcServer:
         self.max_frame = max_frame
         self._socket: socket.socket | None = None  # bound by ``bind``
         self.rejected = 0  # connections that failed authentication
-        self.refused = 0  # connections closed at once: over a cap
-        self._handshaking: dict[str, int] = {}  # by source address
-        self._authenticated = 0
+        self._handshakes = ConnectionSlots(MAX_UNAUTHENTICATED_PER_HOST, MAX_UNAUTHENTICATED)
+        self._sessions = ConnectionSlots(MAX_AUTHENTICATED, MAX_AUTHENTICATED)
 
     def bind(self, host: str, port: int, option: str) -> str:
         """Bind the server's port now, before the daemon starts serving (a taken port
@@ -132,28 +132,13 @@ class RpcServer:
                 host = str(stream.socket.getpeername()[0])
             except OSError:
                 return  # gone already
-            held = self._handshaking.get(host, 0)
-            if (held >= MAX_UNAUTHENTICATED_PER_HOST
-                    or sum(self._handshaking.values()) >= MAX_UNAUTHENTICATED):
-                self.refused += 1
-                return
-            self._handshaking[host] = held + 1
-            try:
-                authenticated = await self._authenticate(stream)
-            finally:
-                self._handshaking[host] -= 1
-                if not self._handshaking[host]:
-                    del self._handshaking[host]
-            if not authenticated:
-                return
-            if self._authenticated >= MAX_AUTHENTICATED:
-                self.refused += 1
-                return
-            self._authenticated += 1
-            try:
-                await self._serve_requests(stream)
-            finally:
-                self._authenticated -= 1
+            # over a cap, a connection is closed at once
+            with self._handshakes.hold(host) as admitted:
+                authenticated = admitted and await self._authenticate(stream)
+            if authenticated:
+                with self._sessions.hold(host) as admitted:
+                    if admitted:
+                        await self._serve_requests(stream)
 
     async def _serve_requests(self, stream: trio.SocketStream) -> None:
         send_lock = trio.Lock()

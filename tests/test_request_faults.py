@@ -5,9 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 import socket
-import tempfile
 from typing import Any
 
 import pyfuse3
@@ -114,10 +112,8 @@ def hold_connections_as(uid: int, path: str, n: int) -> dict[str, Any]:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
-async def test_one_uid_cannot_take_all_control_connections():
-    workdir = tempfile.mkdtemp(prefix="quiver-control-", dir="/tmp")  # others can reach it
-    os.chmod(workdir, 0o755)
-    path = os.path.join(workdir, "control.sock")
+async def test_one_uid_cannot_take_all_control_connections(shared_workdir):
+    path = os.path.join(shared_workdir, "control.sock")  # other uids can reach it
     server = ControlServer(path, {"echo": echo})
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
@@ -132,7 +128,6 @@ async def test_one_uid_cannot_take_all_control_connections():
         reply = await trio.to_thread.run_sync(control_client.call, path, {"op": "echo"})
         assert reply["uid"] == 0
         nursery.cancel_scope.cancel()
-    shutil.rmtree(workdir)
 
 
 def test_jobs_per_uid_are_bounded():
