@@ -3,20 +3,26 @@
 Each job's benefit from the cache is b = t_miss / t_hit (its mean mini-batch time
 without and with cache hits, measured by probing); with n GPUs it saves g = b * n GPU
 shares, and a dataset's jobs together G = sum(g). Given a cluster-wide budget S, each
-dataset gets a CacheMode: COOP (two chunks, with cooperative miss handling: as good as a
-full cache for substitutable jobs), FULL (the whole dataset: no re-fetching every
-epoch), or NONE. Greedy by benefit per byte: every dataset worth caching gets two
-chunks in order of G / cost while they fit, then leftover budget upgrades datasets to
-full in order of G / extra bytes. What is still left caches datasets whose jobs hide
-their I/O in full, where they fit.
+dataset gets a CacheMode: COOP (chunks cycling through the cache, with cooperative miss
+handling: as good as a full cache for substitutable jobs), FULL (the whole dataset: no
+re-fetching every epoch), or NONE. Greedy by benefit per byte: every dataset worth
+caching gets two chunks in order of G / cost while they fit, then leftover budget
+upgrades datasets to full in order of G / extra bytes. What is still left caches
+datasets whose jobs hide their I/O in full, where they fit. Finally the budget no mode
+uses deepens the cooperative datasets' chunk pipelines (``resident_chunks``), in
+proportion to G.
 """
 from __future__ import annotations
 
 import dataclasses
 
+from quiverfs.chunk_cycle import MIN_RESIDENT
 from quiverfs.heartbeat import CacheMode
 
 NO_BENEFIT = 1.1  # a job whose t_miss / t_hit is below this hides its I/O
+# Of the budget, kept free of extra chunks: the next chunk's early misses, and promised
+# hits of an evicted chunk not read yet, live there.
+HEADROOM = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +48,11 @@ class DatasetDemand:
     size: int  # bytes
     chunk_bytes: int
     jobs: tuple[JobBenefit, ...]
+    n_chunks: int = 1
 
     @property
     def coop_cost(self) -> int:
-        return min(self.size, 2 * self.chunk_bytes)
+        return min(self.size, MIN_RESIDENT * self.chunk_bytes)
 
     @property
     def gain(self) -> float:
@@ -94,3 +101,30 @@ def _fill(demands: list[DatasetDemand], modes: dict[str, CacheMode], left: int) 
         if modes[d.identity] is CacheMode.COOP and d.size <= d.coop_cost:
             modes[d.identity] = CacheMode.FULL
     return left
+
+
+def resident_chunks(demands: list[DatasetDemand], modes: dict[str, CacheMode], budget: int
+                    ) -> dict[str, int]:
+    """identity -> how many chunks each COOP dataset may keep resident (K >= 2): the
+    budget no mode uses (less HEADROOM of the budget), shared in proportion to G, in
+    whole chunks (what the shares leave goes a chunk at a time by G per byte)."""
+    coop = [d for d in demands if modes[d.identity] is CacheMode.COOP]
+    used = sum(d.size if modes[d.identity] is CacheMode.FULL else d.coop_cost
+               for d in demands if modes[d.identity] is not CacheMode.NONE)
+    left = max(0, int(budget * (1 - HEADROOM)) - used)
+    chunks = {d.identity: MIN_RESIDENT for d in coop}
+    total_gain, pool = sum(d.gain for d in coop), left
+
+    def room(d: DatasetDemand) -> int:
+        return max(0, d.n_chunks - chunks[d.identity])
+
+    for d in coop:
+        share = pool * d.gain / total_gain if total_gain else pool / len(coop)
+        extra = min(room(d), int(share // max(1, d.chunk_bytes)))
+        chunks[d.identity] += extra
+        left -= extra * d.chunk_bytes
+    for d in sorted(coop, key=lambda d: d.gain / max(1, d.chunk_bytes), reverse=True):
+        extra = min(room(d), left // max(1, d.chunk_bytes))
+        chunks[d.identity] += extra
+        left -= extra * d.chunk_bytes
+    return chunks

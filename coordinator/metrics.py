@@ -51,6 +51,9 @@ class CoordinatorCollector:
         resident = GaugeMetricFamily("quiver_coordinator_max_resident_chunks",
                                      "Most chunks of a dataset resident at once",
                                      labels=["dataset"])
+        depth = GaugeMetricFamily("quiver_coordinator_resident_chunk_limit", "K: chunks of a "
+                                  "dataset its allotment lets be resident at once",
+                                  labels=["dataset"])
         mode = GaugeMetricFamily("quiver_coordinator_dataset_mode", "The dataset's cache "
                                  "allocation (1 for the mode in force)",
                                  labels=["dataset", "mode"])
@@ -63,11 +66,12 @@ class CoordinatorCollector:
                 chunks.add_metric([ds.name, s.value],
                                   sum(st is s for st in ds.cycle.states))
             resident.add_metric([ds.name], ds.cycle.max_resident)
+            depth.add_metric([ds.name], ds.cycle.capacity)
             for m in MODES:
                 mode.add_metric([ds.name, m], float(ds.mode == m))
             gain.add_metric([ds.name], ds.gain)
             for node, report in ds.reports.items():
-                for job in report.get("jobs", []):
-                    if job.get("benefit") is not None:
-                        benefit.add_metric([ds.name, node, job["id"]], job["benefit"])
-        return [nodes, budget, chunks, resident, mode, gain, benefit]
+                for job in report.jobs:
+                    if job.benefit is not None:
+                        benefit.add_metric([ds.name, node, job.id], job.benefit)
+        return [nodes, budget, chunks, resident, depth, mode, gain, benefit]

@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 
-from coordinator.allocation import DatasetDemand, JobBenefit, allocate
+from coordinator.allocation import DatasetDemand, JobBenefit, allocate, resident_chunks
 from quiverfs.chunk_cycle import FORCE_EVICT_AFTER, ChunkCycle
 from quiverfs.heartbeat import (PROBE_BATCHES, CacheMode, CycleView, DatasetReport, Heartbeat,
                                 HeartbeatReply, LoadedShare, Member)
@@ -62,8 +62,8 @@ class DatasetState:
     identity: str
     name: str
     cycle: ChunkCycle
-    loaders: list[str] = dataclasses.field(default_factory=list)
-    done: set[str] = dataclasses.field(default_factory=set)  # loaders done with `loading`
+    loaders: dict[int, list[str]] = dataclasses.field(default_factory=dict)  # per loading chunk
+    done: dict[int, set[str]] = dataclasses.field(default_factory=dict)  # its loaders done
     reports: dict[str, DatasetReport] = dataclasses.field(default_factory=dict)  # by node
     mode: CacheMode = CacheMode.COOP
     gain: float = 0.0  # G, the GPU shares its jobs save with the cache
@@ -126,8 +126,14 @@ class CoordinatorState:
         for d in data["datasets"]:
             cycle = ChunkCycle.restore(d["cycle"], self.force_after)
             cycle.timeline = [tuple(e) for e in d.get("timeline", [])]
+            loaders, done = d["loaders"], d["done"]
+            if isinstance(loaders, list):  # written by a two-chunk cycle: its one load
+                loaders = {str(c): loaders for c in cycle.loading}
+                done = {str(c): done for c in cycle.loading}
             self.datasets[d["identity"]] = DatasetState(
-                d["identity"], d["name"], cycle, d["loaders"], set(d["done"]),
+                d["identity"], d["name"], cycle,
+                {int(c): list(n) for c, n in loaders.items() if int(c) in cycle.loading},
+                {int(c): set(n) for c, n in done.items() if int(c) in cycle.loading},
                 mode=CacheMode(d.get("mode", CacheMode.COOP)))
         self.version = int(data.get("version", 0)) + 1
 
@@ -137,8 +143,10 @@ class CoordinatorState:
                 "nodes": [{"id": n.id, "peer": n.peer, "capacity": n.capacity}
                           for n in self.nodes.values()],
                 "datasets": [{"identity": d.identity, "name": d.name,
-                              "cycle": d.cycle.snapshot(), "loaders": d.loaders,
-                              "done": sorted(d.done), "mode": d.mode.value,
+                              "cycle": d.cycle.snapshot(),
+                              "loaders": {str(c): n for c, n in d.loaders.items()},
+                              "done": {str(c): sorted(n) for c, n in d.done.items()},
+                              "mode": d.mode.value,
                               "timeline": d.cycle.timeline[-TIMELINE_KEEP:]}
                              for d in self.datasets.values()]}
         return json.dumps(data).encode()
@@ -244,36 +252,41 @@ class CoordinatorState:
             if on == node and job in jobs:
                 probes[job] = seq
         return CycleView(
-            chunks=cycle.n_chunks, states=tuple(cycle.states), loading=cycle.loading,
-            active=cycle.active, marked=cycle.marked, generation=cycle.generation,
+            chunks=cycle.n_chunks, states=tuple(cycle.states), resident=tuple(cycle.resident),
+            marked=cycle.marked, generation=cycle.generation,
             marked_generation=cycle.marked_generation, next=cycle.next,
-            max_resident=cycle.max_resident, loaders=tuple(ds.loaders),
+            capacity=cycle.capacity, max_resident=cycle.max_resident,
+            loads=tuple(LoadedShare(c, tuple(ds.loaders.get(c, ()))) for c in cycle.loading),
             users=tuple(_users(ds)), mode=ds.mode, probe_batches=self.probe_batches,
             probes=probes)
 
     def _allocate(self, now: float) -> bool:
-        """Ask for probes where due, then decide every dataset's mode; True on a change."""
+        """Ask for probes where due, then decide every dataset's mode and chunk depth;
+        True on a change."""
         demands = []
         for ds in self.datasets.values():
-            jobs = []
-            for node, report in ds.reports.items():
-                for j in report.jobs:
-                    key = f"{node}/{j.id}"
-                    if key not in ds.probes or now - ds.probed_at[key] > self.reprobe_after:
-                        ds.probes[key] = ds.probes.get(key, 0) + 1
-                        ds.probed_at[key] = now
-                    jobs.append(JobBenefit(j.gpus, j.t_miss, j.t_hit))
+            self._ask_for_probe(ds, now, self.reprobe_after)
+            jobs = tuple(JobBenefit(j.gpus, j.t_miss, j.t_hit)
+                         for report in ds.reports.values() for j in report.jobs)
             reports = ds.reports.values()
             demands.append(DatasetDemand(
                 ds.identity, max((r.size for r in reports), default=0),
-                max((r.chunk_bytes for r in reports), default=0), tuple(jobs)))
+                max((r.chunk_bytes for r in reports), default=0), jobs,
+                max((r.chunks for r in reports), default=1)))
         budget = self.budget if self.budget is not None else sum(
             n.capacity for n in self.live(now))
         modes = allocate(demands, budget)
+        depths = resident_chunks(demands, modes, budget)
         changed = False
         for d in demands:
             ds = self.datasets[d.identity]
             ds.gain = d.gain
+            depth = depths.get(d.identity, ds.cycle.capacity)
+            if d.jobs and depth != ds.cycle.capacity:
+                log.info("dataset %s: %d chunks may be resident (was %d)", ds.name, depth,
+                         ds.cycle.capacity)
+                ds.cycle.capacity = depth
+                changed = True
             if d.jobs and modes[d.identity] != ds.mode:
                 log.info("dataset %s: %s -> %s (G %.2f over %d jobs; needs %d bytes for two "
                          "chunks, %d in full; budget %d)", ds.name, ds.mode, modes[d.identity],
@@ -287,22 +300,21 @@ class CoordinatorState:
         cycle = ds.cycle
         if ds.mode is CacheMode.NONE and cycle.resident_count():
             cycle.evict_all()
-            ds.loaders, ds.done = [], set()
+            ds.loaders, ds.done = {}, {}
             return True
         users = _users(ds)
         changed = False
-        if cycle.loading is not None:
-            loaders = [n for n in ds.loaders if n in alive] or users
-            if loaders != ds.loaders:  # a loader died: survivors split the chunk anew
-                ds.loaders, ds.done = loaders, set()
+        for chunk in cycle.loading:
+            loaders = [n for n in ds.loaders.get(chunk, ()) if n in alive] or users
+            if loaders != ds.loaders.get(chunk):  # a loader died: survivors split it anew
+                ds.loaders[chunk], ds.done[chunk] = loaders, set()
                 changed = True
-            share = LoadedShare(cycle.loading, tuple(ds.loaders))
-            for n, r in ds.reports.items():
-                if share in r.loaded:
-                    ds.done.add(n)
-            if ds.loaders and set(ds.loaders) <= ds.done:
-                cycle.loaded()
-                ds.loaders, ds.done = [], set()
+            share = LoadedShare(chunk, tuple(loaders))
+            done = ds.done.setdefault(chunk, set())
+            done.update(n for n, r in ds.reports.items() if share in r.loaded)
+            if loaders and set(loaders) <= done:
+                cycle.loaded(chunk)
+                del ds.loaders[chunk], ds.done[chunk]
                 changed = True
         if not users:
             return changed
@@ -311,10 +323,26 @@ class CoordinatorState:
         if victim is not None:
             cycle.evicted(victim)
             changed = True
-        if ds.mode is CacheMode.COOP and cycle.start_loading() is not None:
-            ds.loaders, ds.done = users, set()
-            changed = True
+        if ds.mode is CacheMode.COOP:
+            for chunk in cycle.start_loading():
+                ds.loaders[chunk], ds.done[chunk] = users, set()
+                changed = True
+            changed |= cycle.mark() is not None
         return changed
+
+    @staticmethod
+    def _ask_for_probe(ds: DatasetState, now: float, reprobe_after: float) -> None:
+        """Ask for the probe of at most one job of ``ds`` at a time, cluster-wide, among
+        those never probed or probed ``reprobe_after`` seconds ago: probes of several
+        jobs at once would each force their own bucket reads, which nothing shares."""
+        jobs = [(f"{node}/{j.id}", j) for node, r in ds.reports.items() for j in r.jobs]
+        if any(j.probing or ds.probes.get(key, 0) > j.probe_seq for key, j in jobs):
+            return
+        for key, _ in jobs:
+            if key not in ds.probes or now - ds.probed_at[key] > reprobe_after:
+                ds.probes[key] = ds.probes.get(key, 0) + 1
+                ds.probed_at[key] = now
+                return
 
     def status(self, now: float | None = None) -> dict[str, Any]:
         now = time.time() if now is None else now
@@ -327,7 +355,9 @@ class CoordinatorState:
             "budget": self.budget if self.budget is not None else sum(
                 n.capacity for n in self.live(now)),
             "datasets": [{"identity": d.identity, "name": d.name, **d.cycle.snapshot(),
-                          "loaders": d.loaders, "mode": d.mode, "gain": round(d.gain, 3),
+                          "loading": d.cycle.loading, "active": d.cycle.active,
+                          "loaders": {str(c): n for c, n in d.loaders.items()},
+                          "mode": d.mode, "gain": round(d.gain, 3),
                           "jobs": [{"node": n, "id": j.id, "gen": j.gen, "gpus": j.gpus,
                                     "probe_seq": j.probe_seq, "t_miss": j.t_miss,
                                     "t_hit": j.t_hit, "probing": j.probing,

@@ -17,6 +17,7 @@ from mountd.cluster import Cluster
 from mountd.dataset_jobs import DatasetJobs
 from mountd.item_reader import ItemReader
 from mountd.job_registry import Job, JobConfig, JobError
+from mountd.read_stats import FetchCause
 from mountd.substitution import EpochSampler, advance, epoch_shard
 from quiverfs.background import BackgroundTasks
 from quiverfs.chunk_cycle import EpochRef
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 # fetches misses outside the resident chunks (each of those is a bucket read that no
 # other job shares). A wait that times out is not repeated until the cycle moves.
 CHUNK_WAIT = 20.0
+PROBE_LOOKUPS = 1024  # pending items of a chunk looked up for a probe batch, at most
 WAIT_POLL = 0.25  # seconds between looks at what other nodes loaded, while waiting
 
 
@@ -86,50 +88,57 @@ class BatchPlanner:
         ref = job.ref
         digest = group.ds.digest
         chunk_of = group.plan.chunk_of
+        need = min(sampler.batch_size, sampler.remaining)
+        cooperative = (not job.probe.active or group.mode is not CacheMode.COOP
+                       or await self._uncached_ahead(job, group, need) >= need)
         probing = job.probe.plan(job.epoch, sampler.planned, sampler.n_batches,
-                                 group.mode is not CacheMode.NONE)
+                                 group.mode is not CacheMode.NONE, cooperative)
 
         async def is_cached(items: np.ndarray) -> np.ndarray:
             held = np.zeros(len(items), dtype=bool)
-            if probing:  # the job must see what it would without the cache
-                return held
             usable = np.isin(chunk_of[items], group.usable(ref))
             if usable.any():
                 held[usable] = await self.bulk.held([digest.hash(int(i)) for i in items[usable]])
             return held
 
         if not probing:
-            await self._wait_for_chunks(job, group, min(sampler.batch_size, sampler.remaining))
+            await self._wait_for_chunks(job, group, need)
         upcoming = group.upcoming()
-        loading = group.view.loading if group.view is not None else None
-        share = await self._loader_share(group)
+        others = await self._others_loading(group)
+        loading = group.view.loading if group.view is not None else ()
 
         def prefer(items: np.ndarray) -> np.ndarray:
             # Misses in the resident chunks first: this node's share of the loading
-            # chunk, and items of the active or marked chunks that were culled
-            # (refilling them lets those chunks be consumed, released and replaced).
-            # Then the chunk that loads next: its loader will find them held, and other
-            # jobs will hit them. Then other nodes' shares of the loading chunk.
+            # chunks, and items of loaded chunks that were culled (refilling them lets
+            # those chunks be consumed, released and replaced). A probe takes the loading
+            # chunks' items before those. Then the chunk that loads next: its loader will
+            # find them held, and other jobs will hit them. Then other nodes' shares of
+            # the loading chunks.
             chunks = chunk_of[items]
             rank = 3 * np.isin(chunks, group.usable(ref)) + 2 * (chunks == upcoming)
-            if share is not None:
-                rank[(chunks == loading) & ~share[0][items]] = 1
+            if probing:
+                rank += 3 * np.isin(chunks, loading)
+            if others is not None:
+                rank[others[items]] = 1
             return rank
         # The sampler's steps run in a worker; each block it asks about is looked up
         # from here, between two steps, so no worker waits for another's token.
-        steps = sampler.planning(prefer, group.oldest_usable(ref))
+        steps = sampler.planning(prefer, group.oldest_usable(ref), probe=probing)
         items, batch = await trio.to_thread.run_sync(advance, steps, None,
                                                      limiter=self.reader.limiter)
         while batch is None:
             items, batch = await trio.to_thread.run_sync(advance, steps,
                                                          await is_cached(items),
                                                          limiter=self.reader.limiter)
+        resident = {*group.usable(ref), upcoming}
         if probing:
-            await self.reader.force_misses(group.ds, batch.items)
+            await self.reader.probe_reads(group.ds, batch.hits, batch.fetch, [
+                group.mode is not CacheMode.NONE and int(chunk_of[i]) in resident
+                for i in batch.items])
         elif group.mode is not CacheMode.NONE:
-            resident = ((chunk_of, {*group.usable(ref), upcoming})
-                        if group.mode is CacheMode.COOP else None)
-            await self.bulk.fetch_all(group.ds, batch.fetch, job.counters, resident)
+            await self.bulk.fetch_all(group.ds, batch.fetch, job.counters, FetchCause.COOP_MISS,
+                                      (chunk_of, resident) if group.mode is CacheMode.COOP
+                                      else None)
             self.reader.staging.planned([digest.hash(i) for i in batch.hits])
             if self.cluster.peers is not None:
                 await self.bulk.stage_from_peers(group.ds, batch.hits)
@@ -138,19 +147,37 @@ class BatchPlanner:
         np.subtract.at(ref.remaining_chunks, chunk_of[batch.items], 1)
         if held_marked and not ref.remaining_chunks[marked]:
             self.cluster.poke()  # this job-epoch released the marked chunk
-        job.counters["hits"] += len(batch.hits)
-        job.counters["fetched"] += len(batch.fetch)
+        hits = 0 if probing else len(batch.hits)
+        job.counters["hits"] += hits
+        job.counters["fetched"] += len(batch.items) - hits
         prefix = job.config.prefix.strip("/")
         cut = len(prefix) + 1 if prefix else 0
         items = batch.items
         job.manifests[batch.index] = json.dumps({
-            "epoch": job.epoch, "batch": batch.index, "hits": len(batch.hits),
+            "epoch": job.epoch, "batch": batch.index, "hits": hits,
             "paths": [digest.path(i)[cut:] for i in items],
             "labels": [digest.label(i) for i in items],
             "hashes": [digest.hash(i).hex() for i in items]}).encode()
 
-    async def _loader_share(self, group: DatasetJobs) -> tuple[np.ndarray, float] | None:
-        return await trio.to_thread.run_sync(group.loader_share, self.cluster.me,
+    async def _uncached_ahead(self, job: Job, group: DatasetJobs, need: int) -> int:
+        """How many of the job's pending items in the loading chunks, and the one that
+        loads next, are not cached (up to ``need``): a probe batch of those reads what the
+        cycle brings in anyway."""
+        view, found = group.view, 0
+        if view is None:
+            return 0
+        for chunk in (*view.loading, group.upcoming()):
+            if chunk is None:
+                continue
+            pending = job.sampler.pending_in(chunk)[:PROBE_LOOKUPS]
+            held = await self.bulk.held([group.ds.digest.hash(int(i)) for i in pending])
+            found += len(held) - sum(held)
+            if found >= need:
+                break
+        return found
+
+    async def _others_loading(self, group: DatasetJobs) -> np.ndarray | None:
+        return await trio.to_thread.run_sync(group.others_loading, self.cluster.me,
                                              limiter=self.reader.limiter)
 
     async def _wait_for_chunks(self, job: Job, group: DatasetJobs, need: int) -> None:
@@ -165,18 +192,20 @@ class BatchPlanner:
             while (group.mode is CacheMode.COOP and group.view is not None
                    and key != job.gave_up_on):
                 usable = group.usable(job.ref)
-                marked, loading = group.view.marked, group.view.loading
+                marked = group.view.marked
                 supply = int(job.ref.remaining_chunks[usable].sum())
-                share = await self._loader_share(group)
-                if share is not None and loading in usable:  # others' shares: once held
-                    pending = job.sampler.pending_in(loading)
-                    others = pending[~share[0][pending]]
-                    held = await self.bulk.held([group.ds.digest.hash(int(i)) for i in others])
-                    supply -= len(others) - sum(held)
+                others = await self._others_loading(group)
+                if others is not None:  # other nodes' shares count once they hold them
+                    for chunk in set(group.view.loading) & set(usable):
+                        pending = job.sampler.pending_in(chunk)
+                        theirs = pending[others[pending]]
+                        held = await self.bulk.held([group.ds.digest.hash(int(i))
+                                                     for i in theirs])
+                        supply -= len(theirs) - sum(held)
                 if (supply >= need
                         or marked in usable and job.ref.remaining_chunks[marked] > 0):
                     break  # enough to plan from, or the job holds back the marked chunk
-                with trio.move_on_after(WAIT_POLL if share is not None else math.inf):
+                with trio.move_on_after(WAIT_POLL if others is not None else math.inf):
                     await group.changed.wait()
                 key = group.cycle_key()
         if scope.cancelled_caught:

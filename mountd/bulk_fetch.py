@@ -1,16 +1,25 @@
 """Items in bulk for the batch planner and the chunk loader: which of many hashes
-their owners hold (this node's store, or a peer), and fetching many items at once."""
+their owners hold (this node's store, or a peer), and fetching many items at once
+(a chunk load's in the loader processes, where they can)."""
 from __future__ import annotations
 
 import collections
+import logging
 
 import numpy as np
 import trio
 
 from mountd.cluster import Cluster
 from mountd.dataset import MountedDataset
-from mountd.item_reader import ItemReader, ReadFailed
+from mountd.item_reader import IntegrityFailed, ItemReader, ReadFailed
+from mountd.loader_pool import (LoaderPool, LoaderUnavailable, LoadFailed, LoadMismatch,
+                                load_source)
+from mountd.loader_process import LoadSource
+from mountd.read_stats import FetchCause
+from quiverfs.heartbeat import CacheMode
 from quiverfs.rpc import Unavailable
+
+log = logging.getLogger(__name__)
 
 FETCH_CONCURRENCY = 16  # misses fetched at once for one batch or one chunk load
 
@@ -18,9 +27,11 @@ FETCH_CONCURRENCY = 16  # misses fetched at once for one batch or one chunk load
 class BulkFetch:
     """Look-ups and fetches of many items, through the item reader's tiers."""
 
-    def __init__(self, reader: ItemReader, cluster: Cluster) -> None:
+    def __init__(self, reader: ItemReader, cluster: Cluster,
+                 pool: LoaderPool | None = None) -> None:
         self.reader = reader
         self.cluster = cluster
+        self.pool = pool  # None: every fetch runs in mountd
 
     async def held(self, hashes: list[bytes]) -> list[bool]:
         """Which hashes their owners hold (this node's store, or a peer's); a peer that
@@ -45,11 +56,11 @@ class BulkFetch:
         return out
 
     async def fetch_all(self, ds: MountedDataset, items: list[int],
-                        counters: collections.Counter[str],
+                        counters: collections.Counter[str], cause: FetchCause,
                         resident: tuple[np.ndarray, set[int]] | None = None) -> None:
-        """Fetch items into the cache; with ``resident`` (coop mode: every item's chunk,
-        and the resident chunks), items of other chunks are only staged for their one
-        read, so they cannot evict the chunks."""
+        """Fetch items into the cache, for ``cause``; with ``resident`` (coop mode: every
+        item's chunk, and the resident chunks), items of other chunks are only staged for
+        their one read, so they cannot evict the chunks."""
         if not items:
             return
         slots = trio.Semaphore(FETCH_CONCURRENCY)
@@ -60,7 +71,7 @@ class BulkFetch:
                     if resident is not None and int(resident[0][i]) not in resident[1]:
                         await self.stage(ds, i)
                     else:
-                        await self.reader.fetch(ds, i)
+                        await self.reader.fetch(ds, i, cause)
                 except ReadFailed:
                     counters["fetch_errors"] += 1  # the worker's own read will report it
 
@@ -68,11 +79,66 @@ class BulkFetch:
             for i in items:
                 nursery.start_soon(one, i)
 
+    async def load(self, ds: MountedDataset, items: list[int],
+                   counters: collections.Counter[str], cause: FetchCause) -> None:
+        """Fetch a chunk load's items into their owners' stores, for ``cause``: those this
+        node owns from a GCS bucket in the loader processes (while the store can write),
+        the others as ``fetch_all`` does."""
+        source = None if self.pool is None else load_source(ds.backend)
+        if (self.pool is None or source is None or ds.cache_mode is CacheMode.NONE
+                or not self.reader.store.writable()):
+            await self.fetch_all(ds, items, counters, cause)
+            return
+        mine, theirs = [], []
+        for i in items:
+            (mine if self.reader.owner(ds.digest.hash(i)) is None else theirs).append(i)
+        slots = trio.Semaphore(self.pool.capacity)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.fetch_all, ds, theirs, counters, cause)
+            for i in mine:
+                await slots.acquire()
+                nursery.start_soon(self._load_one, self.pool, source, ds, i, counters, cause,
+                                   slots)
+
+    async def _load_one(self, pool: LoaderPool, source: LoadSource, ds: MountedDataset,
+                        index: int, counters: collections.Counter[str], cause: FetchCause,
+                        slots: trio.Semaphore) -> None:
+        loc = ds.digest.location(index)
+
+        async def in_pool() -> int | bytes:
+            try:
+                got = await pool.load(source, ds.digest.key(index), loc.offset, loc.length,
+                                      ds.digest.hash(index))
+            except LoadMismatch:
+                log.error("dataset %s: %s at %s (offset %d, %d bytes) does not match its "
+                          "digest hash %s: the loader process did not store it", ds.name,
+                          ds.digest.path(index), loc.uri, loc.offset, loc.length,
+                          ds.digest.hash(index).hex())
+                raise IntegrityFailed("content does not match the digest") from None
+            except LoadFailed as exc:
+                log.error("dataset %s: cannot fetch %s from %s: %s", ds.name,
+                          ds.digest.path(index), loc.uri, exc)
+                raise ReadFailed(str(exc)) from None
+            self.reader.stats.count(ds, "loader_process_fetches")
+            return got
+
+        try:
+            try:
+                await self.reader.fetch_stored(ds, index, cause, in_pool)
+            except LoaderUnavailable as exc:
+                log.debug("dataset %s: %s: fetching %s in mountd", ds.name, exc,
+                          ds.digest.path(index))
+                await self.reader.fetch(ds, index, cause)
+        except ReadFailed:
+            counters["fetch_errors"] += 1  # a read of it fetches it again, and reports it
+        finally:
+            slots.release()
+
     async def stage(self, ds: MountedDataset, index: int) -> None:
         """Fetch an item for one coming read without caching it: it is kept in memory
         until read once (a substitutable job's miss outside the resident chunks, which
         would otherwise push the chunks' items out of the store)."""
-        data = await self.reader.fetch(ds, index, keep=False)
+        data = await self.reader.fetch(ds, index, FetchCause.STAGED_MISS, keep=False)
         self.reader.staging.keep(ds.digest.hash(index), data)
 
     async def stage_from_peers(self, ds: MountedDataset, items: list[int]) -> None:

@@ -13,13 +13,16 @@ from mountd.cluster import Cluster
 from mountd.dataset_jobs import DatasetJobs
 from mountd.item_reader import ItemReader
 from mountd.job_registry import JobRegistry
+from mountd.read_stats import FetchCause
 from quiverfs import ownership
-from quiverfs.chunk_cycle import ChunkState
+from quiverfs.chunk_cycle import MAX_LOADING, ChunkState
 from quiverfs.heartbeat import CycleView, DatasetReport, LoadedShare
 
 log = logging.getLogger(__name__)
 
-CHECK_BLOCK = 512  # items whose store membership is checked per thread call
+# Items whose store membership is checked at once, just before they are fetched: few, so
+# that items the jobs fetched meanwhile (their cooperative misses) are not fetched again.
+CHECK_BLOCK = 32
 
 
 class ChunkLoader:
@@ -64,18 +67,18 @@ class ChunkLoader:
                     job.probe.begin(seq, view.probe_batches)
                     log.info("job %s: probe %d of %d batches", job.id, seq,
                              view.probe_batches)
-            if view.loading is not None and me in view.loaders:
-                share = LoadedShare(view.loading, view.loaders)
-                if share not in group.loaded:
-                    self._spawn(group, f"load {view.loading}", view.loading, view.loaders,
-                                share)
+            for load in view.loads:
+                if me in load.loaders and load not in group.loaded:
+                    self._spawn(group, f"load {load.chunk}", load.chunk, load.loaders, load)
             if previous is not None:
                 for chunk, (old, new) in enumerate(zip(previous.states, view.states)):
                     if old is not ChunkState.EVICTED and new is ChunkState.EVICTED:
                         await self._evict_local(group, chunk)
-            if version != group.version and view.active is not None and me in view.users:
+            if version != group.version and view.active and me in view.users:
                 if group.version >= 0:  # membership changed: owners moved, refill
-                    self._spawn(group, f"refill {version}", view.active, view.users, None)
+                    for chunk in view.active:
+                        self._spawn(group, f"refill {version} {chunk}", chunk, view.users,
+                                    None)
                 group.version = version
 
     def _spawn(self, group: DatasetJobs, name: str, chunk: int, loaders: tuple[str, ...],
@@ -98,14 +101,15 @@ class ChunkLoader:
                          if ownership.owner(digest.hash(int(i)), list(loaders)) == me],
                 limiter=self.reader.limiter)
             counters: collections.Counter[str] = collections.Counter()
+            cause = FetchCause.REFILL if share is None else FetchCause.CHUNK_LOAD
             for start in range(0, len(mine), CHECK_BLOCK):
                 block = mine[start:start + CHECK_BLOCK]
                 held = await self.bulk.held([digest.hash(i) for i in block])
-                await self.bulk.fetch_all(group.ds, [i for i, h in zip(block, held) if not h],
-                                      counters)
+                await self.bulk.load(group.ds, [i for i, h in zip(block, held) if not h],
+                                     counters, cause)
             if share is not None:
                 group.loaded.append(share)
-                del group.loaded[:-4]  # the coordinator only asks about the current one
+                del group.loaded[:-4 * MAX_LOADING]  # the coordinator asks about current ones
                 self.cluster.poke()
             log.info("dataset %s: %s done (%d items of chunk %d)", group.ds.name, name,
                      len(mine), chunk)
@@ -113,14 +117,13 @@ class ChunkLoader:
             group.busy.discard(name)
 
     async def _evict_local(self, group: DatasetJobs, chunk: int) -> None:
-        """Drop this node's copies of an evicted chunk (keeping items resident chunks
-        share, and hits that manifests promised and were not read yet: the store's LRU
-        drops those later)."""
+        """Drop this node's copies of an evicted chunk (keeping items whose content a
+        resident chunk shares, and hits that manifests promised and were not read yet:
+        the store's LRU drops those later)."""
         view, digest, store = group.view, group.ds.digest, self.reader.store
-        resident = [c for c in (view.active, view.loading, view.marked) if c is not None]
 
         def drop() -> None:
-            keep = {digest.hash(int(i)) for c in resident for i in group.plan.members[c]}
+            keep = {digest.hash(int(i)) for c in view.resident for i in group.plan.members[c]}
             for h in (digest.hash(int(i)) for i in group.plan.members[chunk]):
                 if h not in keep and not self.reader.staging.awaiting_read(h):
                     store.discard(h)

@@ -23,6 +23,13 @@ if TYPE_CHECKING:
 
 STARTUP_TIMEOUT = 120.0  # seconds a backgrounded mountd may take to answer
 THREADS = 16  # mountd's blocking workers, by default
+MAX_LOADER_PROCESSES = 64
+
+
+def default_loader_processes() -> int:
+    """Loader processes by default: one per core this process may run on but the one
+    that serves FUSE, at least one and at most 4 (each keeps 16 fetches in flight)."""
+    return max(1, min(4, len(os.sched_getaffinity(0)) - 1))
 
 
 def _root_arg(p: argparse.ArgumentParser) -> None:
@@ -50,6 +57,12 @@ def add_parsers(sub: argparse._SubParsersAction,
                    "(default: CACHE_DIR/mountd.log)")
     d.add_argument("--threads", type=IntAtLeast("--threads", 1), default=THREADS,
                    help="blocking I/O workers (default %(default)s)")
+    d.add_argument("--loader-processes", metavar="N",
+                   type=IntAtLeast("--loader-processes", 0, MAX_LOADER_PROCESSES),
+                   default=default_loader_processes(),
+                   help="processes that fetch, check and store chunk loads from gs:// "
+                   "buckets, off the process that serves reads; 0 loads in mountd "
+                   "(default: one per core but one, at least 1, at most 4: %(default)s here)")
     d.add_argument("--metrics", metavar="HOST:PORT", type=Address("--metrics"),
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     d.add_argument("--chunk-size", type=ByteSize("--chunk-size"),
@@ -110,7 +123,7 @@ def cmd_mountd(args: argparse.Namespace, embedded_coordinator: EmbeddedFactory) 
     cfg = MountdConfig(root=root, cache_dir=os.path.abspath(args.cache_dir),
                        cache_size=args.cache_size,
                        control_socket=args.control_socket or control_client.default_socket(root),
-                       threads=args.threads,
+                       threads=args.threads, loader_processes=args.loader_processes,
                        chunk_bytes=args.chunk_size, metrics=args.metrics,
                        force_evict_after=args.force_evict_after,
                        probe_batches=args.probe_batches,
@@ -214,6 +227,10 @@ def cmd_status(args: argparse.Namespace) -> int:
           f"{c.get('misses', 0)} misses, {c.get('bucket_fetches', 0)} bucket fetches "
           f"({human(c.get('bucket_bytes', 0))}), {c.get('integrity_failures', 0)} integrity "
           f"failures, {c.get('bucket_errors', 0)} storage errors")
+    causes = [f"{cause} {n['fetches']} ({human(n['bytes'])})"
+              for cause, n in reply["bucket_fetch_causes"].items() if n["fetches"]]
+    if causes:
+        print(f"bucket fetches by cause: {', '.join(causes)}")
     for ds in reply["datasets"]:
         line = (f"  {ds['name']:<20} {ds['items']:>9} items {human(ds['bytes']):>10}  "
                 f"hits {ds['counters'].get('local_hits', 0)}  "
@@ -242,7 +259,8 @@ def _cluster_status(args: argparse.Namespace) -> int:
     for identity, cycle in reply["cycles"].items():
         states = " ".join(s[0].upper() if s != "evicted" else "." for s in cycle["states"])
         print(f"  dataset {identity[:12]}: chunks [{states}] (L loading, A active, "
-              f"M marked), max resident {cycle['max_resident']}")
+              f"M marked), up to {cycle['capacity']} resident, most so far "
+              f"{cycle['max_resident']}")
     for job in reply["jobs"]:
         print(f"  job {job['job']}: epoch {job['epoch']}, batch {job['batches_planned']}/"
               f"{job['batches_per_epoch']}, hits {job['counters'].get('hits', 0)}, "

@@ -16,12 +16,19 @@ keeps serving what it holds, stores nothing, and tries writing again after
 WRITE_RETRY_INTERVAL; one that cannot even open is skipped (every read a miss) until
 it can. A damaged index (SQLite's "malformed" or "not a database") is moved aside and
 the store starts empty; value files no index row names are removed at every open.
+
+Loader processes (``mountd.loader_process``) write into the same directory through a
+``StoreWriter``, which holds the index only under a shared lock on the directory; the
+store opens (and rebuilds) the index only under the exclusive lock, so it never moves
+aside or reclaims files under a writer of another process. mountd records what they
+stored and could not store (``stored_elsewhere``, ``write_failed_elsewhere``).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import gc
 import hashlib
 import logging
@@ -68,6 +75,11 @@ class StoreError(Exception):
 
 class IndexDamaged(StoreError):
     """SQLite found the index damaged ("malformed", "not a database", quick_check)."""
+
+
+class StoreBusy(StoreError):
+    """The other side of the directory lock holds it: mountd opening or rebuilding the
+    index, or a loader process writing while mountd wants to."""
 
 
 @dataclasses.dataclass
@@ -174,12 +186,7 @@ class ContentStore:
     def _connect(self) -> tuple[_Index, set[str]]:
         """Open the index, check it page by page, and list the value files it names.
         Raises IndexDamaged if SQLite finds it damaged."""
-        with _damage_raised():
-            cache = diskcache.Cache(
-                self.directory, disk=_TrackedDisk, size_limit=self._size_limit,
-                eviction_policy="least-recently-used", cull_limit=CULL_LIMIT,
-                disk_min_file_size=DISK_MIN_FILE_SIZE, sqlite_mmap_size=SQLITE_MMAP_SIZE,
-                timeout=TIMEOUT, statistics=False)
+        cache = _open_cache(self.directory, self._size_limit)
         try:
             with _damage_raised():
                 reader = diskcache.Cache(self.directory, timeout=TIMEOUT)
@@ -205,7 +212,14 @@ class ContentStore:
         """Open the index (moving a damaged one aside first), and remove the value files
         it does not name before anything is served. The caller holds the write lock."""
         try:
-            opened = self._open_index()
+            with _directory_lock(self.directory, fcntl.LOCK_EX):
+                opened = self._open_index()
+        except StoreBusy:
+            log.debug("store %s: a loader process holds the index: opening it later",
+                      self.directory)
+            if self.write_error is None:
+                self._note_error("a loader process holds the store's index")
+            opened = None
         except (*STORE_ERRORS, IndexDamaged) as exc:
             self._write_failed(None, exc, "open the store")
             opened = None
@@ -283,15 +297,15 @@ class ContentStore:
                     removed += 1
         return removed
 
-    def _drop_damaged(self, index: _Index, exc: BaseException) -> None:
+    def _drop_damaged(self, index: _Index, reason: str) -> None:
         """Stop using a damaged index; the next use of the store rebuilds it (``_open``).
         The caller holds the write lock."""
         if self._index is not index:
             return  # another thread got there first
         log.warning("store %s: the index is damaged (%s): rebuilding the store",
-                    self.directory, describe(exc))
+                    self.directory, reason)
         self._index = None
-        self._damage, self._damaged_id = describe(exc), _file_id(self._db_path)
+        self._damage, self._damaged_id = reason, _file_id(self._db_path)
         index.close()
         self._files.clear()
         self._verified.clear()
@@ -300,7 +314,7 @@ class ContentStore:
 
     def _start_rebuild(self, index: _Index, exc: BaseException) -> None:
         with self._write_lock:
-            self._drop_damaged(index, exc)
+            self._drop_damaged(index, describe(exc))
         del index  # other threads' connections to it close once it is collected
         self._usable()
 
@@ -323,7 +337,7 @@ class ContentStore:
         if index is not None:
             index.cache.close()  # with a transaction a failed COMMIT may have left open
             if is_damage(exc):
-                self._drop_damaged(index, exc)
+                self._drop_damaged(index, describe(exc))
                 return
         reason = describe(exc)
         self._retry_at = time.monotonic() + WRITE_RETRY_INTERVAL
@@ -343,6 +357,41 @@ class ContentStore:
                  self.directory, time.time() - (self.write_error_since or time.time()),
                  self.write_failures)
         self.write_error = self.write_error_since = None
+
+    def writable(self) -> bool:
+        """Whether a put would write now: the index is open and no write failure waits
+        for its retry (never blocks: the caller may be mountd's trio loop)."""
+        return self._index is not None and (self.write_error is None
+                                            or time.monotonic() >= self._retry_at)
+
+    def stored_elsewhere(self, digest: bytes) -> None:
+        """Record a put a loader process made (it hashed the content in full). Never
+        blocks: a write failure it ends is cleared now, or by the next put."""
+        if len(self._verified) >= MAX_VERIFIED:
+            self._verified.clear()
+        self._verified.add(digest)
+        if self.write_error is not None and self._write_lock.acquire(blocking=False):
+            try:
+                if self.write_error is not None and self._index is not None:
+                    self._writable_again()
+            finally:
+                self._write_lock.release()
+
+    def write_failed_elsewhere(self, reason: str, damaged: bool) -> None:
+        """Record a put a loader process could not make, as if it were this store's own:
+        a damaged index is rebuilt, anything else is tried again after
+        WRITE_RETRY_INTERVAL."""
+        with self._write_lock:
+            self.write_failures += 1
+            if damaged and self._index is not None:
+                self._drop_damaged(self._index, reason)
+                return
+            self._retry_at = time.monotonic() + WRITE_RETRY_INTERVAL
+            if self.write_error is None:
+                log.warning("store %s: a loader process cannot write (%s): reads are served "
+                            "uncached; trying again every %.0f s", self.directory, reason,
+                            WRITE_RETRY_INTERVAL)
+            self._note_error(reason)
 
     def health(self) -> StoreHealth:
         """Whether the last write worked (only a put that works clears a failure)."""
@@ -528,6 +577,96 @@ class ContentStore:
             self._retry_at = float("inf")  # closed for good
         if index is not None:
             index.close()
+
+
+class StoreWriter:
+    """A loader process's handle on a ContentStore's directory, for puts from one thread.
+
+    It holds the index, and the directory's shared lock that keeps mountd from opening
+    or rebuilding it meanwhile, only while it writes: ``release()`` lets go when idle,
+    and a write that fails lets go at once (a damaged index is mountd's to rebuild).
+    """
+
+    def __init__(self, directory: str, size_limit: int) -> None:
+        self.directory = directory
+        self.size_limit = size_limit
+        self._lock: contextlib.ExitStack | None = None
+        self._cache: diskcache.Cache | None = None
+
+    def put(self, digest: bytes, data: bytes) -> None:
+        """Store ``data`` under ``digest`` after checking that it hashes to it. Raises
+        IntegrityError, IndexDamaged, or StoreError (StoreBusy while mountd opens the
+        index)."""
+        if hashlib.sha256(data).digest() != digest:
+            raise IntegrityError(f"content does not hash to {digest.hex()}")
+        tag = google_crc32c.value(data)
+        cache = self._acquire()
+        disk: _TrackedDisk = cache.disk
+        disk.last_file = None
+        try:
+            with _damage_raised():
+                cache.set(digest, data, tag=tag)
+        except (*STORE_ERRORS, IndexDamaged) as exc:
+            if disk.last_file is not None:
+                disk.remove(disk.last_file)  # written in part, or unnamed
+            self.release()
+            if isinstance(exc, StoreError):
+                raise
+            raise StoreError(describe(exc)) from exc
+
+    def _acquire(self) -> diskcache.Cache:
+        if self._cache is not None:
+            return self._cache
+        lock = contextlib.ExitStack()
+        try:
+            lock.enter_context(_directory_lock(self.directory, fcntl.LOCK_SH))
+            self._cache = _open_cache(self.directory, self.size_limit)
+        except STORE_ERRORS as exc:
+            lock.close()
+            raise StoreError(describe(exc)) from exc
+        except BaseException:
+            lock.close()
+            raise
+        self._lock = lock
+        return self._cache
+
+    def release(self) -> None:
+        """Close the index and let go of the lock (the next put takes both again)."""
+        cache, self._cache = self._cache, None
+        lock, self._lock = self._lock, None
+        try:
+            if cache is not None:
+                cache.close()
+        finally:
+            if lock is not None:
+                lock.close()
+
+
+def _open_cache(directory: str, size_limit: int) -> diskcache.Cache:
+    """The index's writing handle, with the store's settings (IndexDamaged if SQLite
+    finds it damaged)."""
+    with _damage_raised():
+        return diskcache.Cache(
+            directory, disk=_TrackedDisk, size_limit=size_limit,
+            eviction_policy="least-recently-used", cull_limit=CULL_LIMIT,
+            disk_min_file_size=DISK_MIN_FILE_SIZE, sqlite_mmap_size=SQLITE_MMAP_SIZE,
+            timeout=TIMEOUT, statistics=False)
+
+
+@contextlib.contextmanager
+def _directory_lock(directory: str, mode: int) -> Iterator[None]:
+    """Hold ``directory``'s flock in ``mode`` (shared: a loader process writing;
+    exclusive: mountd opening the index). Raises StoreBusy if the other side holds it."""
+    os.makedirs(directory, exist_ok=True)
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StoreBusy("another process holds the store's index") from None
+        yield
+    finally:
+        os.close(fd)  # and with it the lock
 
 
 def _file_id(path: str) -> tuple[int, int] | None:

@@ -16,6 +16,7 @@ from mountd.item_reader import ItemReader, ReadFailed
 from mountd.job_registry import JobRegistry
 from mountd.mount_table import MountTable
 from mountd.peers import PeerService
+from mountd.read_stats import FetchCause, ReadStats
 from mountd.registry import Registration, Registry, check_name, new_registration
 from quiverfs import digest as digest_format
 from quiverfs import ownership
@@ -264,7 +265,8 @@ class Controller:
             entry = {"name": ds.name, "path": os.path.join(self.root, ds.name),
                      "uid": ds.reg.uid, "source": ds.digest.source, "items": len(ds.digest),
                      "bytes": ds.digest.total_bytes, "identity": ds.reg.identity,
-                     "counters": dict(ds.counters)}
+                     "counters": dict(ds.counters),
+                     "bucket_fetch_causes": ReadStats.by_cause(ds.counters)}
             if ds.prefetch is not None:
                 entry["prefetch"] = vars(ds.prefetch).copy()
             datasets.append(entry)
@@ -275,7 +277,9 @@ class Controller:
                           "writable": health.writable, "write_error": health.write_error,
                           "write_error_since": health.write_error_since,
                           "write_failures": health.write_failures},
-                "counters": dict(self.reader.stats.counters), "datasets": datasets,
+                "counters": dict(self.reader.stats.counters),
+                "bucket_fetch_causes": ReadStats.by_cause(self.reader.stats.counters),
+                "datasets": datasets,
                 "jobs": self.jobs.status(peer.uid),
                 "cluster": self.cluster.status()}
 
@@ -319,7 +323,7 @@ class Controller:
 
         async def one(index: int) -> None:
             try:
-                await self.reader.fetch(ds, index)
+                await self.reader.fetch(ds, index, FetchCause.PREFETCH)
             except ReadFailed:
                 progress.failed += 1
             else:

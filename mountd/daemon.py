@@ -24,11 +24,13 @@ from mountd.fs import QuiverFS
 from mountd.item_reader import ItemReader
 from mountd.job_files import ControlFiles
 from mountd.job_registry import JobRegistry
+from mountd.loader_pool import LoaderPool
 from mountd.metrics import MountdCollector
 from mountd.mount_table import MountTable
 from mountd.peers import PeerService, PeerSet
 from mountd.registry import Registry
 from quiverfs import sd_notify
+from quiverfs.chunk_plan import CACHE_CHUNKS
 from quiverfs.fs_identity import NOBODY, IdentityUnavailable, UserIdentity, acting_as
 from quiverfs.metrics_server import MetricsServer
 from quiverfs.process_limits import raise_open_file_limit
@@ -52,6 +54,7 @@ class MountdConfig:
     cache_size: int  # bytes
     control_socket: str
     threads: int  # blocking workers: diskcache, storage reads, hashing
+    loader_processes: int  # processes that fetch and store chunk loads; 0: in mountd
     force_evict_after: float  # seconds a marked chunk may outlive its first release
     probe_batches: int  # for the embedded coordinator
     chunk_bytes: int | None  # None: 10% of a dataset or 15 GiB, the smaller
@@ -101,11 +104,13 @@ class Mountd:
         self.coordinator_client: RpcClient | None = None
         self.cluster = self._cluster(embedded_coordinator)
         self.reader = ItemReader(self.store, self.limiter, self.cluster)
-        # A lone node sizes chunks so that two fit its cache; in a cluster every node
+        # A lone node sizes chunks so that several fit its cache; in a cluster every node
         # must compute the same plan, so the default stays 10% (or --chunk-size).
         self.jobs = JobRegistry(self.table, self.limiter, cfg.chunk_bytes,
-                                None if cfg.coordinator else cfg.cache_size / 2.5)
-        self.bulk = BulkFetch(self.reader, self.cluster)
+                                None if cfg.coordinator else cfg.cache_size / CACHE_CHUNKS)
+        self.pool = (LoaderPool(cfg.loader_processes, self.store, self.limiter)
+                     if cfg.loader_processes else None)
+        self.bulk = BulkFetch(self.reader, self.cluster, self.pool)
         self.planner = BatchPlanner(self.reader, self.bulk, self.cluster)
         self.loader = ChunkLoader(self.jobs, self.reader, self.bulk, self.cluster)
         self.controller = Controller(self.root, self.table, self.registry, self.reader,
@@ -145,6 +150,8 @@ class Mountd:
             await nursery.start(self.controller.tasks.run)
             await nursery.start(self.planner.tasks.run)
             await nursery.start(self.reader.puts.tasks.run)
+            if self.pool is not None:  # ended before the store closes, when unmounting
+                await nursery.start(self.pool.run)
             if self.peer_server is not None:
                 await nursery.start(self.peer_server.serve)
                 await nursery.start(self.cluster.peers.tasks.run)

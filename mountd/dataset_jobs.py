@@ -9,7 +9,7 @@ import trio
 
 from mountd.dataset import MountedDataset
 from quiverfs import ownership
-from quiverfs.chunk_cycle import EpochRef
+from quiverfs.chunk_cycle import ChunkState, EpochRef
 from quiverfs.chunk_plan import default_chunk_bytes, make_plan
 from quiverfs.heartbeat import CacheMode, CycleView, DatasetReport, LoadedShare
 
@@ -32,8 +32,8 @@ class DatasetJobs:
         self.busy: set[str] = set()  # load tasks running, by key
         self.version = -1  # membership version of the last refill
         self.changed = trio.Event()  # set (and replaced) when the cycle moves
-        # ((loading chunk, loaders), mask over items of this node's share, its fraction)
-        self._share: tuple[tuple[Any, ...], np.ndarray, float] | None = None
+        # (the loads it was computed for, others_loading's mask)
+        self._others: tuple[tuple[LoadedShare, ...], np.ndarray] | None = None
 
     def cycle_key(self) -> tuple[Any, ...] | None:
         return None if self.view is None else self.view.key()
@@ -46,39 +46,41 @@ class DatasetJobs:
         return self.view.usable(ref)
 
     def oldest_usable(self, ref: EpochRef) -> int | None:
-        """The oldest resident chunk the job-epoch has items left in (marked, else
-        active), whose hits it should take first, in coop mode."""
+        """The oldest loaded chunk the job-epoch may use and has items left in, whose
+        hits it should take first, in coop mode: finishing chunks oldest first lets them
+        be released, evicted and replaced while the newer ones serve."""
         if self.view is None or self.mode is not CacheMode.COOP:
             return None
-        usable = self.usable(ref)
-        for chunk in (self.view.marked, self.view.active):
-            if chunk is not None and chunk in usable and ref.remaining_chunks[chunk] > 0:
+        usable = set(self.usable(ref))
+        for chunk in self.view.resident:
+            if (chunk in usable and self.view.states[chunk] is not ChunkState.LOADING
+                    and ref.remaining_chunks[chunk] > 0):
                 return int(chunk)
         return None
 
-    def loader_share(self, me: str) -> tuple[np.ndarray, float] | None:
-        """The items of the loading chunk that this node loads (a mask over all items,
-        by rendezvous among the loaders) and their share of the chunk; None when no chunk
-        loads or this node loads all of it. Another node's share is left to it: a job
-        here fetching it too would read it from the bucket twice."""
+    def others_loading(self, me: str) -> np.ndarray | None:
+        """A mask over all items: those of the loading chunks that other nodes load (by
+        rendezvous among each chunk's loaders); None when every loading chunk is loaded
+        here alone, or none loads. A job here fetching those too would read them from
+        the bucket twice."""
         view = self.view
-        if view is None or view.loading is None or view.loaders == (me,):
+        if view is None or all(load.loaders == (me,) for load in view.loads):
             return None
-        key = (view.loading, view.loaders)
-        if self._share is None or self._share[0] != key:
-            members = self.plan.members[view.loading]
+        if self._others is None or self._others[0] != view.loads:
             digest = self.ds.digest
-            mine = np.array([ownership.owner(digest.hash(int(i)), list(view.loaders)) == me
-                             for i in members], dtype=bool)
             mask = np.zeros(len(self.plan.chunk_of), dtype=bool)
-            mask[members[mine]] = True
-            self._share = (key, mask, float(mine.mean()) if len(mine) else 1.0)
-        return self._share[1], self._share[2]
+            for load in view.loads:
+                members = self.plan.members[load.chunk]
+                mask[members] = [ownership.owner(digest.hash(int(i)), list(load.loaders)) != me
+                                 for i in members]
+            self._others = (view.loads, mask)
+        return self._others[1]
 
     def upcoming(self) -> int | None:
-        """The chunk that starts loading once the marked one is evicted, if none loads."""
+        """The chunk that loads next, once there is room for it."""
         view = self.view
-        if view is None or view.loading is not None or self.mode is not CacheMode.COOP:
+        if (view is None or self.mode is not CacheMode.COOP
+                or view.states[view.next] is not ChunkState.EVICTED):
             return None
         return view.next
 

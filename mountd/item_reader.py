@@ -10,10 +10,12 @@ worker thread bounded by one CapacityLimiter.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
 import time
+from collections.abc import Awaitable, Callable, Iterator
 
 import pyfuse3
 import trio
@@ -22,7 +24,7 @@ from mountd.cluster import Cluster
 from mountd.content_store import ContentStore, IntegrityError, StoreError
 from mountd.dataset import MountedDataset
 from mountd.owner_puts import OwnerPuts
-from mountd.read_stats import ReadStats
+from mountd.read_stats import FetchCause, ReadStats
 from mountd.staging import Staging
 from quiverfs.errors import QuietError
 from quiverfs.heartbeat import CacheMode
@@ -43,7 +45,8 @@ class IntegrityFailed(ReadFailed):
 class _Flight:
     done: trio.Event = dataclasses.field(default_factory=trio.Event)
     data: bytes | None = None
-    error: Exception | None = None
+    stored: bool = False  # stored by a loader process, which kept the bytes
+    error: Exception | None = None  # a ReadFailed; with none of the three, fetch again
 
 
 class ItemReader:
@@ -58,7 +61,9 @@ class ItemReader:
         self.staging = Staging()
         self.puts = OwnerPuts(cluster, self.stats.counters)
         self._inflight: dict[bytes, _Flight] = {}
-        self._forced: set[bytes] = set()  # next read is a miss (a probed job's batch)
+        # A probed job's batch: how the next read of each item misses (by the cause it
+        # is fetched for, and whether the fetch is kept), or, for PROBE, that it must.
+        self._probed: dict[bytes, tuple[FetchCause, bool]] = {}
         # Dropping an inode's pages can wait in the kernel for a read of that inode,
         # whose handler needs a worker of ``limiter``: so it never holds one of those.
         self._invalidations = trio.CapacityLimiter(1)
@@ -68,11 +73,19 @@ class ItemReader:
         node = self.cluster.owner(digest)
         return None if node == self.cluster.me else node
 
-    async def force_misses(self, ds: MountedDataset, items: list[int]) -> None:
-        """Serve the next read of each item from storage, as if it were not cached, and
-        drop the kernel's pages of it (a probed job's batch)."""
-        self._forced.update(ds.digest.hash(i) for i in items)
-        inodes = [ds.inode_base + ds.tree.n_dirs + i for i in items]
+    async def probe_reads(self, ds: MountedDataset, forced: list[int], uncached: list[int],
+                          keep: list[bool]) -> None:
+        """Make the next read of each item of a probed job's batch a miss, and drop the
+        kernel's pages of them. ``uncached`` items were not cached when planned: a read
+        that still misses fetches them as a cooperative miss (other jobs hit them next).
+        ``forced`` ones, and those not kept, are read from storage even if cached.
+        ``keep`` (per item, ``forced`` first) says whether what is fetched is cached."""
+        must = set(forced)
+        for i, k in zip(forced + uncached, keep):
+            # a miss that is not kept is read again when its chunk loads: the probe's cost
+            cause = FetchCause.PROBE if i in must or not k else FetchCause.COOP_MISS
+            self._probed[ds.digest.hash(i)] = (cause, k)
+        inodes = [ds.inode_base + ds.tree.n_dirs + i for i in forced + uncached]
         await trio.to_thread.run_sync(_invalidate, inodes, limiter=self._invalidations)
 
     async def read(self, ds: MountedDataset, index: int) -> bytes:
@@ -82,10 +95,10 @@ class ItemReader:
         if staged is not None:
             self.stats.count(ds, "staged_hits")
             return staged
-        if digest in self._forced:
-            self._forced.discard(digest)
+        cause, keep = self._probed.pop(digest, (FetchCause.EXACT, True))
+        if cause is FetchCause.PROBE:
             self.stats.count(ds, "probe_misses")
-            return await self.fetch(ds, index)
+            return await self.fetch(ds, index, cause, keep=keep)
         started = time.perf_counter()
         try:
             data = await trio.to_thread.run_sync(self.store.get, digest, limiter=self.limiter)
@@ -113,24 +126,59 @@ class ItemReader:
                 return data
             self.stats.count(ds, "peer_misses")
         self.stats.count(ds, "misses")
-        return await self.fetch(ds, index)
+        return await self.fetch(ds, index, cause, keep=keep)
 
-    async def fetch(self, ds: MountedDataset, index: int, keep: bool = True) -> bytes:
-        """Fetch entry ``index`` from storage (into the store unless not ``keep``);
-        concurrent callers share one fetch."""
+    async def fetch(self, ds: MountedDataset, index: int, cause: FetchCause,
+                    keep: bool = True) -> bytes:
+        """Fetch entry ``index`` from storage (into the store unless not ``keep``), for
+        ``cause``; concurrent callers share one fetch (counted once, for the first)."""
         digest = ds.digest.hash(index)
-        flight = self._inflight.get(digest)
-        if flight is not None:
+        while (flight := self._inflight.get(digest)) is not None:
             self.stats.count(ds, "coalesced")
-            await flight.done.wait()
-            if flight.data is None:
-                raise ReadFailed(str(flight.error))
-            return flight.data
+            data = await self._joined(flight, digest)
+            if data is not None:
+                return data
         flight = self._inflight[digest] = _Flight()
         started = time.perf_counter()
-        try:
+        with self._flying(ds, digest, flight):
             data = await trio.to_thread.run_sync(self._fetch_blocking, ds, index, keep,
                                                  limiter=self.limiter)
+        self.stats.observe("bucket", time.perf_counter() - started)
+        self.stats.fetched(ds, cause, len(data))
+        flight.data = data
+        return data
+
+    async def fetch_stored(self, ds: MountedDataset, index: int, cause: FetchCause,
+                           fetch: Callable[[], Awaitable[int | bytes]]) -> None:
+        """Fetch entry ``index`` into the store for ``cause`` with ``fetch`` (a loader
+        process's load), single-flight with every other fetch of it. ``fetch`` stores it
+        and returns the number of bytes, or returns the bytes it could not store; it
+        raises ReadFailed as ``fetch`` does, or anything else to leave it unfetched."""
+        digest = ds.digest.hash(index)
+        flight = self._inflight.get(digest)
+        if flight is not None:  # a read fetches it already
+            self.stats.count(ds, "coalesced")
+            await flight.done.wait()
+            if flight.error is not None:
+                raise ReadFailed(str(flight.error))
+            return
+        flight = self._inflight[digest] = _Flight()
+        started = time.perf_counter()
+        with self._flying(ds, digest, flight):
+            got = await fetch()
+        self.stats.observe("bucket", time.perf_counter() - started)
+        if isinstance(got, bytes):
+            self.stats.fetched(ds, cause, len(got))
+            flight.data = got
+        else:
+            self.stats.fetched(ds, cause, got)
+            flight.stored = True
+
+    @contextlib.contextmanager
+    def _flying(self, ds: MountedDataset, digest: bytes, flight: _Flight) -> Iterator[None]:
+        """Hold ``flight`` for ``digest`` while the fetch runs; count its failure."""
+        try:
+            yield
         except ReadFailed as exc:
             flight.error = exc
             self.stats.count(ds, "integrity_failures" if isinstance(exc, IntegrityFailed)
@@ -139,11 +187,19 @@ class ItemReader:
         finally:
             del self._inflight[digest]
             flight.done.set()
-        self.stats.observe("bucket", time.perf_counter() - started)
-        self.stats.count(ds, "bucket_fetches")
-        self.stats.count(ds, "bucket_bytes", len(data))
-        flight.data = data
-        return data
+
+    async def _joined(self, flight: _Flight, digest: bytes) -> bytes | None:
+        """What another caller's flight fetched: its bytes, or None if it ended without
+        them (and the store no longer has what a loader process stored)."""
+        await flight.done.wait()
+        if flight.error is not None:
+            raise ReadFailed(str(flight.error))
+        if not flight.stored:
+            return flight.data
+        try:
+            return await trio.to_thread.run_sync(self.store.get, digest, limiter=self.limiter)
+        except StoreError as exc:
+            raise ReadFailed(f"local store: {exc}") from None
 
     def _fetch_blocking(self, ds: MountedDataset, index: int, keep: bool) -> bytes:
         """Read from storage and check the hash; keep it here if this node owns it,

@@ -183,7 +183,7 @@ class JobRegistry:
         self.table = table
         self.limiter = limiter
         self.chunk_bytes = chunk_bytes
-        self.max_chunk_bytes = max_chunk_bytes  # so that two chunks fit a lone node's cache
+        self.max_chunk_bytes = max_chunk_bytes  # so that several chunks fit a lone node's cache
         self.jobs: dict[str, Job] = {}
         self.groups: dict[str, DatasetJobs] = {}
 

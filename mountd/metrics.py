@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from mountd.read_stats import ReadStats
 from quiverfs.chunk_cycle import ChunkState
 from quiverfs.metrics_server import LoopUnavailable, TrioLoop
 
@@ -94,6 +95,12 @@ class MountdCollector:
                                      "could not serve", labels=["dataset", "tier"])
         nbytes = CounterMetricFamily("quiver_dataset_bytes", "Bytes of the dataset served, "
                                      "by tier", labels=["dataset", "tier"])
+        fetches = CounterMetricFamily("quiver_bucket_fetches", "Items of the dataset read "
+                                      "from its bucket, by why they were read",
+                                      labels=["dataset", "cause"])
+        fetch_bytes = CounterMetricFamily("quiver_bucket_fetch_bytes", "Bytes of the "
+                                          "dataset read from its bucket, by why they were "
+                                          "read", labels=["dataset", "cause"])
         for ds in datasets:
             items.add_metric([ds.name], len(ds.digest))
             size.add_metric([ds.name], ds.digest.total_bytes)
@@ -103,7 +110,10 @@ class MountdCollector:
             misses.add_metric([ds.name, "local"], _local_misses(ds.counters))
             misses.add_metric([ds.name, "peer"],
                               ds.counters["peer_misses"] + ds.counters["peer_errors"])
-        yield from (items, size, hits, misses, nbytes)
+            for cause, n in ReadStats.by_cause(ds.counters).items():
+                fetches.add_metric([ds.name, cause], n["fetches"])
+                fetch_bytes.add_metric([ds.name, cause], n["bytes"])
+        yield from (items, size, hits, misses, nbytes, fetches, fetch_bytes)
 
     def _chunks(self) -> Iterator[Metric]:
         chunks = GaugeMetricFamily("quiver_chunks", "Chunks of a dataset with jobs, by state "

@@ -10,7 +10,11 @@ or all with the cache): the epoch's first N/2 intervals (the burst, and a pipeli
 filling) and the turn from probe to cache are never measured. This assumes the loader
 asks for at most N/2 batches ahead, which the default N = 100 leaves room for.
 
-A probe plans batches without cache hits until N/2 miss intervals are measured. It ends
+A probe plans batches without cache hits until N/2 miss intervals are measured. Its
+misses are items that are not cached, from the chunks that load now or next where there
+are enough (so other jobs hit them afterwards): while there are not, it waits, planning
+batches with the cache, for up to PROBE_LIMIT * N batches, and only then reads what the
+cache holds or cannot keep. It ends
 unmeasured after N + 1 batches if the job reported nothing (it reads manifests without
 the helper's loop), after PROBE_LIMIT * N batches in any case, and at once in epochs of
 N/2 batches or fewer. Then t_hit is the mean of N/2 hit intervals from the job's next
@@ -37,6 +41,7 @@ class BenefitProbe:
         self.settle = self.window = 0
         self.active = False  # planning batches without cache hits
         self.forced = 0  # batches this probe planned
+        self.deferred = 0  # batches it waited for misses the cache needs anyway
         self.reported = False  # whether the job reported an interval during this probe
         self.miss: list[float] = []
         self.hit: list[float] = []
@@ -49,12 +54,15 @@ class BenefitProbe:
         self.seq = seq
         self.settle = self.window = max(1, batches // 2)
         self.active = batches > 0
-        self.forced, self.reported = 0, False
+        self.forced, self.deferred, self.reported = 0, 0, False
         self.miss, self.hit, self.ended_at = [], [], None
 
-    def plan(self, epoch: int, index: int, n_batches: int, cached: bool) -> bool:
+    def plan(self, epoch: int, index: int, n_batches: int, cached: bool,
+             cooperative: bool = True) -> bool:
         """Record how batch ``index`` of ``epoch`` (of ``n_batches``) is planned: True for
-        a probe batch (no cache hits), else with the cache if ``cached``."""
+        a probe batch (no cache hits), else with the cache if ``cached``. While a probe
+        batch would have to read items the cache holds or cannot keep (not
+        ``cooperative``), the probe waits, up to PROBE_LIMIT * N batches."""
         n = self.settle + self.window
         if self.active and (n_batches <= self.settle or self.forced >= PROBE_LIMIT * n
                             or self.forced > n and not self.reported):
@@ -67,9 +75,13 @@ class BenefitProbe:
         if len(plans) != index:  # an epoch planned anew (the job registered again)
             del plans[index:]
             plans.extend(bytes([NO_CACHE]) * (index - len(plans)))
-        plans.append(PROBE if self.active else HIT if cached else NO_CACHE)
-        self.forced += self.active
-        return self.active
+        probe = self.active
+        if probe and not cooperative and self.deferred < PROBE_LIMIT * n:
+            self.deferred += 1
+            probe = False
+        plans.append(PROBE if probe else HIT if cached else NO_CACHE)
+        self.forced += probe
+        return probe
 
     def record(self, epoch: int, batch: int, seconds: float) -> None:
         """The interval the job reported for ``batch`` of ``epoch``."""

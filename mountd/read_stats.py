@@ -1,7 +1,9 @@
 """What the read path counts: reads, bytes and errors per tier, and their latency."""
 from __future__ import annotations
 
+import enum
 from collections import Counter
+from collections.abc import Mapping
 
 from prometheus_client import Histogram
 
@@ -10,6 +12,19 @@ from mountd.dataset import MountedDataset
 # Seconds: from a tenth of a millisecond (a hot local hit) to a slow bucket.
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                    0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class FetchCause(enum.StrEnum):
+    """Why an item was read from its storage location: each bucket fetch is counted
+    under one (``bucket_fetches_CAUSE`` and ``bucket_bytes_CAUSE``)."""
+
+    CHUNK_LOAD = "chunk_load"  # this node's share of a loading chunk
+    COOP_MISS = "coop_miss"  # a substitutable job's miss within the resident chunks
+    STAGED_MISS = "staged_miss"  # its miss outside them, staged for one read
+    EXACT = "exact"  # an exact read that missed every cache tier
+    PROBE = "probe"  # a probed job's forced miss
+    REFILL = "refill"  # refilling the active chunk after a membership change
+    PREFETCH = "prefetch"  # `quiver prefetch`
 
 
 class ReadStats:
@@ -25,6 +40,20 @@ class ReadStats:
     def count(self, ds: MountedDataset, key: str, n: int = 1) -> None:
         self.counters[key] += n
         ds.counters[key] += n
+
+    def fetched(self, ds: MountedDataset, cause: FetchCause, nbytes: int) -> None:
+        """One item read from storage, for ``cause``."""
+        self.count(ds, "bucket_fetches")
+        self.count(ds, "bucket_bytes", nbytes)
+        self.count(ds, f"bucket_fetches_{cause}")
+        self.count(ds, f"bucket_bytes_{cause}", nbytes)
+
+    @staticmethod
+    def by_cause(counters: Mapping[str, int]) -> dict[str, dict[str, int]]:
+        """Bucket fetches and their bytes by cause, from counters ``fetched`` added to."""
+        return {cause.value: {"fetches": counters.get(f"bucket_fetches_{cause}", 0),
+                              "bytes": counters.get(f"bucket_bytes_{cause}", 0)}
+                for cause in FetchCause}
 
     def observe(self, tier: str, seconds: float) -> None:
         self.latency.labels(tier).observe(seconds)

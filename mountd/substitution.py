@@ -28,6 +28,7 @@ Planning = Generator[np.ndarray, np.ndarray, T]
 
 DEFAULT_SCAN_FACTOR = 10
 SCAN_BLOCK = 256  # items whose cache state is asked for at once
+PROBE_SCAN = 4  # blocks a probe batch looks through for items that are not cached
 EWMA = 0.2  # weight of the newest scan in the hit-rate estimate
 
 
@@ -136,16 +137,24 @@ class EpochSampler:
         return hits
 
     def planning(self, prefer: Callable[[np.ndarray], np.ndarray] | None = None,
-                 first_chunk: int | None = None) -> Planning[Batch]:
+                 first_chunk: int | None = None, probe: bool = False) -> Planning[Batch]:
         """Plan the next batch, as a generator: it yields blocks of candidate items and
         is sent back which of them may be served as hits (cached, or held by their
         owner); it returns the Batch. The caller asks the store in between, so no
         thread waits on another while it does. ``prefer(items)`` ranks misses, higher
         fetched first (the chunk being loaded before the rest); hits come from
-        ``first_chunk`` first (the sampler must have been given ``chunk_of``)."""
+        ``first_chunk`` first (the sampler must have been given ``chunk_of``).
+
+        A ``probe`` batch takes no hits: its ``fetch`` items are pending items that are
+        not cached, ``prefer`` ranks first (misses the cache needs anyway, which other
+        jobs then hit), and only where too few of those turn up, its ``hits`` are other
+        pending items, cached or not looked up, to be read as misses all the same."""
         if self.planned >= self.n_batches:
             raise IndexError("the epoch has no more batches")
         need = min(self.batch_size, self._remaining)
+        if probe:
+            fetch, forced = yield from self._probe_misses(need, prefer)
+            return self._placed(need, forced, fetch)
         budget = self._scan_budget(need)
         hits: list[int] = []
         if first_chunk is not None:
@@ -169,12 +178,34 @@ class EpochSampler:
         if scanned:
             self._hit_rate = (1 - EWMA) * self._hit_rate + EWMA * (len(hits) / scanned)
         fetch = self._choose_misses(need - len(hits), prefer)
+        self.hits += len(hits)
+        return self._placed(need, hits, fetch)
+
+    def _placed(self, need: int, hits: list[int], fetch: list[int]) -> Batch:
         self._remaining -= need
         batch = Batch(self.planned, hits, fetch)
         self.planned += 1
-        self.hits += len(hits)
         self.fetched += len(fetch)
         return batch
+
+    def _probe_misses(self, n: int, prefer: Callable[[np.ndarray], np.ndarray] | None
+                      ) -> Planning[tuple[list[int], list[int]]]:
+        """``n`` pending items for a probe batch, higher ``prefer`` ranks first: those
+        not cached among the first PROBE_SCAN blocks, then the others in rank order;
+        marked consumed."""
+        pending = self._ranked_pending(prefer)
+        uncached: list[int] = []
+        scanned = 0
+        while len(uncached) < n and scanned < min(len(pending), PROBE_SCAN * SCAN_BLOCK):
+            block = pending[scanned:scanned + SCAN_BLOCK]
+            scanned += len(block)
+            cached = np.asarray((yield self.order[block]), dtype=bool)
+            uncached.extend(block[~cached][:n - len(uncached)].tolist())
+        taken = set(uncached)
+        others = [int(p) for p in pending[:n + len(taken)] if int(p) not in taken]
+        others = others[:n - len(uncached)]
+        self._consumed[uncached + others] = True
+        return self.order[uncached].tolist(), self.order[others].tolist()
 
     def plan(self, is_cached: Callable[[np.ndarray], np.ndarray],
              prefer: Callable[[np.ndarray], np.ndarray] | None = None,
@@ -192,14 +223,20 @@ class EpochSampler:
         consumed."""
         if n <= 0:
             return []
+        chosen = self._ranked_pending(prefer)[:n]
+        self._consumed[chosen] = True
+        return self.order[chosen].tolist()
+
+    def _ranked_pending(self, prefer: Callable[[np.ndarray], np.ndarray] | None
+                        ) -> np.ndarray:
+        """Positions of the pending items in random order, higher ``prefer`` ranks
+        first."""
         pending = np.flatnonzero(~self._consumed)
         self._rng.shuffle(pending)
         if prefer is not None:
             rank = np.asarray(prefer(self.order[pending]), dtype=np.int64)
             pending = pending[np.argsort(-rank, kind="stable")]
-        chosen = pending[:n]
-        self._consumed[chosen] = True
-        return self.order[chosen].tolist()
+        return pending
 
 
 def advance(steps: Planning[T], answer: np.ndarray | None

@@ -1,22 +1,27 @@
-"""Coordinated chunks of one dataset (paper §5.1): double buffering, two-step eviction.
+"""Coordinated chunks of one dataset (paper §5.1): a K-deep pipeline with two-step
+eviction.
 
-At most two chunks are resident. While jobs consume the active chunk the next one
-loads; when it is loaded the active chunk is marked for eviction and becomes usable
-only by job-epochs that started before the mark. A marked chunk is evicted once no
-such job-epoch has items left in it, or by force ``force_after`` seconds after the
-first of them finished it. Then the next chunk starts loading.
+A dataset keeps up to ``capacity`` chunks resident (K, as many as its allotment holds)
+and loads the next ones in ring order, up to ``MAX_LOADING`` at once, whenever there is
+room. Once the cycle is full and at least two chunks are loaded, the oldest loaded chunk
+is marked for eviction: from then on it is usable only by job-epochs that started
+before the mark. A marked chunk is evicted once no such job-epoch has items left in it,
+or by force ``force_after`` seconds after the first of them finished it; that frees
+room for the next load. Double buffering is the case K = 2.
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
 
 FORCE_EVICT_AFTER = 120.0  # seconds a marked chunk may outlive its first release
+MAX_LOADING = 2  # chunks of one dataset loading at once
+MIN_RESIDENT = 2  # chunks a cooperative dataset holds at least (double buffering)
 
 
 class ChunkState(str, enum.Enum):
@@ -37,12 +42,14 @@ class EpochRef:
 class ChunkCycle:
     """The residency state machine of one dataset's chunks."""
 
-    def __init__(self, n_chunks: int, force_after: float = FORCE_EVICT_AFTER) -> None:
+    def __init__(self, n_chunks: int, force_after: float = FORCE_EVICT_AFTER,
+                 capacity: int = MIN_RESIDENT, max_loading: int = MAX_LOADING) -> None:
         self.n_chunks = n_chunks
         self.force_after = force_after
+        self.capacity = capacity  # K: chunks that may be resident at once
+        self.max_loading = max_loading
         self.states = [ChunkState.EVICTED] * n_chunks
-        self.loading: int | None = None
-        self.active: int | None = None
+        self.resident: list[int] = []  # resident chunks, oldest load first
         self.marked: int | None = None
         self.generation = 0  # bumped at every mark
         self.marked_generation = 0  # the generation the marked chunk was marked in
@@ -51,42 +58,56 @@ class ChunkCycle:
         self.timeline: list[tuple[float, int, str]] = []
         self.max_resident = 0
 
+    @property
+    def loading(self) -> list[int]:
+        return [c for c in self.resident if self.states[c] is ChunkState.LOADING]
+
+    @property
+    def active(self) -> list[int]:
+        """Loaded chunks that are not marked, oldest first."""
+        return [c for c in self.resident if self.states[c] is ChunkState.ACTIVE]
+
     def _set(self, chunk: int, state: ChunkState) -> None:
         self.states[chunk] = state
         self.timeline.append((time.time(), chunk, state.value))
-        self.max_resident = max(self.max_resident, self.resident_count())
+        self.max_resident = max(self.max_resident, len(self.resident))
 
     def resident_count(self) -> int:
-        return sum(s is not ChunkState.EVICTED for s in self.states)
+        return len(self.resident)
 
-    def start_loading(self) -> int | None:
-        """Begin loading the next chunk if fewer than two are resident."""
-        if self.loading is not None or self.resident_count() >= 2:
-            return None
-        if self.n_chunks == 1 and self.active is not None:
-            return None
-        chunk = self.next
-        self.next = (self.next + 1) % self.n_chunks
-        self.loading = chunk
-        self._set(chunk, ChunkState.LOADING)
-        return chunk
+    def start_loading(self) -> list[int]:
+        """Begin loading the next chunks while there is room; the chunks started."""
+        started = []
+        while (len(self.resident) < min(self.capacity, self.n_chunks)
+               and len(self.loading) < self.max_loading
+               and self.states[self.next] is ChunkState.EVICTED):
+            chunk = self.next
+            self.next = (self.next + 1) % self.n_chunks
+            self.resident.append(chunk)
+            self._set(chunk, ChunkState.LOADING)
+            started.append(chunk)
+        return started
 
-    def loaded(self) -> int | None:
-        """The loading chunk is in: it becomes active; the old active one is marked.
-        Returns the chunk that was marked, if any."""
-        if self.loading is None:
+    def loaded(self, chunk: int) -> None:
+        """A loading chunk is in: it becomes active."""
+        if self.states[chunk] is ChunkState.LOADING:
+            self._set(chunk, ChunkState.ACTIVE)
+
+    def mark(self) -> int | None:
+        """Mark the oldest loaded chunk for eviction when the cycle is full (or over its
+        capacity) and no chunk is marked; the chunk marked, if any. The cycle keeps one
+        loaded chunk unmarked, and never marks when the whole dataset fits."""
+        active = self.active
+        full = len(self.resident) >= min(self.capacity, self.n_chunks)
+        if (self.marked is not None or len(active) < 2 or not full
+                or self.n_chunks <= self.capacity):
             return None
-        old = self.active
-        self.active, self.loading = self.loading, None
-        self._set(self.active, ChunkState.ACTIVE)
-        if old is None:
-            return None
-        self.marked = old
+        self.marked = active[0]
         self.generation += 1
         self.marked_generation = self.generation
         self._first_release = None
-        self._set(old, ChunkState.MARKED)
-        return old
+        self._set(self.marked, ChunkState.MARKED)
+        return self.marked
 
     def evictable(self, refs: list[EpochRef], now: float | None = None) -> int | None:
         """The marked chunk, once released by every job-epoch that may use it, or once
@@ -107,8 +128,8 @@ class ChunkCycle:
 
     def evict_all(self) -> list[int]:
         """Drop every resident chunk (the dataset lost its cache allocation)."""
-        chunks = [c for c, s in enumerate(self.states) if s is not ChunkState.EVICTED]
-        self.loading = self.active = self.marked = None
+        chunks = list(self.resident)
+        self.resident, self.marked = [], None
         for c in chunks:
             self._set(c, ChunkState.EVICTED)
         return chunks
@@ -116,26 +137,36 @@ class ChunkCycle:
     def evicted(self, chunk: int) -> None:
         if chunk == self.marked:
             self.marked = None
+        if chunk in self.resident:
+            self.resident.remove(chunk)
         self._set(chunk, ChunkState.EVICTED)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         """The whole state, as the coordinator persists it (``restore`` takes it back)."""
-        return {"chunks": self.n_chunks, "loading": self.loading,
-                "active": self.active, "marked": self.marked,
+        return {"chunks": self.n_chunks, "capacity": self.capacity,
+                "resident": list(self.resident), "marked": self.marked,
                 "generation": self.generation, "marked_generation": self.marked_generation,
                 "first_release": self._first_release, "next": self.next,
                 "max_resident": self.max_resident,
                 "states": [s.value for s in self.states]}
 
     @classmethod
-    def restore(cls, snap: dict, force_after: float) -> ChunkCycle:
-        cycle = cls(int(snap["chunks"]), force_after)
+    def restore(cls, snap: dict[str, Any], force_after: float) -> ChunkCycle:
+        cycle = cls(int(snap["chunks"]), force_after, int(snap.get("capacity", MIN_RESIDENT)))
         cycle.states = [ChunkState(s) for s in snap["states"]]
-        cycle.loading, cycle.active, cycle.marked = snap["loading"], snap["active"], snap["marked"]
+        if "resident" in snap:
+            cycle.resident = [int(c) for c in snap["resident"]]
+        else:  # written by a two-chunk cycle
+            cycle.resident = [int(snap[k]) for k in ("marked", "active", "loading")
+                              if snap[k] is not None]
+        if (len(cycle.states) != cycle.n_chunks
+                or sorted(cycle.resident) != [c for c, s in enumerate(cycle.states)
+                                              if s is not ChunkState.EVICTED]):
+            raise ValueError("resident chunks do not match the chunk states")
+        cycle.marked = snap["marked"]
         cycle.generation = int(snap["generation"])
         cycle.marked_generation = int(snap["marked_generation"])
         cycle._first_release = snap["first_release"]
         cycle.next = int(snap["next"])
         cycle.max_resident = int(snap["max_resident"])
         return cycle
-

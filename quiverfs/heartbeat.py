@@ -101,30 +101,37 @@ class CycleView:
 
     chunks: int
     states: tuple[ChunkState, ...]
-    loading: int | None
-    active: int | None
+    resident: tuple[int, ...]  # resident chunks, oldest load first
     marked: int | None
     generation: int  # bumped at every mark
     marked_generation: int  # the generation the marked chunk was marked in
     next: int  # the chunk that loads next
+    capacity: int  # K: chunks the dataset's allotment holds
     max_resident: int
-    loaders: tuple[str, ...]  # the nodes loading ``loading``
+    loads: tuple[LoadedShare, ...]  # the loading chunks, each with the nodes loading it
     users: tuple[str, ...]  # the nodes with jobs on the dataset
     mode: CacheMode
     probe_batches: int  # how long a probe of one of the node's jobs runs
     probes: dict[str, int]  # job -> the probe it should be in
 
+    @property
+    def loading(self) -> tuple[int, ...]:
+        return tuple(load.chunk for load in self.loads)
+
+    @property
+    def active(self) -> tuple[int, ...]:
+        """Loaded, unmarked chunks, oldest first."""
+        return tuple(c for c in self.resident if self.states[c] is ChunkState.ACTIVE)
+
     def usable(self, ref: EpochRef) -> list[int]:
-        """Chunks a job-epoch may take hits from: the active and loading ones, and the
-        marked one while the epoch began before the mark."""
-        chunks = [c for c in (self.active, self.loading) if c is not None]
-        if self.marked is not None and ref.started_generation < self.marked_generation:
-            chunks.append(self.marked)
-        return chunks
+        """Chunks a job-epoch may take hits from, oldest first: the loaded and loading
+        ones, and the marked one while the epoch began before the mark."""
+        return [c for c in self.resident if c != self.marked
+                or ref.started_generation < self.marked_generation]
 
     def key(self) -> tuple[Any, ...]:
         """What a change of the cycle that jobs wait on is judged by."""
-        return self.loading, self.active, self.marked, self.generation, self.mode
+        return self.resident, self.loading, self.marked, self.generation, self.mode
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,14 +32,15 @@ def mountd_factory(tmp_path) -> Iterator[MountdFactory]:
     started: list[MountdProcess] = []
 
     def start(name: str = "node", cache_size: str = "1G", workdir: str | None = None,
-              cache_dir: str | None = None, wrapper: tuple[str, ...] = ()) -> MountdProcess:
+              cache_dir: str | None = None, wrapper: tuple[str, ...] = (),
+              extra_args: tuple[str, ...] = ()) -> MountdProcess:
         base = workdir or str(tmp_path)
         root = os.path.join(base, f"{name}-mnt")
         os.makedirs(root, exist_ok=True)
         cache_dir = cache_dir or os.path.join(base, f"{name}-cache")
         os.makedirs(cache_dir, exist_ok=True)
         m = MountdProcess(root, cache_dir, cache_size, os.path.join(base, f"{name}.log"),
-                          wrapper=wrapper)
+                          extra_args, wrapper=wrapper)
         m.start()
         started.append(m)
         return m

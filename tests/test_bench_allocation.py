@@ -38,6 +38,11 @@ def test_tiny_run_reports_every_budget_and_keeps_exactly_once(tmp_path):
                 # epoch, whatever mountd's allocation did meanwhile
                 assert job["exactly_once"] is True, (config["kind"], job)
                 assert job["epochs_complete"] >= 1 or t.compute_s > 0, (config["kind"], job)
+    for config in report["configs"][1:]:  # through mountd: its fetches, by dataset
+        causes = config["bucket_fetch_causes"]
+        assert set(causes) == {t.name for t in tiny.types}
+        assert all(sum(c["fetches"] for c in by_cause.values()) > 0
+                   for by_cause in causes.values()), config["kind"]
     quiver = [c for c in report["configs"] if c["kind"] == "quiver"]
     for config in quiver:
         assert set(config["modes"]) == {t.name for t in tiny.types}

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from quiverfs.bench.cluster import MODES, SIZES, measure, plot_timeline
+from quiverfs.bench.cluster import MODES, NODES, SIZES, measure, plot_timeline
 from quiverfs.bench.emulator import emulator_available
 
 pytestmark = [
@@ -16,7 +16,8 @@ pytestmark = [
 SUMMARY_KEYS = {"bucket_bytes_ratio", "speedup_vs_direct", "speedup_vs_lru",
                 "max_resident_chunks", "max_resident_chunks_timeline", "items_per_s_direct",
                 "items_per_s_lru", "items_per_s_sub", "bucket_bytes_ratio_direct",
-                "bucket_bytes_ratio_lru", "hit_ratio_sub", "exactly_once", "goals_met"}
+                "bucket_bytes_ratio_lru", "hit_ratio_sub", "bucket_fetch_causes",
+                "exactly_once", "goals_met"}
 
 
 @pytest.mark.timeout(120)
@@ -38,6 +39,11 @@ def test_tiny_run_reports_the_summary_and_keeps_chunks_and_exactly_once(tmp_path
             for paths in job:
                 assert sorted(paths) == result.paths, mode
     assert summary["exactly_once"] is True
+    # the fetches by cause add up to the nodes' bucket fetches of the steady epochs
+    steady = result.report["modes"]["sub"]["epochs"][1:]
+    assert (sum(c["fetches"] for c in summary["bucket_fetch_causes"].values())
+            == sum(e["bucket_fetches"] for e in steady))
+    assert set(result.report["modes"]["sub"]["bucket_fetch_causes"]) == set(NODES)
     plot = tmp_path / "timeline.png"
     plot_timeline(result.report, str(plot))
     assert plot.read_bytes().startswith(b"\x89PNG")

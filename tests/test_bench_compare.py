@@ -5,7 +5,9 @@ import os
 
 import pytest
 
-from quiverfs.bench.compare import CACHED_MODES, FRACTIONS, SIZES, rclone_available, run
+from mountd.read_stats import FetchCause
+from quiverfs.bench.compare import (CACHED_MODES, FRACTIONS, GOALS, SIZES, rclone_available,
+                                    run)
 from quiverfs.bench.emulator import emulator_available
 from quiverfs.mount_point import is_mounted
 
@@ -16,17 +18,21 @@ pytestmark = [
 ]
 
 SUMMARY_KEYS = {"speedup_vs_rclone_10", "speedup_vs_rclone_50", "speedup_vs_rclone_100",
-                "bucket_bytes_vs_rclone_10"}
+                "bucket_bytes_vs_rclone_10", "speedup_vs_rclone_10_1job",
+                "epoch0_bucket_ratio_sub_10", "epoch0_speedup_vs_rclone_10",
+                "bucket_utilization_sub_10", "wait_any_s_sub_10", "budget_used_sub_50"}
+LATENCY_MS = 20.0  # the tiny run's bucket latency: the option reaches the proxy
 
 
 @pytest.fixture(scope="module")
 def tiny_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
     workdir = str(tmp_path_factory.mktemp("compare"))
     plot = os.path.join(workdir, "compare.png")
-    return run(quick=True, workdir=workdir, plot=plot, size="tiny"), workdir
+    return run(quick=True, workdir=workdir, plot=plot, size="tiny",
+               latency_ms=LATENCY_MS), workdir
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)  # the module's tiny run (about 2 minutes on 2 busy cores)
 def test_tiny_run_measures_every_configuration(tiny_report):
     report, _ = tiny_report
     tiny = SIZES["tiny"]
@@ -41,9 +47,48 @@ def test_tiny_run_measures_every_configuration(tiny_report):
 
 
 def test_summary_holds_the_ratios_to_rclone(tiny_report):
-    summary = tiny_report[0]["summary"]
+    report = tiny_report[0]
+    summary = report["summary"]
     assert set(summary) == SUMMARY_KEYS
-    assert all(v is None or v > 0 for v in summary.values())
+    assert all(isinstance(v, (int, float)) and v > 0 for v in summary.values()), summary
+    assert set(report["goals"]) == set(GOALS) <= SUMMARY_KEYS
+    assert report["settings"]["latency_ms"] == LATENCY_MS
+
+
+def test_new_keys_are_in_their_ranges(tiny_report):
+    summary = tiny_report[0]["summary"]
+    # epoch 0 of a cold cache reads the whole dataset at least once
+    assert 1 <= summary["epoch0_bucket_ratio_sub_10"] < 10
+    # the bucket cannot send much faster than its cap (bins of 50 ms, bursts of 256 KiB)
+    assert 0 < summary["bucket_utilization_sub_10"] <= 1.5
+    # mountd's store is bounded by its budget (a little more between evictions)
+    assert 0 < summary["budget_used_sub_50"] <= 1.2
+    for key in ("speedup_vs_rclone_10_1job", "epoch0_speedup_vs_rclone_10"):
+        assert 0.05 < summary[key] < 20, key
+
+
+def test_jobs_report_their_waits(tiny_report):
+    for config in tiny_report[0]["configs"]:
+        for epoch in config["epochs"]:
+            assert len(epoch["job_wait_s"]) == config["jobs"]
+            # the union of the jobs' waits is within the epoch, and at least any one's
+            assert max(epoch["job_wait_s"]) - 0.01 <= epoch["wait_any_s"] <= epoch["seconds"]
+
+
+def test_mountd_counts_its_bucket_fetches_by_cause(tiny_report):
+    for config in tiny_report[0]["configs"]:
+        causes = config["bucket_fetch_causes"]
+        if config["mode"] in ("direct", "rclone"):
+            assert causes is None
+            continue
+        assert set(causes) == {c.value for c in FetchCause}
+        fetched = {c for c, n in causes.items() if n["fetches"]}
+        if config["mode"] == "exact":  # plain reads, no jobs: nothing but exact misses
+            assert fetched == {"exact"}
+        else:
+            assert fetched and "prefetch" not in fetched
+        assert causes == {c: {k: sum(e["bucket_fetch_causes"][c][k] for e in config["epochs"])
+                              for k in n} for c, n in causes.items()}
 
 
 def test_every_read_went_through_the_capped_bucket(tiny_report):

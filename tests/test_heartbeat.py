@@ -57,18 +57,22 @@ def test_typed_reports_drive_the_cycle_and_survive_a_restart(tmp_path):
     state = CoordinatorState(str(tmp_path), heartbeat_timeout=60.0)
     first = state.heartbeat(beat("a"), now=1.0).cycles["ident"]
     assert first.mode is CacheMode.COOP
-    assert first.loading == 0 and first.loaders == ("a",) and first.users == ("a",)
-    assert first.states[0] is ChunkState.LOADING
-    state.heartbeat(beat("b"), now=1.1)  # b joins while a loads chunk 0 alone
-    view = state.heartbeat(beat("a", loaded=(LoadedShare(0, ("a",)),)), now=1.2).cycles["ident"]
-    assert view.active == 0 and view.loading == 1  # the next one loads at once, by both
-    assert view.loaders == ("a", "b") and view.users == ("a", "b")
-    assert view.usable(beat("a").datasets["ident"].jobs[0].epoch_ref()) == [0, 1]
+    assert first.loading == (0, 1) and first.capacity == 2  # two chunks fit the budget
+    assert [load.loaders for load in first.loads] == [("a",), ("a",)]
+    assert first.users == ("a",) and first.states[0] is ChunkState.LOADING
+    state.heartbeat(beat("b"), now=1.1)  # b joins while a loads chunks 0 and 1 alone
+    done = (LoadedShare(0, ("a",)), LoadedShare(1, ("a",)))
+    view = state.heartbeat(beat("a", loaded=done), now=1.2).cycles["ident"]
+    # b's cache deepens the cycle to the whole dataset; the next chunks load, by both
+    assert view.capacity == 4 and view.active == (0, 1) and view.loading == (2, 3)
+    assert [load.loaders for load in view.loads] == [("a", "b")] * 2
+    assert view.users == ("a", "b") and view.marked is None
+    assert view.usable(beat("a").datasets["ident"].jobs[0].epoch_ref()) == [0, 1, 2, 3]
 
     data = state.changes()
     assert data is not None and state.changes() is None  # once per change
     state.write(data)
     again = CoordinatorState(str(tmp_path), heartbeat_timeout=60.0)
     cycle = again.datasets["ident"].cycle
-    assert (cycle.active, cycle.loading, cycle.next) == (0, 1, 2)
+    assert (cycle.resident, cycle.loading, cycle.next) == ([0, 1, 2, 3], [2, 3], 0)
     assert again.datasets["ident"].mode is CacheMode.COOP

@@ -244,6 +244,7 @@ def _sample(m: MountdProcess | None, proxy: ThrottleProxy, t: float) -> dict[str
         modes={names[i]: c["mode"] for i, c in cycles.items() if i in names},
         counters={d["name"]: {k: int(d["counters"].get(k, 0)) for k in COUNTER_KEYS}
                   for d in status["datasets"]},
+        fetch_causes={d["name"]: d["bucket_fetch_causes"] for d in status["datasets"]},
         jobs={j["job"]: {**{k: j.get(k) for k in JOB_KEYS}, **j["counters"]}
               for j in status["jobs"]})
     return sample
@@ -362,6 +363,7 @@ def run_config(kind: str, budget: float, data: dict[str, Dataset], proxy: Thrott
             t: {k: last["counters"][t][k] - first["counters"][t][k] for k in COUNTER_KEYS}
             for t in types}
         report["cache_used_bytes"] = last["cache_used"]
+        report["bucket_fetch_causes"] = final["fetch_causes"]
     if kind == "quiver":
         report.update(chunk_bytes=chunk_bytes, modes=final["modes"],
                       mode_changes=_mode_changes(samples),
@@ -443,6 +445,9 @@ def measure(size: Size, workdir: str) -> dict[str, Any]:
             "modes": "the allocation per dataset when the run ended (full, coop: two "
                      "chunks, none)",
             "gain": "G per dataset from the jobs' final t_miss / t_hit (allocation.py)",
+            "bucket_fetch_causes": "mountd's bucket fetches by cause per dataset over the "
+                                   "configuration's whole run: {dataset: {cause: {fetches, "
+                                   "bytes}}}",
             "goal": f"gain_vs_lru >= {GOAL_VS_LRU} at budgets "
                     f"{', '.join(f'{round(b * 100)}%' for b in CONSTRAINED)}"},
         "normalized": {kind: {str(round(c["budget"] * 100)): round(c["items_per_s"] / base, 3)

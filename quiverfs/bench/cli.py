@@ -15,7 +15,8 @@ from collections.abc import Callable
 from quiverfs.errors import ExitCode, QuietError
 
 # name -> ("module:function", help). Each function takes (quick: bool, workdir: str),
-# and plot: str | None if it draws a figure, and returns a dict holding at least "summary".
+# plot: str | None if it draws a figure, latency_ms: float if its bucket can have a
+# first-byte latency, and returns a dict holding at least "summary".
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "digest": ("quiverfs.bench.digest:run",
                "digest load time and memory at 1.3 M entries, hashing throughput"),
@@ -45,6 +46,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workdir", help="scratch directory (default: a temporary one)")
     p.add_argument("--plot", metavar="OUT.png", help="draw the benchmark's figure into this "
                    "PNG (cluster: the timeline of resident chunks)")
+    p.add_argument("--latency-ms", type=float, default=0.0, metavar="MS",
+                   help="delay the first byte of every response from the benchmark's "
+                   "bucket by MS milliseconds, as a cloud bucket's time to first byte "
+                   "(compare; default 0)")
     p.set_defaults(func=cmd_bench)
 
 
@@ -60,13 +65,17 @@ def _function(name: str) -> Callable[..., dict]:
     return importlib.import_module(module).__dict__[func]
 
 
-def draws_plot(name: str) -> bool:
-    return "plot" in inspect.signature(_function(name)).parameters
+def takes(name: str, option: str) -> bool:
+    """Whether benchmark ``name``'s function has the parameter ``option``."""
+    return option in inspect.signature(_function(name)).parameters
 
 
-def run_one(name: str, quick: bool, workdir: str | None, plot: str | None = None) -> dict:
+def run_one(name: str, quick: bool, workdir: str | None, plot: str | None = None,
+            latency_ms: float = 0.0) -> dict:
     fn = _function(name)
-    extra = {"plot": plot} if plot and draws_plot(name) else {}
+    extra: dict[str, object] = {"plot": plot} if plot and takes(name, "plot") else {}
+    if latency_ms:
+        extra["latency_ms"] = latency_ms
     with tempfile.TemporaryDirectory(prefix=f"quiver-bench-{name}-", dir=workdir) as tmp:
         started = time.time()
         report = fn(quick=quick, workdir=tmp, **extra)
@@ -80,11 +89,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.workdir and not os.path.isdir(args.workdir):
         raise QuietError(f"--workdir {args.workdir} is not a directory", ExitCode.NOT_FOUND)
     names = sorted(BENCHMARKS) if args.name == "all" else [args.name]
-    if args.plot and not any(draws_plot(n) for n in names):
+    if args.plot and not any(takes(n, "plot") for n in names):
         raise QuietError(f"--plot: the {args.name} benchmark draws no figure (these do: "
-                         f"{', '.join(n for n in sorted(BENCHMARKS) if draws_plot(n))})",
+                         f"{', '.join(n for n in sorted(BENCHMARKS) if takes(n, 'plot'))})",
                          ExitCode.USAGE)
-    reports = {n: run_one(n, args.quick, args.workdir, args.plot) for n in names}
+    if args.latency_ms < 0:
+        raise QuietError(f"--latency-ms must be 0 or more, not {args.latency_ms:g}",
+                         ExitCode.USAGE)
+    if args.latency_ms and not all(takes(n, "latency_ms") for n in names):
+        raise QuietError(f"--latency-ms: only these benchmarks have a bucket latency: "
+                         f"{', '.join(n for n in sorted(BENCHMARKS) if takes(n, 'latency_ms'))}",
+                         ExitCode.USAGE)
+    reports = {n: run_one(n, args.quick, args.workdir, args.plot, args.latency_ms)
+               for n in names}
     out = reports[names[0]] if len(names) == 1 else {"summary": {
         n: r["summary"] for n, r in reports.items()}, "reports": reports}
     tmp = args.json + ".tmp"

@@ -39,7 +39,7 @@ import numpy as np
 
 from quiverfs import digest as digest_format
 from quiverfs import ownership
-from quiverfs.bench import figures, reading_job
+from quiverfs.bench import fetch_causes, figures, reading_job
 from quiverfs.bench.bucket_dataset import Dataset, upload_synthetic
 from quiverfs.bench.cpu_time import BackgroundCpu
 from quiverfs.bench.emulator import running_emulator
@@ -112,16 +112,21 @@ class Cluster:
         return all(sorted(n["id"] for n in m.call({"op": "cluster"})["nodes"] if n["live"])
                    == everyone for m in self.nodes.values())
 
-    def counters(self) -> dict[str, int]:
-        """The dataset's read counters, summed over the nodes."""
+    def counters(self) -> dict[str, Any]:
+        """The dataset's read counters and its bucket fetches by cause, summed over the
+        nodes."""
         keys = ("local_hits", "peer_hits", "misses", "bucket_fetches", "bucket_bytes",
                 "coalesced")
-        total = dict.fromkeys(keys, 0)
+        total: dict[str, Any] = dict.fromkeys(keys, 0)
+        causes = []
         for m in self.nodes.values():
-            for ds in m.status()["datasets"]:
+            status = m.status()
+            for ds in status["datasets"]:
                 if ds["name"] == DATASET:
                     for k in keys:
                         total[k] += int(ds["counters"].get(k, 0))
+            causes.append(fetch_causes.of_dataset(status, DATASET))
+        total["bucket_fetch_causes"] = fetch_causes.total(causes)
         return total
 
     def coordinator_status(self) -> dict[str, Any]:
@@ -269,9 +274,10 @@ class ModeRun:
 
 
 def _epochs(jobs: list[JobProcess], n_epochs: int, proxy: ThrottleProxy,
-            counters: Callable[[], dict[str, int]]) -> tuple[list[dict[str, Any]],
+            counters: Callable[[], dict[str, Any]]) -> tuple[list[dict[str, Any]],
                                                               list[list[list[str]]]]:
-    """Run the jobs epoch by epoch; a record per epoch, and each job's orders."""
+    """Run the jobs epoch by epoch; a record per epoch, and each job's orders.
+    ``counters``: the nodes' (Cluster.counters), or none (``dict``)."""
     records: list[dict[str, Any]] = []
     orders: list[list[list[str]]] = [[] for _ in jobs]
     for epoch in range(n_epochs):
@@ -279,14 +285,18 @@ def _epochs(jobs: list[JobProcess], n_epochs: int, proxy: ThrottleProxy,
         start_wall = time.time()
         replies, seconds = run_epoch(jobs, EPOCH_TIMEOUT)
         after = counters()
-        records.append({
+        record = {
             "epoch": epoch, "start": start_wall, "seconds": round(seconds, 2),
             "items": sum(len(r["paths"]) for r in replies),
             "job_seconds": [round(r["seconds"], 2) for r in replies],
             "job_hits": [r["hits"] for r in replies],
             "bytes_read": sum(r["bytes"] for r in replies),
             "proxy_bytes": proxy.bytes_down - proxy_before,
-            **{k: after[k] - before[k] for k in after}})
+            **{k: after[k] - before[k] for k in after if k != "bucket_fetch_causes"}}
+        if "bucket_fetch_causes" in after:
+            record["bucket_fetch_causes"] = fetch_causes.since(before["bucket_fetch_causes"],
+                                                               after["bucket_fetch_causes"])
+        records.append(record)
         for j, reply in enumerate(replies):
             orders[j].append(reply["paths"])
         log.info("%s epoch %d: %.1f s, %d items, %d bytes from the bucket", jobs[0].spec.mode,
@@ -308,6 +318,8 @@ def _steady(records: list[dict[str, Any]], warmup: int, dataset_bytes: int) -> d
         reads = sum(e["local_hits"] + e["peer_hits"] + e["misses"] for e in steady)
         out["read_hit_ratio"] = (sum(e["local_hits"] + e["peer_hits"] for e in steady) / reads
                                  if reads else None)
+        out["bucket_fetch_causes"] = fetch_causes.total(e["bucket_fetch_causes"]
+                                                        for e in steady)
     if steady[0]["job_hits"][0] is not None:
         out["manifest_hit_ratio"] = sum(sum(e["job_hits"]) for e in steady) / items
     return out
@@ -346,6 +358,8 @@ def run_mode(mode: str, data: Dataset, proxy: ThrottleProxy, size: Size, workdir
             records, orders = _epochs(jobs, n_epochs, proxy, cluster.counters)
             statuses = {n: m.status() for n, m in cluster.nodes.items()}
             report["nodes"] = {n: st["cache"] for n, st in statuses.items()}
+            report["bucket_fetch_causes"] = {n: fetch_causes.of_dataset(st, DATASET)
+                                             for n, st in statuses.items()}
             report["node_jobs"] = {n: [{k: v for k, v in j.items() if k != "chunks"}
                                        for j in st["jobs"]] for n, st in statuses.items()}
             for job in jobs:
@@ -410,6 +424,7 @@ def measure(size: Size, workdir: str) -> Measurement:
         **{f"bucket_bytes_ratio_{mode}": round(s["bucket_bytes_ratio"], 3)
            for mode, s in steady.items() if mode != "sub"},
         "hit_ratio_sub": round(steady["sub"]["manifest_hit_ratio"], 4),
+        "bucket_fetch_causes": steady["sub"]["bucket_fetch_causes"],
         "exactly_once": all(sorted(paths) == expected for r in runs.values()
                             for job in r.orders for paths in job),
     }
@@ -435,6 +450,11 @@ def measure(size: Size, workdir: str) -> Measurement:
                               "permutation, through the same nodes)",
             "max_resident_chunks": "the coordinator's cycle max_resident (_timeline: "
                                    "replayed from its chunk-state events)",
+            "bucket_fetch_causes": "mountd's bucket fetches of the dataset by cause, "
+                                   "{cause: {fetches, bytes}}: in the summary and a mode's "
+                                   "steady, sub's steady-state epochs summed over the nodes; "
+                                   "per epoch in epochs; per node for the whole run in the "
+                                   "mode's report",
             "goals": {k: f"{op} {bound}" for k, (op, bound) in GOALS.items()}},
         "modes": {mode: r.report for mode, r in runs.items()},
         "summary": summary,

@@ -13,6 +13,8 @@ same files from a local directory with the same number of threads:
 
 Cold: an empty store, items behind the GCS emulator; the baseline reads the bucket with
 the google-cloud-storage client, same number of threads.
+
+Both report mountd's bucket fetches by cause (``bucket_fetch_causes``: its whole run).
 """
 from __future__ import annotations
 
@@ -100,6 +102,7 @@ def _warm(src: str, rels: list[str], data: bytes, size: int, workdir: str) -> di
                                              threads, pid)
             # the ssd pass left that mount's pages in the kernel
             out["hot"][threads] = _compare(direct, mounted, threads, pid)
+        out["bucket_fetch_causes"] = m.status()["bucket_fetch_causes"]
     return out
 
 
@@ -132,10 +135,11 @@ def run(quick: bool, workdir: str) -> dict:
             root = _remount(m, cold_data, "cold", emu.host)
             mount_bytes, mount_s = read_all([os.path.join(root, r) for r in cold_rels],
                                             threads)
+            causes = m.status()["bucket_fetch_causes"]
         report["cold"] = {"items": len(cold_rels), "threads": threads,
                           "direct_mb_s": direct_bytes / direct_s / 1e6,
                           "mount_mb_s": mount_bytes / mount_s / 1e6,
-                          "ratio": direct_s / mount_s}
+                          "ratio": direct_s / mount_s, "bucket_fetch_causes": causes}
     warm = report["warm"]
     report["summary"] = {
         "warm_ratio_4": warm["ssd"][4]["ratio"],

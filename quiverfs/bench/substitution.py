@@ -39,7 +39,7 @@ from quiverfs.bench.data import write_digits_tree
 from quiverfs.bench.emulator import running_emulator
 from quiverfs.bench.job_child import run_epoch, running_jobs
 from quiverfs.bench.processes import MountdProcess, running_mountd
-from quiverfs.bench import reading_job
+from quiverfs.bench import fetch_causes, reading_job
 from quiverfs.bench.reading_job import PREFETCH_BATCHES, READERS, JobSpec, MountSource
 from quiverfs.bench.throttle_proxy import ThrottleProxy, throttled
 
@@ -178,7 +178,8 @@ def run_config(mode: str, fraction: float, n_jobs: int, data: Dataset, proxy: Th
     chunks = [j["chunks"] for j in status["jobs"] if j.get("chunks")]
     expected = sorted(data.paths)
     report = {"mode": mode, "cache_fraction": fraction, "cache_bytes": cache_bytes,
-              "jobs": n_jobs, "epochs": epochs,
+              "jobs": n_jobs, "bucket_fetch_causes": fetch_causes.of_dataset(status, DATASET),
+              "epochs": epochs,
               "steady": _steady_state(mode, epochs, data.bytes),
               "exactly_once": all(sorted(paths) == expected
                                   for job in orders for paths in job),
@@ -379,6 +380,8 @@ def run(quick: bool, workdir: str, size: str | None = None) -> dict[str, Any]:
                                   "/ dataset bytes (proxy_bytes_ratio: bytes through the "
                                   "proxy, HTTP included)",
             "items_per_s": "items read by all jobs / wall seconds, steady-state epochs",
+            "bucket_fetch_causes": "mountd's bucket fetches of the dataset by cause over "
+                                   "the configuration's whole run: {cause: {fetches, bytes}}",
             "order_spearman": "mean |Spearman rho| of (position in epoch, digest index) over "
                               "job-epochs; global = the lru jobs' plain global shuffle",
             "label_hist_dev": f"mean total variation distance between the label histogram "

@@ -6,20 +6,32 @@ server to any client draws from one token bucket (``rate`` bytes per second, bur
 ``burst`` bytes), so the cap holds for all connections together, as a NIC's would.
 Requests (client to upstream) are counted but not throttled.
 
-    with throttled("http://127.0.0.1:9023", rate=20e6) as proxy:
+With a ``latency``, the first byte of every response waits that long before it takes
+its turn at the cap, as a cloud bucket's time to first byte does. Each connection
+waits on its own (one thread per direction), so requests in flight on different
+connections wait at the same time, and the cap serves other connections meanwhile.
+A response is the first data from upstream after the client sent something (HTTP/1.1
+keeps one request at a time on a connection).
+
+The bytes sent to clients are also kept in time bins (``sent``), so that a benchmark
+can ask how busy the bucket was during given intervals.
+
+    with throttled("http://127.0.0.1:9023", rate=20e6, latency=0.03) as proxy:
         ... point clients at proxy.url ...
         print(proxy.bytes_down)
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
+import math
 import selectors
 import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +39,7 @@ LOOPBACK = "127.0.0.1"
 RECV_SIZE = 64 << 10  # bytes read from a socket at once
 DEFAULT_BURST = 256 << 10  # bytes that may pass at once after an idle spell
 JOIN_TIMEOUT = 5.0  # seconds stop() waits for each thread
+BIN_S = 0.05  # seconds per bin of the record of bytes sent
 
 
 class TokenBucket:
@@ -52,12 +65,42 @@ class TokenBucket:
             return max(0.0, self._drained_at - now - self.burst / self.rate)
 
 
+class SentBytes:
+    """Bytes sent, in bins of ``bin_s`` seconds of wall-clock time (``time.time()``, which
+    job processes can stamp their own intervals with)."""
+
+    def __init__(self, bin_s: float = BIN_S) -> None:
+        self.bin_s = bin_s
+        self._bins: collections.Counter[int] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def add(self, n: int, at: float) -> None:
+        with self._lock:
+            self._bins[math.floor(at / self.bin_s)] += n
+
+    def within(self, intervals: Iterable[tuple[float, float]]) -> float:
+        """Bytes sent during ``intervals`` (disjoint ``(start, end)`` pairs); a bin that
+        an interval covers in part counts for that part."""
+        with self._lock:
+            bins = dict(self._bins)
+        total = 0.0
+        for start, end in intervals:
+            first, last = start / self.bin_s, end / self.bin_s  # in bins
+            for b in range(math.floor(first), math.floor(last) + 1):
+                if b in bins:
+                    total += bins[b] * max(0.0, min(last, b + 1) - max(first, b))
+        return total
+
+
 class _Link:
     """One proxied connection: its two sockets, closed when both directions are done."""
 
     def __init__(self, client: socket.socket, upstream: socket.socket) -> None:
         self.client = client
         self.upstream = upstream
+        # Set when the client sends, cleared by the first response byte: that byte waits
+        # for the latency.
+        self.awaiting_response = threading.Event()
         self._open_directions = 2
         self._lock = threading.Lock()
 
@@ -79,11 +122,17 @@ class _Link:
 
 
 class ThrottleProxy:
-    """Forwards 127.0.0.1:``port`` to 127.0.0.1:``upstream_port``, capping download bandwidth."""
+    """Forwards 127.0.0.1:``port`` to 127.0.0.1:``upstream_port``, capping download
+    bandwidth and delaying each response's first byte by ``latency`` seconds."""
 
-    def __init__(self, upstream_port: int, rate: float, burst: int = DEFAULT_BURST) -> None:
+    def __init__(self, upstream_port: int, rate: float, burst: int = DEFAULT_BURST,
+                 latency: float = 0.0) -> None:
+        if latency < 0:
+            raise ValueError(f"latency must not be negative, not {latency}")
         self.upstream = (LOOPBACK, upstream_port)
         self.bucket = TokenBucket(rate, burst)
+        self.latency = latency
+        self.sent = SentBytes()  # bytes down, in time bins
         self._listener = socket.create_server((LOOPBACK, 0))
         self.port: int = self._listener.getsockname()[1]
         self._stopping = threading.Event()
@@ -103,8 +152,8 @@ class ThrottleProxy:
 
     def start(self) -> None:
         self._acceptor.start()
-        log.debug("throttle proxy %s -> %s:%d at %.0f bytes/s", self.url, *self.upstream,
-                  self.bucket.rate)
+        log.debug("throttle proxy %s -> %s:%d at %.0f bytes/s, %.3f s to first byte",
+                  self.url, *self.upstream, self.bucket.rate, self.latency)
 
     def stop(self) -> None:
         """Stop accepting, cut every open connection, and join every thread."""
@@ -165,19 +214,23 @@ class ThrottleProxy:
             t.start()
 
     def _pump(self, link: _Link, src: socket.socket, dst: socket.socket, down: bool) -> None:
-        """Copy ``src`` to ``dst`` until EOF; downloads wait for the token bucket."""
+        """Copy ``src`` to ``dst`` until EOF; a response's first byte waits for the
+        latency, and downloads wait for the token bucket."""
         try:
             while data := src.recv(RECV_SIZE):
+                if not down:
+                    link.awaiting_response.set()  # before the request can be answered
+                elif self._wait_down(link, len(data)):
+                    break
+                # counted as they go: a client that has the bytes sees them counted
                 if down:
-                    delay = self.bucket.reserve(len(data))
-                    if delay and self._stopping.wait(delay):
-                        break
-                dst.sendall(data)
+                    self.sent.add(len(data), time.time())
                 with self._lock:
                     if down:
                         self.bytes_down += len(data)
                     else:
                         self.bytes_up += len(data)
+                dst.sendall(data)
             else:
                 dst.shutdown(socket.SHUT_WR)  # pass the half-close on
         except OSError:
@@ -187,14 +240,24 @@ class ThrottleProxy:
                 with self._lock:
                     self._links.discard(link)
 
+    def _wait_down(self, link: _Link, n: int) -> bool:
+        """Wait until ``n`` bytes from upstream may go: the latency if they begin a
+        response, then their turn at the cap. True if the proxy stopped meanwhile."""
+        if self.latency and link.awaiting_response.is_set():
+            link.awaiting_response.clear()
+            if self._stopping.wait(self.latency):
+                return True
+        delay = self.bucket.reserve(n)
+        return bool(delay) and self._stopping.wait(delay)
+
 
 @contextlib.contextmanager
-def throttled(upstream_url: str, rate: float, burst: int = DEFAULT_BURST
-              ) -> Iterator[ThrottleProxy]:
+def throttled(upstream_url: str, rate: float, burst: int = DEFAULT_BURST,
+              latency: float = 0.0) -> Iterator[ThrottleProxy]:
     """A started proxy in front of ``http://127.0.0.1:PORT``; always stopped on exit."""
     parts = urllib.parse.urlsplit(upstream_url)
     if parts.hostname != LOOPBACK or parts.port is None:
         raise ValueError(f"the throttle proxy only forwards to {LOOPBACK}:PORT, "
                          f"not {upstream_url!r}")
-    with ThrottleProxy(parts.port, rate, burst) as proxy:
+    with ThrottleProxy(parts.port, rate, burst, latency) as proxy:
         yield proxy

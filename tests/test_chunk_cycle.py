@@ -1,0 +1,182 @@
+"""The K-deep chunk cycle: as many chunks resident as the allotment holds, loads in
+flight, two-step eviction of the oldest; and the coordinator driving it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coordinator.allocation import HEADROOM, DatasetDemand, JobBenefit, allocate, resident_chunks
+from coordinator.state import CoordinatorState
+from quiverfs.chunk_cycle import MAX_LOADING, ChunkCycle, ChunkState, EpochRef
+from quiverfs.heartbeat import CacheMode, DatasetReport, Heartbeat, JobReport, LoadedShare
+
+
+def ref(cycle: ChunkCycle, left: int = 0) -> EpochRef:
+    """A job-epoch that began now, with ``left`` items in every chunk."""
+    return EpochRef(cycle.generation, np.full(cycle.n_chunks, left))
+
+
+def step(cycle: ChunkCycle, refs: list[EpochRef]) -> None:
+    """What the coordinator does each heartbeat, with every loading chunk loaded."""
+    for chunk in cycle.loading:
+        cycle.loaded(chunk)
+    victim = cycle.evictable(refs, now=0.0)
+    if victim is not None:
+        cycle.evicted(victim)
+    cycle.start_loading()
+    cycle.mark()
+
+
+def test_a_deep_cycle_keeps_k_resident_and_loads_ahead_in_ring_order():
+    cycle = ChunkCycle(10, capacity=5)
+    assert cycle.start_loading() == [0, 1]  # MAX_LOADING at once
+    assert cycle.start_loading() == []
+    cycle.loaded(1)  # loads may finish out of order
+    assert cycle.start_loading() == [2] and cycle.loading == [0, 2]
+    cycle.loaded(0)
+    cycle.loaded(2)
+    assert cycle.start_loading() == [3, 4]
+    # full (loads count): the oldest is marked, so that its release makes room early
+    assert cycle.mark() == 0 and cycle.states[0] is ChunkState.MARKED
+    assert cycle.mark() is None  # one marked at a time
+    for chunk in (3, 4):
+        cycle.loaded(chunk)
+    assert cycle.resident == [0, 1, 2, 3, 4] and cycle.start_loading() == []
+    assert cycle.active == [1, 2, 3, 4]
+    job = ref(cycle)
+    assert cycle.evictable([job], now=0.0) == 0  # began after the mark: holds nothing
+    cycle.evicted(0)
+    assert cycle.start_loading() == [5] and cycle.resident == [1, 2, 3, 4, 5]
+
+    seen = set()
+    for _ in range(40):  # around the ring, twice
+        step(cycle, [ref(cycle)])
+        assert len(cycle.resident) <= 5 and len(cycle.loading) <= MAX_LOADING
+        assert cycle.resident == sorted(cycle.resident, key=lambda c: (c - cycle.resident[0]) % 10)
+        seen.update(cycle.resident)
+    assert seen == set(range(10)) and cycle.max_resident == 5
+
+
+def test_a_marked_chunk_waits_for_the_epochs_that_began_before_the_mark():
+    cycle = ChunkCycle(6, capacity=3, force_after=30.0)
+    for _ in range(2):
+        step(cycle, [])
+    assert cycle.resident == [0, 1, 2] and cycle.marked == 0
+    early = EpochRef(cycle.marked_generation - 1, np.full(6, 4))  # began before the mark
+    assert cycle.evictable([early], now=10.0) is None
+    late = ref(cycle, 4)
+    assert cycle.evictable([early, late], now=10.0) is None  # `late` released it at 10 s
+    assert cycle.evictable([early, late], now=39.9) is None
+    assert cycle.evictable([early, late], now=40.0) == 0  # forced after 30 s
+    early.remaining_chunks[0] = 0
+    assert cycle.evictable([early], now=11.0) == 0
+
+
+def test_double_buffering_is_k_equal_two():
+    cycle = ChunkCycle(3, capacity=2)
+    step(cycle, [])
+    assert cycle.resident == [0, 1] and cycle.marked is None
+    step(cycle, [])  # both loaded: the older is marked
+    assert cycle.active == [1] and cycle.marked == 0
+    step(cycle, [])  # released: evicted, the next one loads, nothing more is marked
+    assert cycle.resident == [1, 2] and cycle.loading == [2] and cycle.marked is None
+
+
+def test_a_dataset_that_fits_is_never_marked():
+    cycle = ChunkCycle(3, capacity=5)
+    for _ in range(4):
+        step(cycle, [])
+    assert cycle.active == [0, 1, 2] and cycle.marked is None
+    single = ChunkCycle(1, capacity=2)
+    step(single, [])
+    step(single, [])
+    assert single.active == [0] and single.start_loading() == []
+
+
+def test_a_smaller_allotment_drains_the_cycle_a_chunk_at_a_time():
+    cycle = ChunkCycle(10, capacity=6)
+    for _ in range(4):
+        step(cycle, [])
+    assert len(cycle.resident) == 6
+    cycle.capacity = 3
+    sizes = []
+    for _ in range(8):
+        step(cycle, [])
+        sizes.append(len(cycle.resident))
+    assert sizes[:3] == [5, 4, 3] and set(sizes[3:]) == {3}  # one eviction per step
+
+
+def test_snapshots_round_trip_and_two_chunk_snapshots_still_load():
+    cycle = ChunkCycle(8, capacity=4)
+    for _ in range(3):
+        step(cycle, [])
+    again = ChunkCycle.restore(cycle.snapshot(), 120.0)
+    assert again.snapshot() == cycle.snapshot()
+    old = {"chunks": 4, "loading": 2, "active": 1, "marked": 0, "generation": 3,
+           "marked_generation": 3, "first_release": None, "next": 3, "max_resident": 2,
+           "states": ["marked", "active", "loading", "evicted"]}
+    restored = ChunkCycle.restore(old, 120.0)
+    assert restored.resident == [0, 1, 2] and restored.loading == [2] and restored.capacity == 2
+    with pytest.raises(ValueError):
+        ChunkCycle.restore({**cycle.snapshot(), "resident": [7]}, 120.0)
+
+
+def test_spare_budget_deepens_pipelines_by_gain_within_the_headroom():
+    io = DatasetDemand("io", 1000, 10, (JobBenefit(1, 3.0, 1.0),), n_chunks=100)
+    mild = DatasetDemand("mild", 1000, 10, (JobBenefit(1, 1.5, 1.0),), n_chunks=100)
+    budget = 200
+    modes = allocate([io, mild], budget)
+    assert modes == {"io": CacheMode.COOP, "mild": CacheMode.COOP}
+    depth = resident_chunks([io, mild], modes, budget)
+    spare = budget * (1 - HEADROOM) - 2 * 2 * 10
+    assert (depth["io"] - 2 + depth["mild"] - 2) * 10 == spare  # all of it, in chunks
+    assert depth["io"] > depth["mild"] >= 2  # in proportion to G (3 against 1.5)
+    small = DatasetDemand("small", 50, 10, (JobBenefit(1, 3.0, 1.0),), n_chunks=5)
+    modes = {"small": CacheMode.COOP}
+    assert resident_chunks([small], modes, 10_000) == {"small": 5}  # never past its chunks
+
+
+def beat(node: str, jobs: int, loaded: tuple[LoadedShare, ...] = (),
+         probes: dict[str, tuple[int, bool]] | None = None) -> Heartbeat:
+    """``jobs`` jobs j0, j1, ...; ``probes``: job -> (the probe it began, whether it is
+    in it)."""
+    probes = probes or {}
+    reports = tuple(JobReport(id=f"j{k}", gen=0, gpus=1, remaining=(5,) * 20,
+                              probe_seq=probes.get(f"j{k}", (0, False))[0],
+                              probing=probes.get(f"j{k}", (0, False))[1])
+                    for k in range(jobs))
+    report = DatasetReport(name="ds", chunks=20, size=20_000, chunk_bytes=1000,
+                           loaded=loaded, jobs=reports)
+    return Heartbeat(node, f"127.0.0.1:{len(node)}", 8000, {"ident": report})
+
+
+def test_the_coordinator_sizes_the_cycle_to_the_budget_and_loads_chunks_in_parallel(tmp_path):
+    state = CoordinatorState(str(tmp_path), heartbeat_timeout=60.0, probe_batches=0)
+    view = state.heartbeat(beat("a", 1), now=1.0).cycles["ident"]
+    # budget 8000, headroom 800, chunks of 1000: 7 resident
+    assert view.mode is CacheMode.COOP and view.capacity == 7
+    assert view.loading == (0, 1) and [s.loaders for s in view.loads] == [("a",), ("a",)]
+    loaded = tuple(view.loads)
+    for t in range(2, 12):
+        view = state.heartbeat(beat("a", 1, loaded), now=float(t)).cycles["ident"]
+        loaded = loaded + view.loads
+    assert len(view.resident) == 7 and view.marked == view.resident[0]
+    assert state.status()["datasets"][0]["capacity"] == 7
+    state.save()
+    restarted = CoordinatorState(str(tmp_path), heartbeat_timeout=60.0, probe_batches=0)
+    assert restarted.datasets["ident"].cycle.resident == list(view.resident)
+
+
+def test_one_job_of_a_dataset_is_probed_at_a_time(tmp_path):
+    state = CoordinatorState(str(tmp_path), heartbeat_timeout=60.0)
+
+    def probes(now: float, **began: tuple[int, bool]) -> dict[str, int]:
+        return state.heartbeat(beat("a", 3, probes=began), now=now).cycles["ident"].probes
+
+    assert probes(1.0) == {"j0": 1}
+    assert probes(2.0) == {"j0": 1}  # asked for, not begun yet: nobody else
+    assert probes(3.0, j0=(1, True)) == {"j0": 1}  # in it
+    assert probes(4.0, j0=(1, False)) == {"j0": 1, "j1": 1}  # over: the next one
+    assert probes(5.0, j0=(1, False), j1=(1, False)) == {"j0": 1, "j1": 1, "j2": 1}
+    assert probes(6.0, j0=(1, False), j1=(1, False), j2=(1, False)) == {
+        "j0": 1, "j1": 1, "j2": 1}  # each probed once until REPROBE_AFTER
