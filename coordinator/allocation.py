@@ -20,9 +20,10 @@ from quiverfs.chunk_cycle import MIN_RESIDENT
 from quiverfs.heartbeat import CacheMode
 
 NO_BENEFIT = 1.1  # a job whose t_miss / t_hit is below this hides its I/O
-# Of the budget, kept free of extra chunks: the next chunk's early misses, and promised
-# hits of an evicted chunk not read yet, live there.
-HEADROOM = 0.1
+# Of the budget, kept free of extra chunks: the next chunk's early misses (a chunk is up
+# to an eighth of a lone node's cache), and promised hits of an evicted chunk not read
+# yet, live there. Less, and the store culls the resident chunks' items to make room.
+HEADROOM = 0.2
 
 
 @dataclasses.dataclass(frozen=True)

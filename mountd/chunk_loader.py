@@ -104,8 +104,11 @@ class ChunkLoader:
             cause = FetchCause.REFILL if share is None else FetchCause.CHUNK_LOAD
             for start in range(0, len(mine), CHECK_BLOCK):
                 block = mine[start:start + CHECK_BLOCK]
-                held = await self.bulk.held([digest.hash(i) for i in block])
-                await self.bulk.load(group.ds, [i for i, h in zip(block, held) if not h],
+                hashes = [digest.hash(i) for i in block]
+                held = await self.bulk.held(hashes)
+                # items a probed job is about to read are left to its read: a real miss
+                await self.bulk.load(group.ds, [i for i, h, d in zip(block, held, hashes)
+                                                if not h and not self.reader.probe_pending(d)],
                                      counters, cause)
             if share is not None:
                 group.loaded.append(share)

@@ -88,6 +88,11 @@ class ItemReader:
         inodes = [ds.inode_base + ds.tree.n_dirs + i for i in forced + uncached]
         await trio.to_thread.run_sync(_invalidate, inodes, limiter=self._invalidations)
 
+    def probe_pending(self, digest: bytes) -> bool:
+        """Whether a probed job's read of ``digest`` is to come: the chunk loader leaves
+        it to that read, whose miss is then a real one (and the only fetch of it)."""
+        return digest in self._probed
+
     async def read(self, ds: MountedDataset, index: int) -> bytes:
         """The verified content of entry ``index`` of ``ds``."""
         digest = ds.digest.hash(index)

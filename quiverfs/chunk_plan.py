@@ -20,7 +20,7 @@ from quiverfs.digest import Digest
 DEFAULT_FRACTION = 0.10  # of the dataset's bytes
 DEFAULT_MAX_CHUNK = 15 << 30  # bytes
 # A lone node's chunks are at most this fraction of its cache, so that the budget holds
-# several of them (a deep pipeline: up to 7 resident, with the allocation's headroom).
+# several of them (a deep pipeline: up to 6 resident, with the allocation's headroom).
 CACHE_CHUNKS = 8
 SORT_KEYS = ("size",)
 

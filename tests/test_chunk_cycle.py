@@ -153,15 +153,15 @@ def beat(node: str, jobs: int, loaded: tuple[LoadedShare, ...] = (),
 def test_the_coordinator_sizes_the_cycle_to_the_budget_and_loads_chunks_in_parallel(tmp_path):
     state = CoordinatorState(str(tmp_path), heartbeat_timeout=60.0, probe_batches=0)
     view = state.heartbeat(beat("a", 1), now=1.0).cycles["ident"]
-    # budget 8000, headroom 800, chunks of 1000: 7 resident
-    assert view.mode is CacheMode.COOP and view.capacity == 7
+    # budget 8000 less 20% of headroom, chunks of 1000: 6 resident
+    assert view.mode is CacheMode.COOP and view.capacity == 6
     assert view.loading == (0, 1) and [s.loaders for s in view.loads] == [("a",), ("a",)]
     loaded = tuple(view.loads)
     for t in range(2, 12):
         view = state.heartbeat(beat("a", 1, loaded), now=float(t)).cycles["ident"]
         loaded = loaded + view.loads
-    assert len(view.resident) == 7 and view.marked == view.resident[0]
-    assert state.status()["datasets"][0]["capacity"] == 7
+    assert len(view.resident) == 6 and view.marked == view.resident[0]
+    assert state.status()["datasets"][0]["capacity"] == 6
     state.save()
     restarted = CoordinatorState(str(tmp_path), heartbeat_timeout=60.0, probe_batches=0)
     assert restarted.datasets["ident"].cycle.resident == list(view.resident)
