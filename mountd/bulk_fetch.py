@@ -61,6 +61,10 @@ class BulkFetch:
         """Fetch items into the cache, for ``cause``; with ``resident`` (coop mode: every
         item's chunk, and the resident chunks), items of other chunks are only staged for
         their one read, so they cannot evict the chunks."""
+        # What the caller looked up may be a while old: items a chunk load (or another
+        # job) brought in since are not fetched again.
+        held = await self.held([ds.digest.hash(i) for i in items])
+        items = [i for i, h in zip(items, held) if not h]
         if not items:
             return
         slots = trio.Semaphore(FETCH_CONCURRENCY)
