@@ -265,7 +265,7 @@ class CoordinatorState:
         True on a change."""
         demands = []
         for ds in self.datasets.values():
-            self._ask_for_probe(ds, now, self.reprobe_after)
+            self._ask_for_probe(ds, now)
             jobs = tuple(JobBenefit(j.gpus, j.t_miss, j.t_hit)
                          for report in ds.reports.values() for j in report.jobs)
             reports = ds.reports.values()
@@ -330,8 +330,7 @@ class CoordinatorState:
             changed |= cycle.mark() is not None
         return changed
 
-    @staticmethod
-    def _ask_for_probe(ds: DatasetState, now: float, reprobe_after: float) -> None:
+    def _ask_for_probe(self, ds: DatasetState, now: float) -> None:
         """Ask for the probe of at most one job of ``ds`` at a time, cluster-wide, among
         those never probed or probed ``reprobe_after`` seconds ago: probes of several
         jobs at once would each force their own bucket reads, which nothing shares."""
@@ -339,7 +338,7 @@ class CoordinatorState:
         if any(j.probing or ds.probes.get(key, 0) > j.probe_seq for key, j in jobs):
             return
         for key, _ in jobs:
-            if key not in ds.probes or now - ds.probed_at[key] > reprobe_after:
+            if key not in ds.probes or now - ds.probed_at[key] > self.reprobe_after:
                 ds.probes[key] = ds.probes.get(key, 0) + 1
                 ds.probed_at[key] = now
                 return

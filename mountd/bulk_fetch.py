@@ -63,8 +63,16 @@ class BulkFetch:
         their one read, so they cannot evict the chunks."""
         # What the caller looked up may be a while old: items a chunk load (or another
         # job) brought in since are not fetched again.
+        await self._fetch_missing(ds, await self._not_held(ds, items), counters, cause,
+                                  resident)
+
+    async def _not_held(self, ds: MountedDataset, items: list[int]) -> list[int]:
         held = await self.held([ds.digest.hash(i) for i in items])
-        items = [i for i, h in zip(items, held) if not h]
+        return [i for i, h in zip(items, held) if not h]
+
+    async def _fetch_missing(self, ds: MountedDataset, items: list[int],
+                             counters: collections.Counter[str], cause: FetchCause,
+                             resident: tuple[np.ndarray, set[int]] | None = None) -> None:
         if not items:
             return
         slots = trio.Semaphore(FETCH_CONCURRENCY)
@@ -85,20 +93,21 @@ class BulkFetch:
 
     async def load(self, ds: MountedDataset, items: list[int],
                    counters: collections.Counter[str], cause: FetchCause) -> None:
-        """Fetch a chunk load's items into their owners' stores, for ``cause``: those this
-        node owns from a GCS bucket in the loader processes (while the store can write),
-        the others as ``fetch_all`` does."""
+        """Fetch those of a chunk load's items their owners do not hold into their
+        stores, for ``cause``: those this node owns from a GCS bucket in the loader
+        processes (while the store can write), the others as ``fetch_all`` does."""
+        items = await self._not_held(ds, items)
         source = None if self.pool is None else load_source(ds.backend)
         if (self.pool is None or source is None or ds.cache_mode is CacheMode.NONE
                 or not self.reader.store.writable()):
-            await self.fetch_all(ds, items, counters, cause)
+            await self._fetch_missing(ds, items, counters, cause)
             return
         mine, theirs = [], []
         for i in items:
             (mine if self.reader.owner(ds.digest.hash(i)) is None else theirs).append(i)
         slots = trio.Semaphore(self.pool.capacity)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.fetch_all, ds, theirs, counters, cause)
+            nursery.start_soon(self._fetch_missing, ds, theirs, counters, cause)
             for i in mine:
                 await slots.acquire()
                 nursery.start_soon(self._load_one, self.pool, source, ds, i, counters, cause,
