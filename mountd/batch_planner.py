@@ -2,12 +2,22 @@
 mini-batch I of epoch E, planned by an EpochSampler over the items the job's ImageFolder
 sees. Misses the sampler picks are fetched before the manifest is returned, so the
 job's workers read cache hits.
+
+A manifest is one JSON object: ``epoch``, ``batch``, ``hits`` (how many of its items
+were planned as hits), and per item ``paths`` (relative to the job's prefix), ``labels``
+and ``hashes`` (hex SHA-256). While the job's dataset is allotted ``full`` and the items
+it visits next are all cached, there is nothing to substitute: the reply for batch I
+then also carries ``segment``, the ``paths`` of the batches I + 1, I + 2, ... (up to
+SEGMENT_BATCHES in all, in the job's exact shuffled order), already planned. A reader
+may take them without reading their files (whose manifests are kept, without a
+``segment``, for readers that do) and asks again for the first batch after them.
 """
 from __future__ import annotations
 
 import json
 import logging
 import math
+from typing import Any
 
 import numpy as np
 import trio
@@ -18,9 +28,10 @@ from mountd.dataset_jobs import DatasetJobs
 from mountd.item_reader import ItemReader
 from mountd.job_registry import Job, JobConfig, JobError
 from mountd.read_stats import FetchCause
-from mountd.substitution import EpochSampler, advance, epoch_shard
+from mountd.substitution import Batch, EpochSampler, advance, epoch_shard
 from quiverfs.background import BackgroundTasks
 from quiverfs.chunk_cycle import EpochRef
+from quiverfs.digest import Digest
 from quiverfs.heartbeat import CacheMode
 
 log = logging.getLogger(__name__)
@@ -31,6 +42,13 @@ log = logging.getLogger(__name__)
 CHUNK_WAIT = 20.0
 PROBE_LOOKUPS = 1024  # pending items of a chunk looked up for a probe batch, at most
 WAIT_POLL = 0.25  # seconds between looks at what other nodes loaded, while waiting
+# Batches one reply may hand out as a segment. The job asks again only after them, so an
+# allotment that leaves ``full``, or a probe the coordinator asks for, reaches it up to a
+# segment later (a segment planned ahead and not yet handed out is handed out batch by
+# batch instead). More saves little: at 64 the manifest's read and planning are already
+# spread over 64 batches, and a reply stays around 0.5 MB for batches of 256.
+SEGMENT_BATCHES = 64
+MIN_SEGMENT = 2  # fewer cached batches ahead are planned one at a time
 
 
 class BatchPlanner:
@@ -45,21 +63,28 @@ class BatchPlanner:
     async def manifest(self, job: Job, epoch: int, index: int) -> bytes:
         """The manifest of batch ``index`` of ``epoch`` (planning earlier ones first)."""
         async with job.lock:
-            if job.config is None or job.group is None:
+            group = job.group
+            if job.config is None or group is None:
                 raise JobError(job.error or "the job has no config: write its config first")
             if epoch < job.epoch:
                 raise JobError(f"epoch {epoch} is over (the job is at epoch {job.epoch})")
             sampler = job.sampler
             if epoch > job.epoch or sampler is None:
-                sampler = self._start_epoch(job, job.config, job.group, epoch)
+                sampler = self._start_epoch(job, job.config, group, epoch)
             if index >= sampler.n_batches:
                 raise JobError(f"epoch {epoch} has {sampler.n_batches} batches")
             while sampler.planned <= index:
-                await self._plan_next(job, job.group, sampler)
-            if sampler.planned == index + 1 < sampler.n_batches:
+                await self._plan(job, group, sampler)
+            reply, handed = job.manifests[index], 1
+            segment = job.segments.get(index)
+            if segment is not None and self._segments_allowed(job, group):
+                reply, handed = segment
+                job.counters["segments"] += 1
+            job.counters["manifests"] += 1
+            if sampler.planned == index + handed < sampler.n_batches:
                 # plan the next batch while the job's workers read this one
                 self.tasks.start_soon(self._plan_ahead, job, sampler)
-            return job.manifests[index]
+            return reply
 
     async def _plan_ahead(self, job: Job, sampler: EpochSampler) -> None:
         async with job.lock:
@@ -67,7 +92,7 @@ class BatchPlanner:
                     sampler.planned >= sampler.n_batches):
                 return  # the job moved on, or left
             try:
-                await self._plan_next(job, job.group, sampler)
+                await self._plan(job, job.group, sampler)
             except Exception:  # the job's own request for the batch will meet it again
                 log.exception("job %s: planning batch %d ahead failed", job.id,
                               sampler.planned)
@@ -81,8 +106,65 @@ class BatchPlanner:
         generation = group.view.generation if group.view is not None else 0
         job.ref = EpochRef(generation, np.bincount(group.plan.chunk_of[order],
                                                    minlength=group.plan.n_chunks))
-        job.manifests = {}
+        job.manifests, job.segments = {}, {}
         return job.sampler
+
+    def _segments_allowed(self, job: Job, group: DatasetJobs) -> bool:
+        """Whether the job may be handed segments: its dataset is allotted full, no
+        probe of it runs or is asked for (a probe needs its batches one at a time), and
+        this node is the cluster's only live one (else the items are spread over the
+        members' stores, none holds them all)."""
+        view = group.view
+        return (view is not None and view.mode is CacheMode.FULL and not job.probe.active
+                and view.probes.get(job.id, 0) <= job.probe.seq
+                and len(self.cluster.live()) == 1)
+
+    async def _plan(self, job: Job, group: DatasetJobs, sampler: EpochSampler) -> None:
+        """Plan the job's next batch, or a segment of batches where it may have one."""
+        if not (sampler.all_hits and self._segments_allowed(job, group)
+                and await self._plan_segment(job, group, sampler)):
+            await self._plan_next(job, group, sampler)
+
+    async def _plan_segment(self, job: Job, group: DatasetJobs, sampler: EpochSampler
+                            ) -> bool:
+        """Place the next batches of the job's pending items in its exact order, as many
+        (up to SEGMENT_BATCHES) as the cache holds from the first on; False, placing
+        nothing, where that is fewer than MIN_SEGMENT."""
+        ref, size = job.ref, sampler.batch_size
+        items = sampler.pending_in_order(min(SEGMENT_BATCHES * size, sampler.remaining))
+        digest = group.ds.digest
+        hashes = [digest.hash(int(i)) for i in items]
+        cached, block = 0, MIN_SEGMENT * size
+        while cached < len(items):  # a short look first: a miss near the head ends it
+            held = await self.bulk.held(hashes[cached:cached + block])
+            if not all(held):
+                cached += held.index(False)
+                break
+            cached += len(held)
+            block *= 2
+        n = math.ceil(cached / size) if cached == len(items) else cached // size
+        if n < MIN_SEGMENT:
+            return False
+        batches = sampler.place_in_order(n)
+        for batch in batches:
+            job.probe.plan(job.epoch, batch.index, sampler.n_batches, cached=True)
+            self._account(job, group, ref, batch, len(batch.items))
+        self.reader.staging.planned(hashes[:n * size])
+        self.reader.push.enqueue(group.ds, [int(i) for i in items[:n * size]])
+        manifests, reply = await trio.to_thread.run_sync(
+            self._segment_replies, job, digest, batches, limiter=self.reader.limiter)
+        job.manifests.update(zip((batch.index for batch in batches), manifests))
+        job.segments[batches[0].index] = (reply, n)
+        return True
+
+    @classmethod
+    def _segment_replies(cls, job: Job, digest: Digest, batches: list[Batch]
+                         ) -> tuple[list[bytes], bytes]:
+        """The manifests of a segment's batches, and the reply that hands out all of
+        them (the first one's, with the others' paths as its ``segment``)."""
+        manifests = [cls._manifest(job, digest, batch, len(batch.items)) for batch in batches]
+        reply = {**manifests[0], "segment": [m["paths"] for m in manifests[1:]]}
+        return [json.dumps(m).encode() for m in manifests], json.dumps(reply).encode()
 
     async def _plan_next(self, job: Job, group: DatasetJobs, sampler: EpochSampler) -> None:
         ref = job.ref
@@ -140,24 +222,36 @@ class BatchPlanner:
                                       (chunk_of, resident) if group.mode is CacheMode.COOP
                                       else None)
             self.reader.staging.planned([digest.hash(i) for i in batch.hits])
+            self.reader.push.enqueue(group.ds, batch.hits)
             if self.cluster.peers is not None:
                 await self.bulk.stage_from_peers(group.ds, batch.hits)
+        hits = 0 if probing else len(batch.hits)
+        self._account(job, group, ref, batch, hits)
+        job.manifests[batch.index] = json.dumps(
+            self._manifest(job, digest, batch, hits)).encode()
+
+    def _account(self, job: Job, group: DatasetJobs, ref: EpochRef, batch: Batch,
+                 hits: int) -> None:
+        """Take a planned batch's items off the job-epoch's per-chunk counts (poking the
+        heartbeat if that released the marked chunk), and count its hits."""
         marked = group.view.marked if group.view is not None else None
         held_marked = marked is not None and ref.remaining_chunks[marked] > 0
-        np.subtract.at(ref.remaining_chunks, chunk_of[batch.items], 1)
+        np.subtract.at(ref.remaining_chunks, group.plan.chunk_of[batch.items], 1)
         if held_marked and not ref.remaining_chunks[marked]:
             self.cluster.poke()  # this job-epoch released the marked chunk
-        hits = 0 if probing else len(batch.hits)
         job.counters["hits"] += hits
         job.counters["fetched"] += len(batch.items) - hits
+
+    @staticmethod
+    def _manifest(job: Job, digest: Digest, batch: Batch, hits: int) -> dict[str, Any]:
+        """A batch's manifest (the module docstring says what is in it)."""
         prefix = job.config.prefix.strip("/")
         cut = len(prefix) + 1 if prefix else 0
         items = batch.items
-        job.manifests[batch.index] = json.dumps({
-            "epoch": job.epoch, "batch": batch.index, "hits": hits,
-            "paths": [digest.path(i)[cut:] for i in items],
-            "labels": [digest.label(i) for i in items],
-            "hashes": [digest.hash(i).hex() for i in items]}).encode()
+        return {"epoch": job.epoch, "batch": batch.index, "hits": hits,
+                "paths": [digest.path(i)[cut:] for i in items],
+                "labels": [digest.label(i) for i in items],
+                "hashes": [digest.hash(i).hex() for i in items]}
 
     async def _uncached_ahead(self, job: Job, group: DatasetJobs, need: int) -> int:
         """How many of the job's pending items in the loading chunks, and the one that

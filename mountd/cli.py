@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 STARTUP_TIMEOUT = 120.0  # seconds a backgrounded mountd may take to answer
 THREADS = 16  # mountd's blocking workers, by default
+PUSH_MEMORY = 256 << 20  # bytes, by default (mountd.page_push)
 MAX_LOADER_PROCESSES = 64
 
 
@@ -63,6 +64,11 @@ def add_parsers(sub: argparse._SubParsersAction,
                    help="processes that fetch, check and store chunk loads from gs:// "
                    "buckets, off the process that serves reads; 0 loads in mountd "
                    "(default: one per core but one, at least 1, at most 4: %(default)s here)")
+    d.add_argument("--push-memory", metavar="BYTES", type=ByteSize("--push-memory", zero_ok=True),
+                   default=PUSH_MEMORY,
+                   help="bytes of substitutable jobs' planned items pushed into the "
+                   "kernel's page cache ahead of their reads and not yet opened, at most; "
+                   "0 pushes nothing (default 256M)")
     d.add_argument("--metrics", metavar="HOST:PORT", type=Address("--metrics"),
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     d.add_argument("--chunk-size", type=ByteSize("--chunk-size"),
@@ -124,6 +130,7 @@ def cmd_mountd(args: argparse.Namespace, embedded_coordinator: EmbeddedFactory) 
                        cache_size=args.cache_size,
                        control_socket=args.control_socket or control_client.default_socket(root),
                        threads=args.threads, loader_processes=args.loader_processes,
+                       push_memory=args.push_memory,
                        chunk_bytes=args.chunk_size, metrics=args.metrics,
                        force_evict_after=args.force_evict_after,
                        probe_batches=args.probe_batches,

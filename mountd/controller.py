@@ -279,6 +279,8 @@ class Controller:
                           "write_failures": health.write_failures},
                 "counters": dict(self.reader.stats.counters),
                 "bucket_fetch_causes": ReadStats.by_cause(self.reader.stats.counters),
+                "fuse_requests": dict(self.reader.stats.fuse_requests),
+                "push": {"budget": self.reader.push.budget, "held": self.reader.push.held},
                 "datasets": datasets,
                 "jobs": self.jobs.status(peer.uid),
                 "cluster": self.cluster.status()}

@@ -34,7 +34,7 @@ from quiverfs.chunk_plan import CACHE_CHUNKS
 from quiverfs.fs_identity import NOBODY, IdentityUnavailable, UserIdentity, acting_as
 from quiverfs.metrics_server import MetricsServer
 from quiverfs.process_limits import raise_open_file_limit
-from quiverfs.mount_point import is_mounted
+from quiverfs.mount_point import is_mounted, mount_device
 from quiverfs.option_types import parse_address
 from quiverfs.rpc import RpcClient, RpcServer, load_secret
 from quiverfs.errors import ExitCode, QuietError
@@ -42,6 +42,8 @@ from quiverfs.errors import ExitCode, QuietError
 log = logging.getLogger(__name__)
 
 HIT_RECORD_INTERVAL = 1.0  # seconds between writes of LRU recency to the store
+READAHEAD_KB = 1024  # the kernel reads items up to this size in one FUSE READ
+MAX_BACKGROUND = 64  # readaheads the kernel keeps in flight to mountd
 
 
 @dataclasses.dataclass
@@ -62,6 +64,7 @@ class MountdConfig:
     listen: str | None  # HOST:PORT of the peer server (with a coordinator)
     cluster_secret_file: str | None
     metrics: tuple[str, int] | None  # where to serve Prometheus metrics
+    push_memory: int = 256 << 20  # bytes of planned items pushed to the kernel, unread
     node_id: str = dataclasses.field(default_factory=socket.gethostname)
     fuse_tasks: int = 64  # FUSE requests handled at once
     prefetch_concurrency: int = 16  # items a prefetch fetches at once
@@ -103,7 +106,7 @@ class Mountd:
         self.peer_server: RpcServer | None = None
         self.coordinator_client: RpcClient | None = None
         self.cluster = self._cluster(embedded_coordinator)
-        self.reader = ItemReader(self.store, self.limiter, self.cluster)
+        self.reader = ItemReader(self.store, self.limiter, self.cluster, cfg.push_memory)
         # A lone node sizes chunks so that several fit its cache; in a cluster every node
         # must compute the same plan, so the default stays 10% (or --chunk-size).
         self.jobs = JobRegistry(self.table, self.limiter, cfg.chunk_bytes,
@@ -150,6 +153,7 @@ class Mountd:
             await nursery.start(self.controller.tasks.run)
             await nursery.start(self.planner.tasks.run)
             await nursery.start(self.reader.puts.tasks.run)
+            await nursery.start(self.reader.push.run)
             if self.pool is not None:  # ended before the store closes, when unmounting
                 await nursery.start(self.pool.run)
             if self.peer_server is not None:
@@ -162,6 +166,7 @@ class Mountd:
                 await nursery.start(self.metrics.serve)
             await nursery.start(self._on_signals)  # before READY=1: systemd may stop us next
             nursery.start_soon(self._record_hits)
+            nursery.start_soon(self._tune_kernel)
             sd_notify.notify("READY=1")
             await pyfuse3.main(min_tasks=1, max_tasks=self.cfg.fuse_tasks)
             nursery.cancel_scope.cancel()
@@ -192,6 +197,25 @@ class Mountd:
                        RemoteCoordinator(self.coordinator_client),
                        PeerSet(secret, self.limiter))
 
+    async def _tune_kernel(self) -> None:
+        """Once INIT is answered (its reply can only lower these), as root: let the
+        kernel read a whole item (up to READAHEAD_KB) in one FUSE READ, and keep up to
+        MAX_BACKGROUND readaheads in flight. With the defaults (128 KiB, 12) many
+        concurrent readers exceed the limit, and the kernel falls back to reading a
+        page per request."""
+        await self.fs.initialized.wait()
+        device = mount_device(self.root)
+        settings = {f"/sys/class/bdi/{device}/read_ahead_kb": READAHEAD_KB}
+        if device is not None:
+            connection = f"/sys/fs/fuse/connections/{device.split(':')[1]}"
+            settings[f"{connection}/max_background"] = MAX_BACKGROUND
+            settings[f"{connection}/congestion_threshold"] = MAX_BACKGROUND * 3 // 4
+        for path, value in settings.items():
+            try:
+                await trio.to_thread.run_sync(_write_text, path, str(value))
+            except OSError as exc:
+                log.info("kept the kernel's %s (%s)", path, exc.strerror or exc)
+
     async def _record_hits(self) -> None:
         while True:
             await trio.sleep(HIT_RECORD_INTERVAL)
@@ -205,6 +229,11 @@ class Mountd:
                 log.info("%s: unmounting", signal.Signals(signum).name)
                 self._terminated = True
                 pyfuse3.terminate()
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w", encoding="ascii") as f:
+        f.write(text)
 
 
 def run_mountd(cfg: MountdConfig, embedded_coordinator: EmbeddedFactory) -> None:

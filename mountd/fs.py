@@ -37,13 +37,14 @@ XATTR_HASH = b"user.quiver.sha256"
 class _OpenFile:
     """An open file: which item, and its bytes once the first read fetched them."""
 
-    __slots__ = ("ds", "index", "data", "failed")
+    __slots__ = ("ds", "index", "data", "failed", "pushed")
 
-    def __init__(self, ds: MountedDataset, index: int) -> None:
+    def __init__(self, ds: MountedDataset, index: int, pushed: bool) -> None:
         self.ds = ds
         self.index = index
         self.data: bytes | None = None
         self.failed = False
+        self.pushed = pushed  # its pages were pushed ahead (mountd.page_push)
 
 
 class QuiverFS(pyfuse3.Operations):
@@ -62,6 +63,10 @@ class QuiverFS(pyfuse3.Operations):
         self._dir_handles: dict[int, list[tuple[bytes, int]]] = {}
         self._files: dict[int, _OpenFile | ControlHandle] = {}
         self.started_ns = time.time_ns()
+        self.initialized = trio.Event()  # the kernel's INIT answered: its settings are made
+
+    def init(self) -> None:
+        self.initialized.set()
 
     # -- attributes -------------------------------------------------------------------
     def _root_attr(self) -> pyfuse3.EntryAttributes:
@@ -104,6 +109,9 @@ class QuiverFS(pyfuse3.Operations):
 
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None
                       ) -> pyfuse3.EntryAttributes:
+        return self._attr(inode)
+
+    def _attr(self, inode: int) -> pyfuse3.EntryAttributes:
         if self.table.is_root(inode):
             return self._root_attr()
         if self.control.owns(inode):
@@ -159,7 +167,7 @@ class QuiverFS(pyfuse3.Operations):
         for pos in range(start_id, len(entries)):
             name, inode = entries[pos]
             try:
-                attr = await self.getattr(inode)
+                attr = self._attr(inode)
             except pyfuse3.FUSEError:
                 continue  # unmounted since opendir
             if not pyfuse3.readdir_reply(token, name, attr, pos + 1):
@@ -180,12 +188,13 @@ class QuiverFS(pyfuse3.Operations):
         if ds.tree.is_dir(node):
             raise pyfuse3.FUSEError(errno.EISDIR)
         fh = next(self._fh)
-        self._files[fh] = _OpenFile(ds, ds.tree.entry_index(node))
+        pushed = self.reader.push.opened(inode)
+        self._files[fh] = _OpenFile(ds, ds.tree.entry_index(node), pushed)
         # Content per inode never changes, so the kernel may keep its pages; a re-read
         # it serves from its page cache costs mountd an open and a release, nothing more.
         return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)
 
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         f = self._files[fh]
         if isinstance(f, ControlHandle):
             return await f.read(off, size)
@@ -197,11 +206,11 @@ class QuiverFS(pyfuse3.Operations):
             except ReadFailed:
                 f.failed = True
                 raise pyfuse3.FUSEError(errno.EIO) from None
-        return f.data[off:off + size]
+        return memoryview(f.data)[off:off + size]  # no copy: pyfuse3 takes any buffer
 
     async def release(self, fh: int) -> None:
         f = self._files.pop(fh, None)
-        if isinstance(f, _OpenFile) and f.data is None and not f.failed:
+        if isinstance(f, _OpenFile) and f.data is None and not (f.failed or f.pushed):
             # opened and closed without a read reaching us: the kernel's page cache
             # served it (keep_cache), or nothing was read
             self.reader.stats.count(f.ds, "page_cache_opens")
@@ -261,12 +270,15 @@ class QuiverFS(pyfuse3.Operations):
         return data
 
 
-def _answer_eio_on_failure(name: str, handler: Callable[..., Awaitable[Any]]
-                           ) -> Callable[..., Awaitable[Any]]:
+def _counted_and_guarded(name: str, handler: Callable[..., Awaitable[Any]]
+                         ) -> Callable[..., Awaitable[Any]]:
+    """Count the request under its opcode's name, and answer EIO for an exception
+    that is not a FUSEError."""
     @functools.wraps(handler)
-    async def guarded(*args: Any) -> Any:
+    async def guarded(fs: QuiverFS, *args: Any) -> Any:
+        fs.reader.stats.fuse_requests[name] += 1
         try:
-            return await handler(*args)
+            return await handler(fs, *args)
         except pyfuse3.FUSEError:
             raise
         except Exception:
@@ -276,6 +288,9 @@ def _answer_eio_on_failure(name: str, handler: Callable[..., Awaitable[Any]]
     return guarded
 
 
-for _name, _handler in list(vars(QuiverFS).items()):
+# Every request handler, pyfuse3's defaults included (they answer ENOSYS, and the kernel
+# stops sending that request: flush is one).
+for _name in dir(pyfuse3.Operations):
+    _handler = getattr(QuiverFS, _name)
     if not _name.startswith("_") and inspect.iscoroutinefunction(_handler):
-        setattr(QuiverFS, _name, _answer_eio_on_failure(_name, _handler))
+        setattr(QuiverFS, _name, _counted_and_guarded(_name, _handler))

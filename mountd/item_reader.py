@@ -24,6 +24,7 @@ from mountd.cluster import Cluster
 from mountd.content_store import ContentStore, IntegrityError, StoreError
 from mountd.dataset import MountedDataset
 from mountd.owner_puts import OwnerPuts
+from mountd.page_push import PagePush
 from mountd.read_stats import FetchCause, ReadStats
 from mountd.staging import Staging
 from quiverfs.errors import QuietError
@@ -53,13 +54,15 @@ class ItemReader:
     """Serves item bytes by (dataset, entry) through the tiers, one fetch per missing item."""
 
     def __init__(self, store: ContentStore, limiter: trio.CapacityLimiter,
-                 cluster: Cluster) -> None:
+                 cluster: Cluster, push_budget: int = 0) -> None:
         self.store = store
         self.limiter = limiter
         self.cluster = cluster
         self.stats = ReadStats()
         self.staging = Staging()
         self.puts = OwnerPuts(cluster, self.stats.counters)
+        self.push = PagePush(store, limiter, self.stats, self.staging, push_budget,
+                             skip=self.probe_pending)
         self._inflight: dict[bytes, _Flight] = {}
         # A probed job's batch: how the next read of each item misses (by the cause it
         # is fetched for, and whether the fetch is kept), or, for PROBE, that it must.
@@ -86,6 +89,7 @@ class ItemReader:
             cause = FetchCause.PROBE if i in must or not k else FetchCause.COOP_MISS
             self._probed[ds.digest.hash(i)] = (cause, k)
         inodes = [ds.inode_base + ds.tree.n_dirs + i for i in forced + uncached]
+        self.push.forget(inodes)
         await trio.to_thread.run_sync(_invalidate, inodes, limiter=self._invalidations)
 
     def probe_pending(self, digest: bytes) -> bool:
@@ -105,8 +109,11 @@ class ItemReader:
             self.stats.count(ds, "probe_misses")
             return await self.fetch(ds, index, cause, keep=keep)
         started = time.perf_counter()
+        data = self.store.get_nowait(digest, ds.digest.sizes[index])
         try:
-            data = await trio.to_thread.run_sync(self.store.get, digest, limiter=self.limiter)
+            if data is None:
+                data = await trio.to_thread.run_sync(self.store.get, digest,
+                                                     limiter=self.limiter)
         except StoreError as exc:
             self.stats.count(ds, "store_errors")
             log.error("dataset %s: cannot read %s from the local store: %s", ds.name,

@@ -3,7 +3,8 @@
     mkdir ROOT/.quiver/jobs/JOB          register a job (the directory is yours, 0700)
     JOB/config      write one JSON object (one write call): dataset, batch_size, seed,
                     rank, world_size, prefix...; read it back with batches_per_epoch
-    JOB/eE-bI       read: the manifest (JSON) of mini-batch I of epoch E
+    JOB/eE-bI       read: the manifest (JSON) of mini-batch I of epoch E (with the
+                    batches after it, where it hands out a segment: mountd.batch_planner)
     JOB/report      write lines "EPOCH BATCH SECONDS": per-batch times (for probing)
     JOB/error       read: why the last config write or batch read failed
     JOB/stats       read: progress and hit counters (JSON)

@@ -128,6 +128,8 @@ class Job:
         self.sampler: EpochSampler | None = None
         self.ref: EpochRef | None = None
         self.manifests: dict[int, bytes] = {}
+        # first batch -> (the reply handing out a segment from it, batches it covers)
+        self.segments: dict[int, tuple[bytes, int]] = {}
         self.lock = trio.Lock()
         self.counters: collections.Counter[str] = collections.Counter()
         self.batch_times: collections.deque[float] = collections.deque(maxlen=1000)

@@ -81,6 +81,20 @@ class MountdCollector:
                                   value=c["integrity_failures"])
         yield CounterMetricFamily("quiver_coalesced_reads", "Reads that waited for a fetch "
                                   "already in flight", value=c["coalesced"])
+        requests = CounterMetricFamily("quiver_fuse_requests", "FUSE requests the kernel "
+                                       "sent mountd, by opcode", labels=["op"])
+        for op, n in sorted(self.reader.stats.fuse_requests.items()):
+            requests.add_metric([op], n)
+        yield requests
+        yield CounterMetricFamily("quiver_pushed_items", "Planned items pushed into the "
+                                  "kernel's page cache ahead of their reads",
+                                  value=c["pushed"])
+        yield CounterMetricFamily("quiver_pushed_opened_items", "Pushed items opened "
+                                  "(their reads served by the pushed pages)",
+                                  value=c["pushed_opens"])
+        yield GaugeMetricFamily("quiver_pushed_unread_bytes", "Bytes pushed and not yet "
+                                "opened (bounded by --push-memory)",
+                                value=self.reader.push.held)
 
     def _datasets(self) -> Iterator[Metric]:
         datasets = list(self.table.by_name.values())

@@ -1,4 +1,5 @@
-"""What the read path counts: reads, bytes and errors per tier, and their latency."""
+"""What the read path counts: FUSE requests by opcode; reads, bytes and errors per tier,
+and their latency."""
 from __future__ import annotations
 
 import enum
@@ -33,6 +34,7 @@ class ReadStats:
 
     def __init__(self) -> None:
         self.counters: Counter[str] = Counter()
+        self.fuse_requests: Counter[str] = Counter()  # by opcode (the handler's name)
         self.latency = Histogram("quiver_read_seconds", "Seconds to serve a read, by the "
                                  "tier that served it", ["tier"], buckets=LATENCY_BUCKETS,
                                  registry=None)

@@ -12,6 +12,10 @@ Given the chunk of every item, a batch can take its hits from one chunk first (t
 oldest resident one): the jobs then finish a chunk before the next, so it can be
 evicted and the next one loaded while they read the other, which is what double
 buffering needs.
+
+When the cache holds everything, nothing needs substituting: ``place_in_order`` places
+the next batches of pending items in the visiting order itself (a segment of exact
+batches), and the epoch stays exactly once whichever way each batch was planned.
 """
 from __future__ import annotations
 
@@ -74,6 +78,10 @@ class EpochSampler:
         self.planned = 0  # batches planned so far
         self.hits = 0
         self.fetched = 0
+        self._head = 0  # no position before it is pending
+        # Whether the last batch planned was all hits, found in a row (no miss passed
+        # over, none to fetch): then the items after it are likely cached too.
+        self.all_hits = True
         if chunk_of is not None:  # positions grouped by chunk, in visiting order
             chunks = chunk_of[order]
             self._by_chunk = np.argsort(chunks, kind="stable")
@@ -107,6 +115,43 @@ class EpochSampler:
         idx = np.arange(self._cursor, min(len(self._pass), self._cursor + limit))
         idx = idx[~self._consumed[self._pass[idx]]]
         return idx, self._pass[idx]
+
+    def _pending_positions(self, n: int) -> np.ndarray:
+        """Positions of the first ``n`` pending items in visiting order (fewer at the
+        end of the epoch)."""
+        found: list[np.ndarray] = []
+        got, start = 0, self._head
+        while got < n and start < len(self.order):
+            stop = min(len(self.order), start + max(2 * (n - got), SCAN_BLOCK))
+            free = np.flatnonzero(~self._consumed[start:stop])[:n - got] + start
+            found.append(free)
+            got += len(free)
+            start = stop
+        positions = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+        self._head = int(positions[0]) if len(positions) else start
+        return positions
+
+    def pending_in_order(self, n: int) -> np.ndarray:
+        """The first ``n`` pending items in visiting order (fewer at the end of the
+        epoch), not placed."""
+        return self.order[self._pending_positions(n)]
+
+    def place_in_order(self, n_batches: int) -> list[Batch]:
+        """Place the next ``n_batches`` batches of pending items in visiting order, all
+        as hits (the caller found them cached): no substitution."""
+        if self.planned + n_batches > self.n_batches:
+            raise IndexError(f"the epoch has {self.n_batches - self.planned} batches left")
+        batches = []
+        for _ in range(n_batches):
+            need = min(self.batch_size, self._remaining)
+            positions = self._pending_positions(need)
+            self._consumed[positions] = True
+            self._head = int(positions[-1]) + 1
+            hits = self.order[positions].tolist()
+            self.hits += len(hits)
+            batches.append(self._placed(need, hits, []))
+        self.all_hits = True
+        return batches
 
     def pending_in(self, chunk: int) -> np.ndarray:
         """Items of ``chunk`` not yet placed (the sampler must have been given
@@ -152,6 +197,7 @@ class EpochSampler:
         if self.planned >= self.n_batches:
             raise IndexError("the epoch has no more batches")
         need = min(self.batch_size, self._remaining)
+        self.all_hits = False
         if probe:
             fetch, forced = yield from self._probe_misses(need, prefer)
             return self._placed(need, forced, fetch)
@@ -159,7 +205,7 @@ class EpochSampler:
         hits: list[int] = []
         if first_chunk is not None:
             hits = yield from self._hits_from_chunk(first_chunk, need, budget)
-        scanned = 0
+        scanned = passed = 0
         while len(hits) < need and scanned < budget:
             idx, positions = self._next_block(self._block(need - len(hits), budget - scanned))
             if not len(idx):
@@ -173,12 +219,14 @@ class EpochSampler:
                 used = len(idx)
             self._cursor = int(idx[used - 1]) + 1
             scanned += used
+            passed += used - len(hit_at)
             self._consumed[positions[hit_at]] = True
             hits.extend(self.order[positions[hit_at]].tolist())
         if scanned:
             self._hit_rate = (1 - EWMA) * self._hit_rate + EWMA * (len(hits) / scanned)
         fetch = self._choose_misses(need - len(hits), prefer)
         self.hits += len(hits)
+        self.all_hits = not passed and not fetch
         return self._placed(need, hits, fetch)
 
     def _placed(self, need: int, hits: list[int], fetch: list[int]) -> Batch:

@@ -15,3 +15,16 @@ def is_mounted(root: str, fuse_only: bool = False) -> bool:
             if target == root and (not fuse_only or fields[2].startswith("fuse")):
                 return True
     return False
+
+
+def mount_device(root: str) -> str | None:
+    """The ``MAJOR:MINOR`` of the filesystem mounted at ``root`` (the topmost one), from
+    ``/proc/self/mountinfo``, without touching the mount itself; None if nothing is."""
+    root = os.path.abspath(root)
+    found = None
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4].replace("\\040", " ") == root:
+                found = fields[2]
+    return found

@@ -40,15 +40,18 @@ class IntAtLeast:
 
 @dataclasses.dataclass(frozen=True)
 class ByteSize:
-    """A positive number of bytes, written like ``200G`` (or a plain integer)."""
+    """A positive number of bytes (or none, with ``zero_ok``), written like ``200G``
+    (or a plain integer)."""
 
     option: str
+    zero_ok: bool = False
     toml_types: ClassVar[tuple[type, ...]] = (str, int)
 
     def __call__(self, value: str | int) -> int:
         n = parse_size(str(value), self.option)
-        if n <= 0:
-            raise QuietError(f"{self.option} must be positive, not {value!r}", ExitCode.USAGE)
+        if n < 0 or (n == 0 and not self.zero_ok):
+            least = "at least 0" if self.zero_ok else "positive"
+            raise QuietError(f"{self.option} must be {least}, not {value!r}", ExitCode.USAGE)
         return n
 
 

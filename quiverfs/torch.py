@@ -10,6 +10,9 @@
 Each epoch yields every item of this rank's shard exactly once, in batches mountd
 fills with whatever is cached (paper §4.7). Batches are read as manifests from
 ``ROOT/.quiver/jobs/JOB/eE-bI``; the time between batches is reported back to mountd.
+Where the dataset is cached in full, one manifest hands out a segment of several
+batches (``mountd.batch_planner``): they are yielded without asking mountd again, and
+their times are reported together when the next manifest is read.
 """
 from __future__ import annotations
 
@@ -80,6 +83,7 @@ class QuiverBatchSampler(Sampler[list[int]]):
             self.close()
             raise
         self._last: float | None = None
+        self._reports: list[str] = []  # "EPOCH BATCH SECONDS" lines not yet written
 
     def _error(self) -> str:
         with open(os.path.join(self.job_dir, "error"), encoding="utf-8") as f:
@@ -114,20 +118,34 @@ class QuiverBatchSampler(Sampler[list[int]]):
                 raise RuntimeError(f"quiver: {self._error()}") from None
             raise
 
+    def _indices(self, paths: list[str]) -> list[int]:
+        try:
+            return [self._index[p] for p in paths]
+        except KeyError as exc:
+            raise RuntimeError(f"quiver sent {exc.args[0]!r}, which ImageFolder does not "
+                               "list: the dataset changed under the mount?") from None
+
+    def _flush_reports(self) -> None:
+        if self._reports:
+            os.write(self._report, "".join(self._reports).encode())
+            self._reports = []
+
     def __iter__(self) -> Iterator[list[int]]:
         self._last = None
-        for batch in range(len(self)):
+        batch = 0
+        while batch < len(self):
             m = self.manifest(batch)
-            try:
-                indices = [self._index[p] for p in m["paths"]]
-            except KeyError as exc:
-                raise RuntimeError(f"quiver sent {exc.args[0]!r}, which ImageFolder does not "
-                                   "list: the dataset changed under the mount?") from None
-            now = time.monotonic()  # the loader asked for this batch then (code after the
-            if self._last is not None:  # yield runs only when it asks for the next one)
-                os.write(self._report, f"{self.epoch} {batch} {now - self._last:.6f}\n".encode())
-            self._last = now
-            yield indices
+            for i, paths in enumerate([m["paths"], *m.get("segment", ())]):
+                indices = self._indices(paths)
+                now = time.monotonic()  # the loader asked for this batch then (code after
+                if self._last is not None:  # the yield runs only when it asks for the next)
+                    self._reports.append(f"{self.epoch} {batch} {now - self._last:.6f}\n")
+                self._last = now
+                if i == 0:
+                    self._flush_reports()
+                batch += 1
+                yield indices
+        self._flush_reports()
 
     def close(self) -> None:
         """Unregister the job (also done when the sampler is garbage collected)."""

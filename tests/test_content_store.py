@@ -473,3 +473,26 @@ def test_metrics_show_a_store_that_cannot_write(store, monkeypatch, tmp_path):
     store.put(*item(20))
     store.put(*item(21))  # in the back-off: counted, not tried
     assert samples() == {"quiver_store_writable": 0, "quiver_store_write_failures_total": 2}
+
+
+def test_get_nowait_serves_only_served_entries_whose_pages_are_cached(store):
+    digest, data = item(7)
+    store.put(digest, data)
+    assert store.get_nowait(digest, len(data)) is None  # its file not known yet
+    assert store.get(digest) == data
+    assert store.get_nowait(digest, len(data)) == data
+    assert store.get_nowait(digest, len(data) - 1) is None  # not the item's size
+    path = store._files[digest][0]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    assert store.get_nowait(digest, len(data)) is None  # on disk only: a thread reads it
+    assert store.get(digest) == data
+    with open(path, "r+b") as f:  # damaged in place: the CRC32C says so
+        f.write(b"\0")
+    assert store.get_nowait(digest, len(data)) is None
+    assert store.get(digest) is None and store.corrupt_dropped == 1
+    assert store.get_nowait(digest, len(data)) is None

@@ -16,6 +16,7 @@ from mountd.control_server import MAX_CONNECTIONS_PER_UID, ControlServer, Peer
 from mountd.fs import QuiverFS
 from mountd.job_registry import MAX_JOBS_PER_USER, JobLimit, JobRegistry
 from mountd.mount_table import FIRST_DATASET_INODE, MountTable
+from mountd.read_stats import ReadStats
 from quiverfs import control_client, wire
 from quiverfs.errors import ExitCode, QuietError
 
@@ -27,6 +28,13 @@ class BrokenTable(MountTable):
         raise RuntimeError("injected fault")
 
 
+class NoReader:
+    """The reader's counters only: no request here gets as far as reading."""
+
+    def __init__(self) -> None:
+        self.stats = ReadStats()
+
+
 class NoControlFiles:
     @staticmethod
     def owns(inode: int) -> bool:
@@ -34,7 +42,7 @@ class NoControlFiles:
 
 
 async def test_fuse_handler_fault_answers_eio_and_is_logged(caplog):
-    fs = QuiverFS(BrokenTable(), None, NoControlFiles())  # type: ignore[arg-type]
+    fs = QuiverFS(BrokenTable(), NoReader(), NoControlFiles())  # type: ignore[arg-type]
     for call in (fs.getattr(FIRST_DATASET_INODE), fs.open(FIRST_DATASET_INODE, os.O_RDONLY,
                                                           None),
                  fs.lookup(FIRST_DATASET_INODE, b"x")):
@@ -44,10 +52,11 @@ async def test_fuse_handler_fault_answers_eio_and_is_logged(caplog):
     assert [r.getMessage() for r in caplog.records if r.name == "mountd.fs"] == [
         f"FUSE {op} failed: answered EIO" for op in ("getattr", "open", "lookup")]
     assert caplog.text.count("RuntimeError: injected fault") == 3
+    assert fs.reader.stats.fuse_requests == {"getattr": 1, "open": 1, "lookup": 1}
 
 
 async def test_fuse_errors_pass_through_unchanged():
-    fs = QuiverFS(MountTable(), None, NoControlFiles())  # type: ignore[arg-type]
+    fs = QuiverFS(MountTable(), NoReader(), NoControlFiles())  # type: ignore[arg-type]
     with pytest.raises(pyfuse3.FUSEError) as info:
         await fs.getattr(FIRST_DATASET_INODE)
     assert info.value.errno == errno.ENOENT

@@ -16,6 +16,12 @@ ahead), drops their pages from the kernel's cache, and sleeps a simulated comput
 per batch. The parent holds all jobs at every epoch boundary, so mountd's counters can
 be read per epoch; epoch 0 (cold cache) is left out of the steady-state numbers.
 
+A small extra configuration, ``cached``, measures what substitution costs where there
+is nothing to substitute: a cache that holds the whole dataset (allotted ``full``),
+every item read once beforehand, then one ``sub`` job and one ``lru`` job in turn, with
+no compute. ``sub_vs_exact_cached`` is the first's items/s over the second's, after
+each job's warm-up epoch.
+
 Then a small CNN (``quiverfs.bench.demo.small_cnn``) is trained on the scikit-learn
 digits over a real mount, with a global shuffle and with ``QuiverBatchSampler``, and its
 test accuracy on a held-out split compared.
@@ -56,6 +62,9 @@ CHUNK_OF_CACHE = 0.4
 # than an epoch here) whose fetches flush the resident chunks from the store, and its
 # verdict can switch the dataset's cache off mid-run. Unprobed jobs count as benefiting.
 PROBE_BATCHES = 0
+# The cached configuration's cache, in dataset bytes: the whole dataset fits with room
+# for the store's own footprint, so the allocation gives it ``full``.
+CACHED_CACHE = 2.0
 EPOCH_TIMEOUT = 600.0  # seconds a job may take for one epoch (or to start)
 JOB_STOP_TIMEOUT = 30.0  # seconds a job may take to unregister and exit
 DIGITS_TEST_FRACTION = 0.2
@@ -78,12 +87,13 @@ class Size:
     window: int  # items per label-histogram window
     accuracy_seeds: tuple[int, ...]
     accuracy_epochs: int
+    cached_epochs: int  # per job of the cached configuration; the first is the warm-up
 
 
 SIZES = {
-    "full": Size(1200, 10, 3, 8, 0.125, ((0.2, 4), (0.1, 4), (0.2, 1)), 1000, (0, 1, 2), 3),
-    "quick": Size(300, 10, 3, 8, 0.125, ((0.2, 4),), 100, (0,), 1),
-    "tiny": Size(120, 10, 3, 8, 0.02, ((0.5, 2),), 30, (0,), 1),
+    "full": Size(1200, 10, 3, 8, 0.125, ((0.2, 4), (0.1, 4), (0.2, 1)), 1000, (0, 1, 2), 3, 21),
+    "quick": Size(300, 10, 3, 8, 0.125, ((0.2, 4),), 100, (0,), 1, 11),
+    "tiny": Size(120, 10, 3, 8, 0.02, ((0.5, 2),), 30, (0,), 1, 2),
 }
 
 
@@ -189,6 +199,43 @@ def run_config(mode: str, fraction: float, n_jobs: int, data: Dataset, proxy: Th
               "jobs_without_cycle": sum(j.get("chunks") is None for j in status["jobs"]),
               "max_resident_chunks": max((c["max_resident"] for c in chunks), default=None)}
     return ConfigRun(report, orders)
+
+
+def run_cached(data: Dataset, proxy: ThrottleProxy, size: Size, workdir: str
+               ) -> dict[str, Any]:
+    """The cached configuration: a ``sub`` job, then an ``lru`` job, each alone with no
+    compute, on one mountd whose cache holds the whole dataset, read once beforehand."""
+    cache_bytes = int(CACHED_CACHE * data.bytes)
+    runs: dict[str, dict[str, Any]] = {}
+    with running_mountd(workdir, cache_size=str(cache_bytes), name="cached",
+                        extra_args=("--probe-batches", str(PROBE_BATCHES))) as m:
+        m.call({"op": "mount", "name": DATASET, "digest": data.digest,
+                "emulator_host": proxy.url})
+        root = os.path.join(m.root, DATASET)
+        source = MountSource(root)
+        with concurrent.futures.ThreadPoolExecutor(READERS) as pool:
+            sum(pool.map(source.read, source.paths()))
+        for mode in ("sub", "lru"):
+            spec = JobSpec(mode, root, 0, size.batch_size, 0.0, size.cached_epochs)
+            with running_jobs(reading_job.__name__, {f"cached-{mode}": spec}, workdir,
+                              EPOCH_TIMEOUT) as jobs:
+                replies = [run_epoch(jobs, EPOCH_TIMEOUT)[0][0]
+                           for _ in range(size.cached_epochs)]
+                status = m.status()
+                jobs[0].finish(JOB_STOP_TIMEOUT)
+            steady = replies[1:]
+            job = next((j for j in status["jobs"] if j["job"] == jobs[0].job_id), None)
+            runs[mode] = {
+                "epoch_seconds": [round(r["seconds"], 3) for r in replies],
+                "items_per_s": sum(len(r["paths"]) for r in steady)
+                / sum(r["seconds"] for r in steady),
+                "exactly_once": all(sorted(r["paths"]) == sorted(data.paths)
+                                    for r in replies),
+                "counters": job["counters"] if job else None,
+                "cache_mode": job["chunks"]["mode"] if job and job["chunks"] else None}
+    shutil.rmtree(os.path.join(workdir, "cached-cache"), ignore_errors=True)
+    return {"cache_bytes": cache_bytes, "epochs": size.cached_epochs, "runs": runs,
+            "sub_vs_exact": runs["sub"]["items_per_s"] / runs["lru"]["items_per_s"]}
 
 
 # -- order statistics ------------------------------------------------------------------
@@ -342,6 +389,7 @@ def run(quick: bool, workdir: str, size: str | None = None) -> dict[str, Any]:
                 for mode in ("sub", "lru"):
                     configs[mode, fraction, n_jobs] = run_config(
                         mode, fraction, n_jobs, data, proxy, s, workdir)
+            cached = run_cached(data, proxy, s, workdir)
     acc = accuracy(s, workdir)
     key_fraction, key_jobs = s.configs[0]
     sub, lru = (configs[mode, key_fraction, key_jobs] for mode in ("sub", "lru"))
@@ -352,7 +400,8 @@ def run(quick: bool, workdir: str, size: str | None = None) -> dict[str, Any]:
         "bucket_bytes_ratio_lru": round(lru.report["steady"]["bucket_bytes_ratio"], 3),
         "items_per_s_sub": round(sub.report["steady"]["items_per_s"], 1),
         "items_per_s_lru": round(lru.report["steady"]["items_per_s"], 1),
-        "exactly_once": all(c.report["exactly_once"] for c in configs.values()),
+        "exactly_once": (all(c.report["exactly_once"] for c in configs.values())
+                         and all(r["exactly_once"] for r in cached["runs"].values())),
         "order_spearman_sub": round(order_spearman(sub.orders, data), 4),
         "order_spearman_global": round(order_spearman(lru.orders, data), 4),
         "label_hist_dev_sub": round(label_hist_dev(sub.orders, data, s.window), 4),
@@ -361,6 +410,7 @@ def run(quick: bool, workdir: str, size: str | None = None) -> dict[str, Any]:
         "accuracy_sub": round(acc["accuracy_sub"], 2),
         "accuracy_gap": round(acc["accuracy_global"] - acc["accuracy_sub"], 2),
         "max_resident_chunks": sub.report["max_resident_chunks"],
+        "sub_vs_exact_cached": round(cached["sub_vs_exact"], 3),
     }
     return {
         "dataset": {"items": len(data.paths), "bytes": data.bytes,
@@ -368,6 +418,7 @@ def run(quick: bool, workdir: str, size: str | None = None) -> dict[str, Any]:
         "settings": {**dataclasses.asdict(s), "bucket_rate_bytes_s": BUCKET_RATE,
                      "readers_per_job": READERS, "prefetch_batches": PREFETCH_BATCHES,
                      "chunk_of_cache": CHUNK_OF_CACHE, "probe_batches": PROBE_BATCHES,
+                     "cached_cache": CACHED_CACHE,
                      "accuracy_step_s": ACCURACY_STEP_S,
                      "summary_config": {"jobs": key_jobs, "cache_fraction": key_fraction}},
         "definitions": {
@@ -387,8 +438,12 @@ def run(quick: bool, workdir: str, size: str | None = None) -> dict[str, Any]:
             "label_hist_dev": f"mean total variation distance between the label histogram "
                               f"of each {s.window}-item window of an epoch and the dataset's",
             "accuracy": "mean test accuracy (%) of small_cnn on a held-out 20% of the "
-                        "digits, over the seeds; gap = global - sub"},
+                        "digits, over the seeds; gap = global - sub",
+            "sub_vs_exact_cached": "items/s of a sub job over an lru job (exact reads), "
+                                   "each alone with no compute, the whole dataset cached "
+                                   "(allotted full), epochs after each job's first"},
         "configs": [c.report for c in configs.values()],
+        "cached": cached,
         "accuracy": acc,
         "summary": summary,
     }

@@ -1,0 +1,236 @@
+"""Segments: a dataset allotted ``full`` whose items are all cached is handed out several
+exact batches per manifest, through a real mount and ``QuiverBatchSampler``."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from mountd.substitution import EpochSampler, epoch_shard
+from quiverfs.bench.processes import CoordinatorProcess, MountdProcess, unmount
+from quiverfs.torch import QuiverBatchSampler
+from tests.mountd_helpers import make_digest, mount, mountd_factory, read_hashes  # noqa: F401
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
+
+MODE_TIMEOUT = 30.0  # seconds the coordinator may take to allot a dataset a mode
+# The coordinator's probes end at once in epochs of at most half this many batches.
+NO_PROBES = ("--probe-batches", "1000")
+
+
+def test_sampler_places_exact_segments_among_substituted_batches():
+    order = epoch_shard(np.arange(1000), 3, 0, 0, 1)
+    sampler = EpochSampler(order, 64, seed=3)
+    cached = set(range(0, 1000, 3))
+    seen = sampler.plan(lambda items: np.array([i in cached for i in items])).items
+    assert not sampler.all_hits  # it passed over misses: the next items may miss too
+    pending = sampler.pending_in_order(5 * 64)
+    batches = sampler.place_in_order(5)
+    assert [b.index for b in batches] == [1, 2, 3, 4, 5] and sampler.all_hits
+    placed = [i for b in batches for i in b.items]
+    assert placed == pending.tolist() and not set(placed) & set(seen)
+    positions = {int(item): pos for pos, item in enumerate(order)}
+    assert [positions[i] for i in placed] == sorted(positions[i] for i in placed)
+    while sampler.planned < sampler.n_batches:  # substitution again, then the rest
+        seen += sampler.plan(lambda items: np.ones(len(items), dtype=bool)).items
+    assert sorted(seen + placed) == list(range(1000))
+    with pytest.raises(IndexError):
+        sampler.place_in_order(1)
+
+
+def digits_paths(root: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), root)
+                  for d, _, fs in os.walk(root) for f in fs)
+
+
+def warm(root: str, paths: list[str]) -> None:
+    """Read every item once (exact reads store them)."""
+    read_hashes(root, paths)
+
+
+def job_counters(sampler: QuiverBatchSampler) -> dict[str, int]:
+    with open(os.path.join(sampler.job_dir, "stats"), encoding="utf-8") as f:
+        return json.load(f)["counters"]
+
+
+def dataset_mode(m: MountdProcess) -> str | None:
+    cycles = m.call({"op": "cluster"})["cycles"]
+    return next(iter(cycles.values()))["mode"] if cycles else None
+
+
+def wait_for_mode(m: MountdProcess, want: str) -> None:
+    deadline = time.monotonic() + MODE_TIMEOUT
+    while dataset_mode(m) != want:
+        assert time.monotonic() < deadline, f"the dataset stayed {dataset_mode(m)}"
+        time.sleep(0.1)
+
+
+def epoch_indices(batches: Iterator[list[int]], between: Callable[[int], None] | None = None
+                  ) -> list[int]:
+    """Every index the sampler's batches of one epoch hold; ``between(b)`` runs after the
+    loader took batch b."""
+    out: list[int] = []
+    for b, indices in enumerate(batches):
+        out += indices
+        if between is not None:
+            between(b)
+    return out
+
+
+@pytest.fixture
+def warm_digits(mountd_factory, digits_tree):
+    """A lone mountd (its own coordinator, no probes) with the digits mounted and every
+    item in its store: the dataset is allotted full."""
+    m = mountd_factory(extra_args=("--probe-batches", "0"))
+    mount(m, make_digest(digits_tree.root, "digits"), "digits")
+    root = os.path.join(m.root, "digits")
+    warm(root, digits_paths(digits_tree.root))
+    return m, root
+
+
+def test_a_cached_full_dataset_gets_segments_and_each_item_once(warm_digits):
+    m, root = warm_digits
+    sampler = QuiverBatchSampler(root, 32, seed=1)
+    try:
+        n = len(sampler)
+        assert n == 57
+        epoch_indices(iter(sampler))  # the job's first epoch tells the coordinator of it
+        wait_for_mode(m, "full")
+        before = job_counters(sampler)
+        for epoch in (1, 2):
+            sampler.set_epoch(epoch)
+            assert sorted(epoch_indices(iter(sampler))) == list(range(1797))
+        after = job_counters(sampler)
+        manifests = after["manifests"] - before["manifests"]
+        segments = after.get("segments", 0) - before.get("segments", 0)
+        assert segments >= 2 and manifests < 2 * n / 10, after
+        assert after["reported_batches"] - before["reported_batches"] == 2 * (n - 1)
+    finally:
+        sampler.close()
+
+
+def test_a_probe_gets_its_batches_one_at_a_time(mountd_factory, digits_tree):
+    """Probed batches (no hits) come one per manifest; segments only after the probe."""
+    m = mountd_factory()  # probes of 100 batches: one ends after 101 if nothing is reported
+    mount(m, make_digest(digits_tree.root, "digits"), "digits")
+    root = os.path.join(m.root, "digits")
+    warm(root, digits_paths(digits_tree.root))
+    sampler = QuiverBatchSampler(root, 1, seed=2)
+    try:
+        replies = [sampler.manifest(b) for b in range(len(sampler))]  # no times reported
+        assert sorted(p for r in replies for p in r["paths"]) == digits_paths(digits_tree.root)
+        probed = [b for b, r in enumerate(replies) if r["hits"] == 0]
+        segments = [b for b, r in enumerate(replies) if "segment" in r]
+        assert len(probed) > 100 and segments, (probed, segments)
+        assert min(segments) > max(probed)
+        for b in segments:  # a segment's batches are the ones after it, in their order
+            following = [r["paths"] for r in replies[b + 1:b + 1 + len(replies[b]["segment"])]]
+            assert replies[b]["segment"] == following
+    finally:
+        sampler.close()
+
+
+class CoordinatedNode:
+    """A mountd joined to a coordinator process whose budget a restart changes, with
+    the digits mounted and every item in the mountd's store."""
+
+    def __init__(self, tmp_path, digits_tree, budget: str) -> None:
+        secret = tmp_path / "secret"
+        secret.write_bytes(b"segments-test-secret-0123456789")
+        self.coordinator = CoordinatorProcess(
+            str(tmp_path / "co"), str(secret), str(tmp_path / "co.log"),
+            extra_args=("--cache-budget", budget, *NO_PROBES))
+        self.coordinator.start()
+        root = tmp_path / "n-mnt"
+        root.mkdir()
+        self.m = MountdProcess(str(root), str(tmp_path / "n-cache"), "1G",
+                               str(tmp_path / "n.log"),
+                               extra_args=("--coordinator", self.coordinator.address,
+                                           "--listen", "127.0.0.1:0", "--node-id", "n",
+                                           "--cluster-secret-file", str(secret),
+                                           "--chunk-size", "20K"))
+        self.m.start()
+        mount(self.m, make_digest(digits_tree.root, "digits"), "digits")
+        self.root = str(root / "digits")
+        warm(self.root, digits_paths(digits_tree.root))
+
+    def allot(self, budget: str, want: str) -> None:
+        """Restart the coordinator with ``budget``; wait until the dataset is ``want``."""
+        self.coordinator.stop()
+        self.coordinator.extra_args = ("--cache-budget", budget, *NO_PROBES)
+        self.coordinator.start()
+        wait_for_mode(self.m, want)
+
+    def close(self) -> None:
+        try:
+            assert self.m.stop() == 0, self.m.log_tail()
+            assert "Traceback" not in self.m.log_tail(1000), self.m.log_tail(40)
+        finally:
+            unmount(self.m.root)
+            self.coordinator.stop()
+
+
+@pytest.fixture
+def coordinated(tmp_path, digits_tree):
+    """``coordinated(budget)``: a CoordinatedNode (the digits' 220 KB are full at 1G,
+    coop at 100K: two chunks of 20K fit, the whole does not)."""
+    nodes: list[CoordinatedNode] = []
+
+    def start(budget: str) -> CoordinatedNode:
+        nodes.append(CoordinatedNode(tmp_path, digits_tree, budget))
+        return nodes[-1]
+
+    yield start
+    for node in nodes:
+        node.close()
+
+
+def test_full_to_coop_mid_epoch_keeps_exactly_once_and_plans_per_batch(coordinated):
+    node = coordinated("1G")
+    sampler = QuiverBatchSampler(node.root, 16, seed=3)
+    try:
+        n = len(sampler)
+        assert n == 113
+        batches = iter(sampler)
+        seen = next(batches)  # the job's epoch began: the coordinator allots it
+        wait_for_mode(node.m, "full")
+        at_switch: dict[str, int] = {}
+
+        def switch(b: int) -> None:
+            if b == 20:  # inside the first segment
+                at_switch.update(job_counters(sampler))
+                assert at_switch.get("segments", 0) >= 1, at_switch
+                node.allot("100K", "coop")
+
+        seen += epoch_indices(batches, switch)
+        assert sorted(seen) == list(range(1797))
+        # What was planned before the switch is handed out a batch per manifest.
+        counters = job_counters(sampler)
+        assert counters["segments"] == at_switch["segments"]
+        sampler.set_epoch(1)
+        assert sorted(epoch_indices(iter(sampler))) == list(range(1797))
+        after = job_counters(sampler)
+        assert after["segments"] == at_switch["segments"]
+        assert after["manifests"] - counters["manifests"] == n  # one per batch again
+    finally:
+        sampler.close()
+
+
+def test_a_coop_dataset_gets_no_segments_even_when_cached(coordinated):
+    node = coordinated("100K")
+    sampler = QuiverBatchSampler(node.root, 16, seed=4)
+    try:
+        batches = iter(sampler)
+        seen = next(batches)
+        wait_for_mode(node.m, "coop")
+        seen += epoch_indices(batches)
+        assert sorted(seen) == list(range(1797))
+        counters = job_counters(sampler)
+        assert counters.get("segments", 0) == 0
+        assert counters["manifests"] == len(sampler)
+    finally:
+        sampler.close()
