@@ -3,9 +3,9 @@
 Three synthetic ImageFolder datasets sit in the GCS emulator behind one bandwidth-capped
 proxy (``throttle_proxy``), as a cluster's jobs share a bucket's bandwidth. Three job
 types, each on its own dataset, differ in their (simulated) compute per mini-batch:
-``io`` computes nothing (I/O-bound), ``medium`` a little, ``heavy`` enough to hide its
-I/O. Every job is a separate process that reads for a fixed time, as many epochs as it
-gets through, three ways:
+``io`` 20 ms per 16 items, as a light model (I/O-bound), ``medium`` more, ``heavy``
+enough to hide its I/O. Every job is a separate process that reads for a fixed time, as
+many epochs as it gets through, three ways:
 
 - ``nocache``: each job's own seeded permutation, read from the bucket with the
   google-cloud-storage client through the same proxy (no mount, no cache);
@@ -19,6 +19,11 @@ A job reads each batch's files with a few threads (like DataLoader workers, a ba
 two ahead of its compute) and sleeps its compute time per batch. Cluster throughput is
 the items all jobs finished per second after a warm-up (which holds the probes and the
 first, cold epoch of a cached dataset), normalized by the ``nocache`` throughput.
+
+That is the headline workload (``io20``). A second one (``io0``), whose ``io`` jobs
+compute nothing, runs again at the constrained budgets, no cache included; its summary
+keys end in ``_io0``. With zero compute a cached ``io`` dataset is read as fast as
+mountd serves it, so ``io0`` measures mountd's serving speed more than the allocation.
 
 Run as ``python -m quiverfs.bench.allocation SPEC`` this module is one job (the worker).
 """
@@ -63,6 +68,12 @@ JOB_REPORT_SLACK = 120.0  # seconds past its run time a job may take to finish i
 JOB_STOP_TIMEOUT = 30.0  # seconds a job may take to unregister and exit
 GOAL_VS_LRU = 1.3  # Quiver / LRU throughput wanted at the constrained budgets
 CONSTRAINED = (0.15, 0.3)  # the budgets the goal is about
+IO_COMPUTE_PER_16 = 0.020  # seconds per 16 items: the io job's compute, a light model's
+
+
+def io_compute(batch_size: int) -> float:
+    """The headline io job's compute per batch: IO_COMPUTE_PER_16 scaled to the batch."""
+    return IO_COMPUTE_PER_16 * batch_size / 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,23 +100,51 @@ class Size:
     seconds: float  # each configuration runs its jobs this long
     warmup_s: float  # left out of the throughput (probes, cold first epochs)
     budgets: tuple[float, ...]  # cache bytes / all datasets' bytes
+    io_variants: tuple[float, ...]  # io compute per batch: one more workload each
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """The job types one series of configurations runs (no cache, then every budget)."""
+
+    name: str  # "io<ms of io compute per 16 items>"
+    suffix: str  # of its summary keys: "" for the headline, else "_" + name
+    size: Size  # with this workload's job types and budgets
+
+
+def workloads(size: Size) -> list[Workload]:
+    """The headline workload (``size`` as it is), then one per ``size.io_variants``: the
+    io jobs' compute replaced, at the constrained budgets only."""
+    def name(s: Size) -> str:
+        io = next(t for t in s.types if t.name == "io")
+        return f"io{io.compute_s * 16 / s.batch_size * 1000:.3g}"
+
+    out = [Workload(name(size), "", size)]
+    for compute_s in size.io_variants:
+        types = tuple(dataclasses.replace(t, compute_s=compute_s) if t.name == "io" else t
+                      for t in size.types)
+        variant = dataclasses.replace(size, types=types, budgets=tuple(
+            b for b in size.budgets if b in CONSTRAINED))
+        out.append(Workload(name(variant), "_" + name(variant), variant))
+    return out
 
 
 # Chunks of 3% of all the bytes: two of a dataset (its cooperative share) fit the 15%
 # budget twice, and the io dataset in full plus two medium chunks fit 30%. The heavy
 # job's compute hides its share of the bucket. Probes of 8 batches (4 settle: a job reads
 # at most 2 batches ahead) measure every job within the 75 s warm-up (the heavy job's
-# t_hit 8 batches after its probe: about 65 s).
+# t_hit 8 batches after its probe: about 65 s). The io job computes 20 ms per 16 items
+# (tiny: 5 ms per batch of 4); the second workload's io jobs compute nothing.
 SIZES = {
-    "full": Size((JobType("io", 250, 0.0, 4), JobType("medium", 300, 0.64, 2),
+    "full": Size((JobType("io", 250, io_compute(16), 4), JobType("medium", 300, 0.64, 2),
                   JobType("heavy", 650, 3.0, 1)),
-                 10, 60_000, 16, 4e6, 0.03, 8, 140.0, 75.0, (0.15, 0.3, 0.9)),
-    "quick": Size((JobType("io", 105, 0.0, 2), JobType("medium", 125, 0.64, 1),
+                 10, 60_000, 16, 4e6, 0.03, 8, 140.0, 75.0, (0.15, 0.3, 0.9), (0.0,)),
+    "quick": Size((JobType("io", 105, io_compute(16), 2), JobType("medium", 125, 0.64, 1),
                    JobType("heavy", 270, 3.0, 1)),
-                  5, 60_000, 16, 4e6, 0.03, 8, 12.0, 5.0, (0.15, 0.3, 0.9)),
-    "tiny": Size((JobType("io", 40, 0.0, 1), JobType("medium", 40, 0.02, 1),
+                  5, 60_000, 16, 4e6, 0.03, 8, 12.0, 5.0, (0.15, 0.3, 0.9), (0.0,)),
+    "tiny": Size((JobType("io", 40, io_compute(4), 1), JobType("medium", 40, 0.02, 1),
                   JobType("heavy", 60, 0.2, 1)),
-                 4, 30_000, 4, 4e6, 0.05, 8, 6.0, 2.0, (0.3,)),
+                 4, 30_000, 4, 4e6, 0.05, 8, 6.0, 2.0, (0.3,), (0.0,)),
 }
 
 
@@ -302,16 +341,19 @@ def _job_report(job: JobProcess, reply: dict[str, Any], expected: str,
            "exactly_once": all(e["paths_sha256"] == expected for e in complete)}
     if job.job_id is not None:
         out.update(job=job.job_id, hits=info.get("hits"), fetched=info.get("fetched"),
+                   chunk_wait_s=round(info.get("chunk_wait_s", 0.0), 2),
                    **{k: info.get(k) for k in ("t_miss", "t_hit", "benefit", "probing")})
     return out
 
 
 def run_config(kind: str, budget: float, data: dict[str, Dataset], proxy: ThrottleProxy,
-               size: Size, workdir: str) -> dict[str, Any]:
-    """Every job of ``size`` reading ``kind``'s way, with a cache of ``budget`` of all
+               workload: Workload, workdir: str) -> dict[str, Any]:
+    """Every job of ``workload`` reading ``kind``'s way, with a cache of ``budget`` of all
     datasets' bytes (none for nocache); the configuration's report."""
+    size = workload.size
     total = sum(d.bytes for d in data.values())
     name = kind if kind == "nocache" else f"{kind}-{round(budget * 100)}pct"
+    name += f"-{workload.name}"
     base = os.path.join(workdir, name)
     os.makedirs(base)
     cache_bytes = int(budget * total) if kind != "nocache" else 0
@@ -351,7 +393,7 @@ def run_config(kind: str, budget: float, data: dict[str, Dataset], proxy: Thrott
         per_job[t].append(_job_report(job, replies[job.name], paths_digest(data[t].paths),
                                       window, final.get("jobs", {}).get(job.job_id, {})))
     report: dict[str, Any] = {
-        "kind": kind, "budget": budget, "cache_bytes": cache_bytes,
+        "kind": kind, "budget": budget, "workload": workload.name, "cache_bytes": cache_bytes,
         "items_per_s": sum(j["items_per_s"] for js in per_job.values() for j in js),
         "bucket_bytes_per_s": (last["proxy_bytes"] - first["proxy_bytes"])
         / max(1e-9, last["t"] - first["t"]),
@@ -395,38 +437,59 @@ def _chunking(data: Dataset, chunk_bytes: int, total: int) -> dict[str, Any]:
             "coop_fraction": round(2 * max(plan.chunk_bytes) / total, 3)}
 
 
-def _summary(configs: list[dict[str, Any]], size: Size) -> dict[str, Any]:
-    by = {(c["kind"], c["budget"]): c for c in configs}
+def _ratios(configs: list[dict[str, Any]], workload: Workload) -> dict[str, Any]:
+    """``workload``'s throughput ratios per budget, its keys ending in its suffix."""
+    by = {(c["kind"], c["budget"]): c for c in configs if c["workload"] == workload.name}
     base = by["nocache", 0.0]["items_per_s"]
-    summary: dict[str, Any] = {}
-    for b in size.budgets:
+    out: dict[str, Any] = {}
+    for b in workload.size.budgets:
         pct = round(b * 100)
         quiver, lru = by["quiver", b]["items_per_s"], by["lru", b]["items_per_s"]
-        summary[f"gain_vs_lru_{pct}"] = round(quiver / lru, 2)
-        summary[f"gain_vs_nocache_{pct}"] = round(quiver / base, 2)
-        summary[f"lru_vs_nocache_{pct}"] = round(lru / base, 2)
-    summary["items_per_s_nocache"] = round(base, 1)
+        out[f"gain_vs_lru_{pct}{workload.suffix}"] = round(quiver / lru, 2)
+        out[f"gain_vs_nocache_{pct}{workload.suffix}"] = round(quiver / base, 2)
+        out[f"lru_vs_nocache_{pct}{workload.suffix}"] = round(lru / base, 2)
+    out[f"items_per_s_nocache{workload.suffix}"] = round(base, 1)
+    return out
+
+
+def _summary(configs: list[dict[str, Any]], loads: list[Workload]) -> dict[str, Any]:
+    """Every workload's ratios; the goal is judged on the headline workload's."""
+    summary: dict[str, Any] = {}
+    for workload in loads:
+        summary.update(_ratios(configs, workload))
     summary["exactly_once"] = all(c["exactly_once"] for c in configs)
     summary["goals_met"] = {f"gain_vs_lru_{round(b * 100)}":
                             summary[f"gain_vs_lru_{round(b * 100)}"] >= GOAL_VS_LRU
-                            for b in size.budgets if b in CONSTRAINED}
+                            for b in loads[0].size.budgets if b in CONSTRAINED}
     return summary
 
 
+def _normalized(configs: list[dict[str, Any]], workload: str) -> dict[str, Any]:
+    """{kind: {budget %: items_per_s / nocache's}} of one workload."""
+    mine = [c for c in configs if c["workload"] == workload]
+    base = next(c["items_per_s"] for c in mine if c["kind"] == "nocache")
+    return {kind: {str(round(c["budget"] * 100)): round(c["items_per_s"] / base, 3)
+                   for c in mine if c["kind"] == kind}
+            for kind in CACHED}
+
+
 def measure(size: Size, workdir: str) -> dict[str, Any]:
-    """Upload the datasets, run no cache, then LRU and Quiver at every budget."""
+    """Upload the datasets; for each workload run no cache, then LRU and Quiver at each of
+    its budgets."""
+    loads = workloads(size)
     with running_emulator() as emulator:
         emulator.create_bucket(BUCKET)
         started = time.monotonic()
         data = _upload(emulator.host, size, workdir)
         upload_s = time.monotonic() - started
         with throttled(emulator.host, size.bucket_rate) as proxy:
-            configs = [run_config("nocache", 0.0, data, proxy, size, workdir)]
-            for budget in size.budgets:
-                for kind in CACHED:
-                    configs.append(run_config(kind, budget, data, proxy, size, workdir))
+            configs = []
+            for load in loads:
+                configs.append(run_config("nocache", 0.0, data, proxy, load, workdir))
+                for budget in load.size.budgets:
+                    for kind in CACHED:
+                        configs.append(run_config(kind, budget, data, proxy, load, workdir))
     total = sum(d.bytes for d in data.values())
-    base = configs[0]["items_per_s"]
     return {
         "datasets": {t: {"items": len(d.paths), "bytes": d.bytes,
                          "fraction": round(d.bytes / total, 3),
@@ -435,39 +498,52 @@ def measure(size: Size, workdir: str) -> dict[str, Any]:
         "upload_seconds": round(upload_s, 1),
         "settings": {**dataclasses.asdict(size), "readers_per_job": READERS,
                      "prefetch_batches": PREFETCH_BATCHES, "total_bytes": total},
+        "workloads": {load.name: {"suffix": load.suffix,
+                                  "compute_s": {t.name: t.compute_s for t in load.size.types},
+                                  "budgets": list(load.size.budgets)} for load in loads},
+        "headline": loads[0].name,
         "definitions": {
+            "workload": "the job types' compute per batch: the headline (io20: the io jobs "
+                        "compute 20 ms per 16 items, as a light model does) has the summary "
+                        "keys without suffix; io0 (the io jobs compute nothing, at the "
+                        "constrained budgets only) has them with the suffix _io0. With no "
+                        "compute a cached io dataset is read as fast as mountd serves it",
             "items_per_s": "items all jobs finished (after their compute) per second, from "
                            "warmup_s to seconds after the jobs started",
-            "normalized": "items_per_s / items_per_s of nocache (no mount: the GCS client "
-                          "through the same proxy)",
+            "normalized": "{workload: {kind: {budget %: items_per_s / items_per_s of "
+                          "nocache}}} (nocache: no mount, the GCS client through the same "
+                          "proxy, run again for each workload)",
             "gain_vs_lru": "items_per_s of quiver / of lru at the same budget (budget: "
                            "mountd's --cache-size as a percentage of all datasets' bytes)",
             "modes": "the allocation per dataset when the run ended (full, coop: two "
                      "chunks, none)",
             "gain": "G per dataset from the jobs' final t_miss / t_hit (allocation.py)",
+            "chunk_wait_s": "seconds a job's batches waited in mountd for the chunk cycle to "
+                            "bring it cached items (coop), over its whole run",
             "bucket_fetch_causes": "mountd's bucket fetches by cause per dataset over the "
                                    "configuration's whole run: {dataset: {cause: {fetches, "
                                    "bytes}}}",
             "goal": f"gain_vs_lru >= {GOAL_VS_LRU} at budgets "
                     f"{', '.join(f'{round(b * 100)}%' for b in CONSTRAINED)}"},
-        "normalized": {kind: {str(round(c["budget"] * 100)): round(c["items_per_s"] / base, 3)
-                              for c in configs if c["kind"] == kind}
-                       for kind in CACHED},
+        "normalized": {load.name: _normalized(configs, load.name) for load in loads},
         "configs": configs,
-        "summary": _summary(configs, size),
+        "summary": _summary(configs, loads),
     }
 
 
 def plot_throughput(report: dict[str, Any], out: str) -> None:
-    """Normalized cluster throughput per budget, Quiver next to LRU (no cache = 1)."""
+    """Normalized cluster throughput of the headline workload per budget, Quiver next to
+    LRU (no cache = 1)."""
     plt = figures.pyplot()
-    budgets = list(report["normalized"]["quiver"])
+    headline = report["headline"]
+    normalized = report["normalized"][headline]
+    budgets = list(normalized["quiver"])
     modes = {str(round(c["budget"] * 100)): c["modes"] for c in report["configs"]
-             if c["kind"] == "quiver"}
+             if c["kind"] == "quiver" and c["workload"] == headline}
     x = np.arange(len(budgets))
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for offset, kind, color in ((-0.2, "lru", "tab:gray"), (0.2, "quiver", "tab:blue")):
-        values = [report["normalized"][kind][b] for b in budgets]
+        values = [normalized[kind][b] for b in budgets]
         bars = ax.bar(x + offset, values, 0.4, label="Quiver" if kind == "quiver" else "LRU",
                       color=color)
         ax.bar_label(bars, fmt="%.2f", fontsize=8)
