@@ -62,7 +62,7 @@ class ItemReader:
         self.staging = Staging()
         self.puts = OwnerPuts(cluster, self.stats.counters)
         self.push = PagePush(store, limiter, self.stats, self.staging, push_budget,
-                             skip=self.probe_pending)
+                             skip=self._not_pushed)
         self._inflight: dict[bytes, _Flight] = {}
         # A probed job's batch: how the next read of each item misses (by the cause it
         # is fetched for, and whether the fetch is kept), or, for PROBE, that it must.
@@ -75,6 +75,12 @@ class ItemReader:
         """The node that should hold ``digest``; None when that is this node."""
         node = self.cluster.owner(digest)
         return None if node == self.cluster.me else node
+
+    def _not_pushed(self, digest: bytes) -> bool:
+        """Whether a planned item is left to its read: a probed job's (its read must
+        reach mountd), or one a peer owns (this node's store does not hold it; a hit
+        from the peer is staged in memory for its read)."""
+        return self.probe_pending(digest) or self.owner(digest) is not None
 
     async def probe_reads(self, ds: MountedDataset, forced: list[int], uncached: list[int],
                           keep: list[bool]) -> None:

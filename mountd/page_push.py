@@ -50,7 +50,7 @@ class PagePush:
         self.stats = stats
         self.staging = staging
         self.budget = budget
-        self.skip = skip  # digests whose next read must reach mountd (a probe's)
+        self.skip = skip  # digests left to their reads (a probe's, a peer's)
         self._queue: collections.deque[tuple[MountedDataset, int]] = collections.deque(
             maxlen=MAX_QUEUED)
         self._pushed: dict[int, tuple[MountedDataset, int, float]] = {}  # inode -> ds, bytes, when
