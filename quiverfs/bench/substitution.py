@@ -66,6 +66,7 @@ PROBE_BATCHES = 0
 # for the store's own footprint, so the allocation gives it ``full``.
 CACHED_CACHE = 2.0
 EPOCH_TIMEOUT = 600.0  # seconds a job may take for one epoch (or to start)
+MODE_TIMEOUT = 60.0  # seconds the cached dataset may take to be allotted full
 JOB_STOP_TIMEOUT = 30.0  # seconds a job may take to unregister and exit
 DIGITS_TEST_FRACTION = 0.2
 ACCURACY_BATCH = 64
@@ -219,8 +220,11 @@ def run_cached(data: Dataset, proxy: ThrottleProxy, size: Size, workdir: str
             spec = JobSpec(mode, root, 0, size.batch_size, 0.0, size.cached_epochs)
             with running_jobs(reading_job.__name__, {f"cached-{mode}": spec}, workdir,
                               EPOCH_TIMEOUT) as jobs:
-                replies = [run_epoch(jobs, EPOCH_TIMEOUT)[0][0]
-                           for _ in range(size.cached_epochs)]
+                replies = [run_epoch(jobs, EPOCH_TIMEOUT)[0][0]]  # the warm-up
+                if mode == "sub":  # it told the coordinator of the job: it allots full
+                    _wait_for_full(m)
+                replies += [run_epoch(jobs, EPOCH_TIMEOUT)[0][0]
+                            for _ in range(size.cached_epochs - 1)]
                 status = m.status()
                 jobs[0].finish(JOB_STOP_TIMEOUT)
             steady = replies[1:]
@@ -236,6 +240,20 @@ def run_cached(data: Dataset, proxy: ThrottleProxy, size: Size, workdir: str
     shutil.rmtree(os.path.join(workdir, "cached-cache"), ignore_errors=True)
     return {"cache_bytes": cache_bytes, "epochs": size.cached_epochs, "runs": runs,
             "sub_vs_exact": runs["sub"]["items_per_s"] / runs["lru"]["items_per_s"]}
+
+
+def _wait_for_full(m: MountdProcess) -> None:
+    """Wait until mountd's one dataset is allotted ``full`` (the cached configuration
+    measures that mode: its first epoch may run before the allotment)."""
+    deadline = time.monotonic() + MODE_TIMEOUT
+    while True:
+        cycles = m.call({"op": "cluster"})["cycles"]
+        if any(c["mode"] == "full" for c in cycles.values()):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the cached dataset was not allotted full within "
+                               f"{MODE_TIMEOUT:g} s: {cycles}")
+        time.sleep(0.1)
 
 
 # -- order statistics ------------------------------------------------------------------
