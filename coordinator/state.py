@@ -334,7 +334,8 @@ class CoordinatorState:
         """Ask for the probe of at most one job of ``ds`` at a time, cluster-wide, among
         those never probed or probed ``reprobe_after`` seconds ago: probes of several
         jobs at once would each force their own bucket reads, which nothing shares."""
-        jobs = [(f"{node}/{j.id}", j) for node, r in ds.reports.items() for j in r.jobs]
+        jobs = [(f"{node}/{j.id}", j) for node, r in ds.reports.items() for j in r.jobs
+                if j.probeable]
         if any(j.probing or ds.probes.get(key, 0) > j.probe_seq for key, j in jobs):
             return
         for key, _ in jobs:

@@ -234,10 +234,7 @@ class BatchPlanner:
                  hits: int) -> None:
         """Take a planned batch's items off the job-epoch's per-chunk counts (poking the
         heartbeat if that released the marked chunk), and count its hits."""
-        marked = group.view.marked if group.view is not None else None
-        held_marked = marked is not None and ref.remaining_chunks[marked] > 0
-        np.subtract.at(ref.remaining_chunks, group.plan.chunk_of[batch.items], 1)
-        if held_marked and not ref.remaining_chunks[marked]:
+        if group.take(ref, batch.items):
             self.cluster.poke()  # this job-epoch released the marked chunk
         job.counters["hits"] += hits
         job.counters["fetched"] += len(batch.items) - hits

@@ -4,6 +4,7 @@ reports what the coordinator needs in each heartbeat."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 
 import trio
@@ -45,8 +46,19 @@ class ChunkLoader:
             await self.cluster.run(self.report, self.apply)
 
     def report(self) -> dict[str, DatasetReport]:
-        """What the coordinator needs, per dataset identity with jobs here."""
-        return {g.ds.reg.identity: g.report() for g in self.registry.groups.values() if g.jobs}
+        """What the coordinator needs, per dataset identity with jobs here (one digest
+        mounted under several names, say exact and as a view, is one dataset to it)."""
+        reports: dict[str, DatasetReport] = {}
+        for group in self.registry.groups.values():
+            if not group.jobs:
+                continue
+            mine, seen = group.report(), reports.get(group.ds.reg.identity)
+            if seen is not None:
+                mine = dataclasses.replace(seen, jobs=seen.jobs + mine.jobs,
+                                           loaded=tuple(dict.fromkeys(seen.loaded
+                                                                      + mine.loaded)))
+            reports[group.ds.reg.identity] = mine
+        return reports
 
     async def apply(self, cycles: dict[str, CycleView], version: int) -> None:
         """Act on the coordinator's answer: load shares, drop evicted chunks, refill."""
@@ -62,8 +74,8 @@ class ChunkLoader:
                 group.changed = trio.Event()
             group.ds.cache_mode = view.mode
             for job in group.jobs.values():
-                seq = view.probes.get(job.id, 0)
-                if seq > job.probe.seq:
+                seq = view.probes.get(job.id)  # never a view's job: those are not probed
+                if seq is not None and seq > job.probe.seq:
                     job.probe.begin(seq, view.probe_batches)
                     log.info("job %s: probe %d of %d batches", job.id, seq,
                              view.probe_batches)

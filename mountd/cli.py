@@ -92,6 +92,10 @@ def add_parsers(sub: argparse._SubParsersAction,
     m.add_argument("digest", help="digest file made by 'quiver digest create'")
     m.add_argument("--name", help="directory name under ROOT (default: the digest's name)")
     m.add_argument("--prefetch", action="store_true", help="warm the cache in the background")
+    m.add_argument("--view", choices=("exact", "substitutable"), default="exact",
+                   help="exact (default): every path reads its own bytes. substitutable: "
+                   "opening a file of a class folder reads an item of that folder this job "
+                   "has not had in its current pass, cached ones first (docs/view.md)")
     _root_arg(m)
     add_storage_options(m)
     m.set_defaults(func=cmd_mount)
@@ -192,8 +196,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
     reply = _call(args, {"op": "mount", "name": args.name or digest.name, "digest": data,
                          "credentials": opts.credentials_info,
                          "emulator_host": opts.emulator_host, "anonymous": opts.anonymous,
-                         "prefetch": args.prefetch})
-    print(f"{reply['path']}: {reply['items']} items, {human(reply['bytes'])}")
+                         "prefetch": args.prefetch, "view": args.view})
+    view = " (substitutable view)" if reply.get("view") == "substitutable" else ""
+    print(f"{reply['path']}: {reply['items']} items, {human(reply['bytes'])}{view}")
     return ExitCode.OK
 
 

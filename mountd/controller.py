@@ -18,6 +18,7 @@ from mountd.mount_table import MountTable
 from mountd.peers import PeerService
 from mountd.read_stats import FetchCause, ReadStats
 from mountd.registry import Registration, Registry, check_name, new_registration
+from mountd.view import VIEWS, ViewJobs, ViewPools, has_labels
 from quiverfs import digest as digest_format
 from quiverfs import ownership
 from quiverfs.background import BackgroundTasks
@@ -46,13 +47,14 @@ class Controller:
     """Owns the mount table's membership; every change is persisted in the registry."""
 
     def __init__(self, root: str, table: MountTable, registry: Registry, reader: ItemReader,
-                 jobs: JobRegistry, cluster: Cluster, peer_service: PeerService | None,
-                 prefetch_concurrency: int) -> None:
+                 jobs: JobRegistry, views: ViewJobs, cluster: Cluster,
+                 peer_service: PeerService | None, prefetch_concurrency: int) -> None:
         self.root = root
         self.table = table
         self.registry = registry
         self.reader = reader
         self.jobs = jobs
+        self.views = views
         self.limiter = reader.limiter
         self.cluster = cluster
         self.peer_service = peer_service  # with --coordinator
@@ -69,9 +71,10 @@ class Controller:
     # -- building datasets ------------------------------------------------------------
     def _build(self, reg: Registration, digest: Digest) -> MountedDataset:
         tree = DatasetTree(digest)
+        pools = ViewPools.of(digest) if reg.view == "substitutable" else None
         backend = self.registry.open_backend(reg, digest)
         return MountedDataset(reg=reg, digest=digest, tree=tree, backend=backend,
-                              inode_base=self.table.allocate_base(tree.n_nodes))
+                              inode_base=self.table.allocate_base(tree.n_nodes), pools=pools)
 
     def restore(self) -> None:
         """Re-register the datasets persisted by an earlier run (before mounting)."""
@@ -176,6 +179,10 @@ class Controller:
                 emulator_host is None or isinstance(emulator_host, str)):
             raise QuietError("credentials must be a map and emulator_host a string",
                              ExitCode.USAGE)
+        view = req.get("view", "exact")
+        if view not in VIEWS:
+            raise QuietError(f"unknown view {view!r}: use one of {', '.join(VIEWS)}",
+                             ExitCode.USAGE)
         user = peer.user
         options = StorageOptions(credentials_info=credentials, emulator_host=emulator_host,
                                  anonymous=bool(req.get("anonymous", False)), read_as=user)
@@ -188,9 +195,15 @@ class Controller:
                                                    "registered digest", limiter=self.limiter)
             self._check_gcs_credentials(digest, options, peer)
             self._check_item_sizes(digest)
+            if view == "substitutable" and not has_labels(digest):
+                raise QuietError(f"digest {digest.name!r} has no labels, so nothing may stand "
+                                 "in for anything: mount it without --view substitutable, "
+                                 "or make the digest from class folders "
+                                 "('quiver digest create --label-level N')",
+                                 ExitCode.BAD_INPUT)
             await trio.to_thread.run_sync(self._check_local_access, digest, user,
                                           limiter=self.limiter)
-            reg = new_registration(name, digest.identity, user, options, len(data))
+            reg = new_registration(name, digest.identity, user, options, len(data), view)
             ds = await trio.to_thread.run_sync(self._build, reg, digest, limiter=self.limiter)
             await trio.to_thread.run_sync(self.registry.keep, reg, data, credentials,
                                           limiter=self.limiter)
@@ -201,12 +214,12 @@ class Controller:
                 self.table.remove(name)
                 await self._forget(ds)
                 raise
-        log.info("uid %d mounted %s: %d items from %s", peer.uid, name, len(digest),
-                 digest.source)
+        log.info("uid %d mounted %s (%s view): %d items from %s", peer.uid, name, view,
+                 len(digest), digest.source)
         if req.get("prefetch"):
             self._start_prefetch(ds)
         return {"path": os.path.join(self.root, name), "items": len(digest),
-                "bytes": digest.total_bytes}
+                "bytes": digest.total_bytes, "view": view}
 
     def _check_free(self, name: str) -> None:
         if name in self.table.by_name:
@@ -230,6 +243,7 @@ class Controller:
                 scope.cancel()
             ds = self.table.remove(name)
             self.jobs.dataset_removed(name)
+            self.views.dataset_removed(name)
             uid = ds.reg.uid
             self._retired_failures[uid] = (self._retired_failures.get(uid, 0)
                                            + ds.counters["integrity_failures"])
@@ -265,6 +279,7 @@ class Controller:
             entry = {"name": ds.name, "path": os.path.join(self.root, ds.name),
                      "uid": ds.reg.uid, "source": ds.digest.source, "items": len(ds.digest),
                      "bytes": ds.digest.total_bytes, "identity": ds.reg.identity,
+                     "view": ds.reg.view,
                      "counters": dict(ds.counters),
                      "bucket_fetch_causes": ReadStats.by_cause(ds.counters)}
             if ds.prefetch is not None:
@@ -283,6 +298,7 @@ class Controller:
                 "push": {"budget": self.reader.push.budget, "held": self.reader.push.held},
                 "datasets": datasets,
                 "jobs": self.jobs.status(peer.uid),
+                "view_jobs": self.views.status(peer.uid),
                 "cluster": self.cluster.status()}
 
     async def cluster_status(self, peer: Peer, req: dict[str, Any]) -> dict[str, Any]:

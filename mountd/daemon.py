@@ -29,6 +29,7 @@ from mountd.metrics import MountdCollector
 from mountd.mount_table import MountTable
 from mountd.peers import PeerService, PeerSet
 from mountd.registry import Registry
+from mountd.view import ViewJobs
 from quiverfs import sd_notify
 from quiverfs.chunk_plan import CACHE_CHUNKS
 from quiverfs.fs_identity import NOBODY, IdentityUnavailable, UserIdentity, acting_as
@@ -116,10 +117,12 @@ class Mountd:
         self.bulk = BulkFetch(self.reader, self.cluster, self.pool)
         self.planner = BatchPlanner(self.reader, self.bulk, self.cluster)
         self.loader = ChunkLoader(self.jobs, self.reader, self.bulk, self.cluster)
+        self.views = ViewJobs(self.jobs, self.reader, self.bulk, self.cluster)
         self.controller = Controller(self.root, self.table, self.registry, self.reader,
-                                     self.jobs, self.cluster, self.peer_service,
+                                     self.jobs, self.views, self.cluster, self.peer_service,
                                      cfg.prefetch_concurrency)
-        self.fs = QuiverFS(self.table, self.reader, ControlFiles(self.jobs, self.planner))
+        self.fs = QuiverFS(self.table, self.reader, ControlFiles(self.jobs, self.planner),
+                           self.views)
         # Bound now, so that a taken port fails before mounting.
         self.metrics = (MetricsServer(cfg.metrics, MountdCollector(self.reader, self.table,
                                                                    self.jobs))
@@ -166,6 +169,7 @@ class Mountd:
                 await nursery.start(self.metrics.serve)
             await nursery.start(self._on_signals)  # before READY=1: systemd may stop us next
             nursery.start_soon(self._record_hits)
+            nursery.start_soon(self.views.run)
             nursery.start_soon(self._tune_kernel)
             sd_notify.notify("READY=1")
             await pyfuse3.main(min_tasks=1, max_tasks=self.cfg.fuse_tasks)

@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from typing import TYPE_CHECKING
 
 from mountd.dataset_tree import DatasetTree
 from mountd.registry import Registration
 from quiverfs.backends import Backend
 from quiverfs.digest import Digest
 from quiverfs.heartbeat import CacheMode
+
+if TYPE_CHECKING:
+    from mountd.view import ViewPools
 
 
 @dataclasses.dataclass
@@ -35,6 +39,7 @@ class MountedDataset:
     counters: Counter[str] = dataclasses.field(default_factory=Counter)
     prefetch: PrefetchProgress | None = None
     cache_mode: CacheMode = CacheMode.COOP  # the coordinator's allocation
+    pools: ViewPools | None = None  # a substitutable view's pools (mountd.view); None: exact
 
     @property
     def name(self) -> str:

@@ -15,6 +15,7 @@ from quiverfs.heartbeat import CacheMode, CycleView, DatasetReport, LoadedShare
 
 if TYPE_CHECKING:
     from mountd.job_registry import Job
+    from mountd.view import ViewJob
 
 
 class DatasetJobs:
@@ -26,7 +27,7 @@ class DatasetJobs:
         if chunk_bytes is None and max_chunk_bytes is not None:
             chunk_bytes = min(default_chunk_bytes(ds.digest.total_bytes), max_chunk_bytes)
         self.plan = make_plan(ds.digest, chunk_bytes)
-        self.jobs: dict[str, Job] = {}
+        self.jobs: dict[str, Job | ViewJob] = {}  # sampler jobs and view jobs, by id
         self.view: CycleView | None = None  # the cycle, as the coordinator last said
         self.loaded: list[LoadedShare] = []  # shares this node finished loading
         self.busy: set[str] = set()  # load tasks running, by key
@@ -57,6 +58,14 @@ class DatasetJobs:
                     and ref.remaining_chunks[chunk] > 0):
                 return int(chunk)
         return None
+
+    def take(self, ref: EpochRef, items: list[int]) -> bool:
+        """Take items placed for a job-epoch off its per-chunk counts; whether that
+        released the marked chunk (then the heartbeat should tell the coordinator)."""
+        marked = self.view.marked if self.view is not None else None
+        held_marked = marked is not None and ref.remaining_chunks[marked] > 0
+        np.subtract.at(ref.remaining_chunks, self.plan.chunk_of[items], 1)
+        return held_marked and not ref.remaining_chunks[marked]
 
     def others_loading(self, me: str) -> np.ndarray | None:
         """A mask over all items: those of the loading chunks that other nodes load (by
@@ -93,5 +102,4 @@ class DatasetJobs:
         return DatasetReport(
             name=self.ds.name, chunks=self.plan.n_chunks, size=self.ds.digest.total_bytes,
             chunk_bytes=int(max(self.plan.chunk_bytes)), loaded=tuple(self.loaded),
-            jobs=tuple(j.report() for j in self.jobs.values()
-                       if j.ref is not None and j.config is not None))
+            jobs=tuple(r for r in (j.report() for j in self.jobs.values()) if r is not None))

@@ -24,6 +24,7 @@ from mountd.dataset import MountedDataset
 from mountd.item_reader import ItemReader, ReadFailed
 from mountd.job_files import CONTROL_INODE, CONTROL_NAME, ControlFiles, ControlHandle
 from mountd.mount_table import MountTable
+from mountd.view import Choice, ViewJobs
 
 log = logging.getLogger(__name__)
 
@@ -32,19 +33,25 @@ log = logging.getLogger(__name__)
 DATASET_TIMEOUT = 3600.0
 ROOT_ENTRY_TIMEOUT = 1.0
 XATTR_HASH = b"user.quiver.sha256"
+# On a view's open file: what the opening process was served (its SHA-256, hex, and path).
+XATTR_SERVED_HASH = b"user.quiver.served.sha256"
+XATTR_SERVED_PATH = b"user.quiver.served.path"
 
 
 class _OpenFile:
     """An open file: which item, and its bytes once the first read fetched them."""
 
-    __slots__ = ("ds", "index", "data", "failed", "pushed")
+    __slots__ = ("ds", "index", "data", "failed", "pushed", "choice", "opener")
 
-    def __init__(self, ds: MountedDataset, index: int, pushed: bool) -> None:
+    def __init__(self, ds: MountedDataset, index: int, pushed: bool,
+                 choice: Choice | None = None, opener: tuple[int, int] | None = None) -> None:
         self.ds = ds
         self.index = index
         self.data: bytes | None = None
         self.failed = False
         self.pushed = pushed  # its pages were pushed ahead (mountd.page_push)
+        self.choice = choice  # in a view: what was chosen, and how a miss of it is fetched
+        self.opener = opener  # in a view: (pid, inode) of the open
 
 
 class QuiverFS(pyfuse3.Operations):
@@ -54,11 +61,16 @@ class QuiverFS(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, table: MountTable, reader: ItemReader, control: ControlFiles) -> None:
+    def __init__(self, table: MountTable, reader: ItemReader, control: ControlFiles,
+                 views: ViewJobs) -> None:
         super().__init__()
         self.table = table
         self.reader = reader
         self.control = control
+        self.views = views
+        # (pid, inode) -> the handle of that process's latest open of a view file: its
+        # fstat and fgetxattr (which FUSE sends by inode) answer for the item it got.
+        self._served: dict[tuple[int, int], int] = {}
         self._fh = itertools.count(1)
         self._dir_handles: dict[int, list[tuple[bytes, int]]] = {}
         self._files: dict[int, _OpenFile | ControlHandle] = {}
@@ -99,7 +111,14 @@ class QuiverFS(pyfuse3.Operations):
             attr.st_blocks = (size + 511) // 512
         timeout = ROOT_ENTRY_TIMEOUT if node == 0 else DATASET_TIMEOUT
         attr.attr_timeout = attr.entry_timeout = timeout
+        if ds.pools is not None and not ds.tree.is_dir(node):
+            attr.attr_timeout = 0  # a view file's size is the served item's: ask each time
         return attr
+
+    def _served_file(self, pid: int, inode: int) -> _OpenFile | None:
+        """The view file ``pid`` has open at ``inode`` (its latest open), if any."""
+        f = self._files.get(self._served.get((pid, inode), 0))
+        return f if isinstance(f, _OpenFile) else None
 
     def _resolve(self, inode: int) -> tuple[MountedDataset, int]:
         found = self.table.resolve(inode)
@@ -109,7 +128,12 @@ class QuiverFS(pyfuse3.Operations):
 
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None
                       ) -> pyfuse3.EntryAttributes:
-        return self._attr(inode)
+        attr = self._attr(inode)
+        served = self._served_file(ctx.pid, inode) if ctx is not None else None
+        if served is not None:  # fstat of an open view file: the size of what it reads
+            attr.st_size = served.ds.digest.sizes[served.index]
+            attr.st_blocks = (attr.st_size + 511) // 512
+        return attr
 
     def _attr(self, inode: int) -> pyfuse3.EntryAttributes:
         if self.table.is_root(inode):
@@ -188,6 +212,14 @@ class QuiverFS(pyfuse3.Operations):
         if ds.tree.is_dir(node):
             raise pyfuse3.FUSEError(errno.EISDIR)
         fh = next(self._fh)
+        if ds.pools is not None:
+            # A view: the item this job gets in place of the path's. Another opener gets
+            # other bytes under the same inode, so none of them may go to the page cache.
+            choice = await self.views.choose(ds, ds.tree.entry_index(node), ctx.pid, ctx.uid)
+            opener = (ctx.pid, inode)
+            self._files[fh] = _OpenFile(ds, choice.index, False, choice, opener)
+            self._served[opener] = fh
+            return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
         pushed = self.reader.push.opened(inode)
         self._files[fh] = _OpenFile(ds, ds.tree.entry_index(node), pushed)
         # Content per inode never changes, so the kernel may keep its pages; a re-read
@@ -201,8 +233,10 @@ class QuiverFS(pyfuse3.Operations):
         if f.data is None:
             if f.failed:  # one fetch attempt per open, however often the kernel retries
                 raise pyfuse3.FUSEError(errno.EIO)
+            choice = f.choice
             try:
-                f.data = await self.reader.read(f.ds, f.index)
+                f.data = await (self.reader.read(f.ds, f.index) if choice is None else
+                                self.reader.read(f.ds, f.index, choice.cause, choice.keep))
             except ReadFailed:
                 f.failed = True
                 raise pyfuse3.FUSEError(errno.EIO) from None
@@ -210,6 +244,10 @@ class QuiverFS(pyfuse3.Operations):
 
     async def release(self, fh: int) -> None:
         f = self._files.pop(fh, None)
+        if isinstance(f, _OpenFile) and f.opener is not None:
+            if self._served.get(f.opener) == fh:
+                del self._served[f.opener]
+            return
         if isinstance(f, _OpenFile) and f.data is None and not (f.failed or f.pushed):
             # opened and closed without a read reaching us: the kernel's page cache
             # served it (keep_cache), or nothing was read
@@ -243,10 +281,17 @@ class QuiverFS(pyfuse3.Operations):
 
     # -- metadata ---------------------------------------------------------------------
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        if name in (XATTR_SERVED_HASH, XATTR_SERVED_PATH):
+            served = self._served_file(ctx.pid, inode)
+            if served is None:
+                raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+            digest = served.ds.digest
+            return (digest.hash(served.index).hex().encode() if name == XATTR_SERVED_HASH
+                    else digest.path(served.index).encode())
         if name != XATTR_HASH or self.table.is_root(inode):
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
         ds, node = self._resolve(inode)
-        if ds.tree.is_dir(node):
+        if ds.tree.is_dir(node) or ds.pools is not None:  # a view's path has no one content
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
         return ds.digest.hash(ds.tree.entry_index(node)).hex().encode()
 
@@ -254,6 +299,9 @@ class QuiverFS(pyfuse3.Operations):
         found = None if self.table.is_root(inode) else self.table.resolve(inode)
         if found is None or found[0].tree.is_dir(found[1]):
             return []
+        if found[0].pools is not None:
+            served = self._served_file(ctx.pid, inode)
+            return [] if served is None else [XATTR_SERVED_HASH, XATTR_SERVED_PATH]
         return [XATTR_HASH]
 
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:

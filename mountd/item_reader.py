@@ -103,14 +103,16 @@ class ItemReader:
         it to that read, whose miss is then a real one (and the only fetch of it)."""
         return digest in self._probed
 
-    async def read(self, ds: MountedDataset, index: int) -> bytes:
-        """The verified content of entry ``index`` of ``ds``."""
+    async def read(self, ds: MountedDataset, index: int, cause: FetchCause = FetchCause.EXACT,
+                   keep: bool = True) -> bytes:
+        """The verified content of entry ``index`` of ``ds``; a miss is fetched for
+        ``cause``, and cached where ``keep``."""
         digest = ds.digest.hash(index)
         staged = self.staging.take(digest)
         if staged is not None:
             self.stats.count(ds, "staged_hits")
             return staged
-        cause, keep = self._probed.pop(digest, (FetchCause.EXACT, True))
+        cause, keep = self._probed.pop(digest, (cause, keep))
         if cause is FetchCause.PROBE:
             self.stats.count(ds, "probe_misses")
             return await self.fetch(ds, index, cause, keep=keep)

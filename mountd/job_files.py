@@ -1,8 +1,15 @@
 """The control area ``ROOT/.quiver/jobs``: how a training job talks to mountd.
 
     mkdir ROOT/.quiver/jobs/JOB          register a job (the directory is yours, 0700)
+    JOB/paths       write-only: the job's files, one UTF-8 path a line relative to the
+                    prefix, for a config that selects its files by list rather than by
+                    extensions; each open for writing starts a new list, and the next
+                    config write takes it (so write it again before each config)
     JOB/config      write one JSON object (one write call): dataset, batch_size, seed,
-                    rank, world_size, prefix...; read it back with batches_per_epoch
+                    rank, world_size, prefix, and either extensions (DatasetFolder's rule;
+                    torchvision's image extensions where neither is given) or paths (the
+                    number of lines in JOB/paths); read it back with universe and
+                    batches_per_epoch
     JOB/eE-bI       read: the manifest (JSON) of mini-batch I of epoch E (with the
                     batches after it, where it hands out a segment: mountd.batch_planner)
     JOB/report      write lines "EPOCH BATCH SECONDS": per-batch times (for probing)
@@ -10,7 +17,12 @@
     JOB/stats       read: progress and hit counters (JSON)
     rmdir ROOT/.quiver/jobs/JOB          unregister
 
-Inode numbers encode what a file is, so no per-file state lives in mountd.
+Inode numbers encode what a file is, so no per-file state lives in mountd; the one
+exception is the JOB/paths list, held until a config takes it: the kernel splits a large
+write into WRITE requests of up to 128 KiB, which may arrive out of order, so pieces are
+placed by offset. Any local user may write there (mountd runs as root): a list is bounded
+per job and per uid (``MAX_PATHS_BYTES``...), and what a config cannot use is refused
+with EINVAL and a reason in JOB/error.
 """
 from __future__ import annotations
 
@@ -20,6 +32,7 @@ import logging
 import re
 import stat
 import time
+from collections import Counter
 
 import pyfuse3
 
@@ -33,11 +46,75 @@ JOBS_INODE = 3  # ROOT/.quiver/jobs
 CONTROL_NAME = ".quiver"
 _JOB_BASE = 1 << 60  # + job number * 8 + file kind
 _BATCH_BASE = 1 << 61  # | job number << 36 | epoch << 20 | batch
-_KINDS = ("", "config", "report", "error", "stats")  # index = inode offset (0: the dir)
+_KINDS = ("", "config", "report", "error", "stats", "paths")  # index = inode offset (0: dir)
 # Whole names, matched with fullmatch ('$' would also accept a trailing newline).
 _BATCH_NAME = re.compile(r"e(\d{1,5})-b(\d{1,7})")
 JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 TIMEOUT = 1.0  # seconds the kernel may cache control entries
+MAX_PATHS_BYTES = 128 << 20  # one job's JOB/paths: some 3 million paths of 40 bytes
+MAX_PATHS_BYTES_PER_USER = 256 << 20  # a uid's (not root's) lists no config has taken yet
+
+
+class PathLists:
+    """The JOB/paths lists written and not yet taken by a config write, bounded per job
+    and per uid. A list that broke a bound is refused until the job opens JOB/paths again."""
+
+    def __init__(self) -> None:
+        self._lists: dict[Job, bytearray] = {}
+        self._refused: dict[Job, str] = {}
+        self._bytes: Counter[int] = Counter()  # uid -> bytes held in its jobs' lists
+
+    def start(self, job: Job) -> None:
+        """Opening JOB/paths for writing begins a new list."""
+        self.drop(job)
+
+    def drop(self, job: Job) -> None:
+        data = self._lists.pop(job, None)
+        if data is not None:
+            self._bytes[job.uid] -= len(data)
+            if not self._bytes[job.uid]:
+                del self._bytes[job.uid]
+        self._refused.pop(job, None)
+
+    def write(self, job: Job, off: int, buf: bytes) -> None:
+        """Place ``buf`` at ``off``; JobError (and the list refused) past a bound."""
+        if job in self._refused:
+            raise JobError(self._refused[job])
+        end = off + len(buf)
+        data = self._lists.get(job)
+        grow = max(0, end - (len(data) if data is not None else 0))
+        if end > MAX_PATHS_BYTES:
+            self._refuse(job, f"JOB/paths holds at most {MAX_PATHS_BYTES} bytes, and a write "
+                              f"reached byte {end}: select the files by extensions (a "
+                              "DatasetFolder), or sample a part of the dataset per job")
+        if job.uid != 0 and self._bytes[job.uid] + grow > MAX_PATHS_BYTES_PER_USER:
+            self._refuse(job, f"uid {job.uid}'s path lists not yet taken by a config hold "
+                              f"{self._bytes[job.uid]} bytes, and this write would pass "
+                              f"{MAX_PATHS_BYTES_PER_USER}: write each job's config after "
+                              "its paths, or remove idle jobs")
+        if data is None:
+            data = self._lists[job] = bytearray()
+        if grow:
+            data.extend(bytes(grow))  # a hole stays NUL bytes: a bad path if never filled
+            self._bytes[job.uid] += grow
+        data[off:end] = buf
+
+    def take(self, job: Job) -> bytearray | None:
+        """The job's list, for the config being written (which frees it); JobError if the
+        list was refused."""
+        refused = self._refused.get(job)
+        data = self._lists.get(job)
+        self.drop(job)
+        if refused is not None:
+            job.error = refused
+            raise JobError(refused)
+        return data
+
+    def _refuse(self, job: Job, why: str) -> None:
+        self.drop(job)
+        self._refused[job] = job.error = why
+        log.info("job %s (uid %d): %s", job.id, job.uid, why)
+        raise JobError(why)
 
 
 class ControlFiles:
@@ -48,6 +125,7 @@ class ControlFiles:
         self.planner = planner
         self._numbers: dict[str, int] = {}  # job id -> number
         self._by_number: dict[int, Job] = {}
+        self.lists = PathLists()
         self._next = 1
         self.started_ns = time.time_ns()
 
@@ -95,7 +173,7 @@ class ControlFiles:
         job, kind, _, _ = self._job_of(inode)
         if kind == "dir":
             return self._attr(inode, stat.S_IFDIR | 0o700, job.uid, job.gid)
-        mode = 0o600 if kind in ("config", "report") else 0o400
+        mode = {"config": 0o600, "report": 0o600, "paths": 0o200}.get(kind, 0o400)
         return self._attr(inode, stat.S_IFREG | mode, job.uid, job.gid)
 
     def lookup(self, parent: int, name: str) -> pyfuse3.EntryAttributes:
@@ -156,6 +234,7 @@ class ControlFiles:
         if ctx.uid not in (0, job.uid):
             raise pyfuse3.FUSEError(errno.EPERM)
         self.jobs.remove(job)
+        self.lists.drop(job)
         del self._by_number[self._numbers.pop(name)]
 
     # -- files ------------------------------------------------------------------------
@@ -164,18 +243,23 @@ class ControlFiles:
         writing = flags & 0o3 != 0
         if kind == "dir":
             raise pyfuse3.FUSEError(errno.EISDIR)
-        if writing and kind not in ("config", "report"):
+        if writing and kind not in ("config", "report", "paths"):
             raise pyfuse3.FUSEError(errno.EACCES)
-        return ControlHandle(self.jobs, self.planner, job, kind, epoch, batch)
+        if kind == "paths":
+            if not writing:
+                raise pyfuse3.FUSEError(errno.EACCES)  # write-only: mountd keeps no copy
+            self.lists.start(job)
+        return ControlHandle(self.jobs, self.planner, self.lists, job, kind, epoch, batch)
 
 
 class ControlHandle:
     """An open control file. Reads produce the content once, on the first read."""
 
-    def __init__(self, jobs: JobRegistry, planner: BatchPlanner, job: Job, kind: str,
-                 epoch: int, batch: int) -> None:
+    def __init__(self, jobs: JobRegistry, planner: BatchPlanner, lists: PathLists, job: Job,
+                 kind: str, epoch: int, batch: int) -> None:
         self.jobs = jobs
         self.planner = planner
+        self.lists = lists
         self.job = job
         self.kind = kind
         self.epoch = epoch
@@ -206,7 +290,15 @@ class ControlHandle:
     async def write(self, off: int, buf: bytes) -> int:
         if self.kind == "config":
             try:
-                await self.jobs.configure(self.job, buf)
+                await self.jobs.configure(self.job, buf, self.lists.take(self.job))
+            except JobError:
+                raise pyfuse3.FUSEError(errno.EINVAL) from None
+            return len(buf)
+        if self.kind == "paths":
+            if self.jobs.jobs.get(self.job.id) is not self.job:
+                raise pyfuse3.FUSEError(errno.ENOENT)  # removed: nothing would free a list
+            try:
+                self.lists.write(self.job, off, buf)
             except JobError:
                 raise pyfuse3.FUSEError(errno.EINVAL) from None
             return len(buf)

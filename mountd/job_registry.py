@@ -19,6 +19,7 @@ import trio
 
 from mountd.dataset import MountedDataset
 from mountd.dataset_jobs import DatasetJobs
+from mountd.dataset_tree import DatasetTree
 from mountd.mount_table import MountTable
 from mountd.probing import BenefitProbe
 from mountd.substitution import DEFAULT_SCAN_FACTOR, EpochSampler
@@ -51,7 +52,11 @@ class JobConfig:
     rank: int = 0
     world_size: int = 1
     prefix: str = ""
+    # The job's items, one of two ways: files in a class directory under the prefix whose
+    # names end in one of ``extensions`` (DatasetFolder's rule), or, where ``paths`` is
+    # set, the ``paths`` files listed in JOB/paths (mountd.job_files), relative to the prefix.
     extensions: tuple[str, ...] = IMAGE_EXTENSIONS
+    paths: int | None = None
     scan_factor: int = DEFAULT_SCAN_FACTOR
     gpus: int = 1
 
@@ -68,7 +73,7 @@ class JobConfig:
             raise JobError(f"unknown job config keys: {', '.join(sorted(unknown))}")
         if "dataset" not in data or "batch_size" not in data:
             raise JobError("the job config needs 'dataset' and 'batch_size'")
-        ints = ("batch_size", "seed", "rank", "world_size", "scan_factor", "gpus")
+        ints = ("batch_size", "seed", "rank", "world_size", "scan_factor", "gpus", "paths")
         for key in ints:
             if key in data and (not isinstance(data[key], int) or isinstance(data[key], bool)
                                 or not 0 <= data[key] < MAX_CONFIG_INT):
@@ -82,6 +87,14 @@ class JobConfig:
                     isinstance(e, str) for e in data["extensions"]):
                 raise JobError("extensions must be a list of strings, like [\".jpg\"]")
             data["extensions"] = tuple(e.lower() for e in data["extensions"])
+        if "paths" in data:
+            if "extensions" in data:
+                raise JobError("the job config names 'extensions' and 'paths': select the "
+                               "files by one of them")
+            if data["paths"] < 1:
+                raise JobError("paths (the number of paths written to JOB/paths) must be "
+                               "at least 1")
+            data["extensions"] = ()
         cfg = cls(**data)
         if cfg.batch_size < 1:
             raise JobError(f"batch_size must be at least 1, not {cfg.batch_size}")
@@ -95,10 +108,11 @@ class JobConfig:
         return cfg
 
 
-def image_folder_items(ds: MountedDataset, prefix: str, extensions: tuple[str, ...]
-                       ) -> np.ndarray:
-    """The entries ImageFolder(ROOT/NAME/prefix) lists: files under a class directory
-    whose names end in one of ``extensions``."""
+def folder_items(ds: MountedDataset, prefix: str, extensions: tuple[str, ...]
+                 ) -> np.ndarray:
+    """The entries DatasetFolder(ROOT/NAME/prefix, extensions=...) lists (ImageFolder's
+    with image extensions): files under a class directory whose names end in one of
+    ``extensions``."""
     prefix = prefix.strip("/")
     start = f"{prefix}/" if prefix else ""
     out = []
@@ -110,6 +124,85 @@ def image_folder_items(ds: MountedDataset, prefix: str, extensions: tuple[str, .
         if "/" in rel and rel.lower().endswith(extensions):
             out.append(i)
     return np.asarray(out, dtype=np.int64)
+
+
+def listed_items(ds: MountedDataset, prefix: str, listed: bytes | bytearray, count: int
+                 ) -> np.ndarray:
+    """The entries (sorted) of the ``count`` files listed in ``listed``: JOB/paths, one
+    path a line relative to ``prefix``. JobError where the list is not UTF-8, does not
+    hold ``count`` paths, or names a file twice or one the digest does not hold."""
+    try:
+        text = listed.decode()
+    except UnicodeDecodeError as exc:
+        line = listed.count(b"\n", 0, exc.start) + 1
+        raise JobError(f"JOB/paths is not UTF-8 (line {line}, byte {exc.start}): write "
+                       "the paths as UTF-8, one a line") from None
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()  # the newline that ends the last path
+    where = f"{ds.name}/{prefix.strip('/')}".rstrip("/")
+    if len(lines) != count:
+        raise JobError(f"JOB/paths holds {len(lines)} paths, the config says {count}: "
+                       "open JOB/paths and write the whole list, then the config")
+    tree = ds.tree
+    top: int | None = 0
+    for part in filter(None, prefix.split("/")):
+        top = tree.lookup(top, part) if top is not None and tree.is_dir(top) else None
+    if top is None or not tree.is_dir(top):
+        raise JobError(f"{where} is not a directory of the mounted digest: check the "
+                       "sampler's root")
+    dirs: dict[str, int | None] = {"": top}
+    found = np.empty(count, dtype=np.int64)
+    missing: list[int] = []
+    for n, path in enumerate(lines):
+        dirname, _, name = path.rpartition("/")
+        parent = dirs.get(dirname, -1)
+        if parent == -1:
+            parent = dirs[dirname] = _resolve_dir(tree, top, dirname)
+        node = tree.lookup(parent, name) if parent is not None else None
+        if node is None or tree.is_dir(node):
+            missing.append(n)
+        else:
+            found[n] = tree.entry_index(node)
+    if missing:
+        bad = next((n for n in missing if _path_problem(lines[n])), None)
+        if bad is not None:
+            raise JobError(f"JOB/paths line {bad + 1}: {lines[bad]!r} "
+                           f"{_path_problem(lines[bad])}: list paths relative to {where}")
+        raise JobError(f"{len(missing)} of the {count} paths in JOB/paths are not files of "
+                       f"the mounted digest under {where} (such as {lines[missing[0]]!r}): "
+                       "the sampler reads only files the digest holds; make and mount a "
+                       "digest that has them ('quiver digest create'), or leave them out "
+                       "of the dataset")
+    items, first, counts = np.unique(found, return_index=True, return_counts=True)
+    if len(items) != count:
+        twice = lines[first[np.argmax(counts > 1)]]
+        raise JobError(f"JOB/paths lists {twice!r} more than once: the sampler yields "
+                       "each file once an epoch, so list each file once")
+    return items
+
+
+def _resolve_dir(tree: DatasetTree, top: int, dirname: str) -> int | None:
+    """The directory node of ``dirname`` below node ``top``, or None."""
+    node: int | None = top
+    for part in dirname.split("/"):
+        node = tree.lookup(node, part)
+        if node is None or not tree.is_dir(node):
+            return None
+    return node
+
+
+def _path_problem(path: str) -> str | None:
+    """Why ``path`` is not a relative path in canonical form, or None."""
+    if not path:
+        return "is empty"
+    if "\0" in path:
+        return "holds a NUL byte"
+    if path.startswith("/"):
+        return "is absolute"
+    if any(part in ("", ".", "..") for part in path.split("/")):
+        return "has an empty, '.' or '..' component"
+    return None
 
 
 class Job:
@@ -142,8 +235,10 @@ class Job:
         self.counters["reported_batches"] += 1
         self.probe.record(epoch, batch, seconds)
 
-    def report(self) -> JobReport:
-        """What the coordinator needs of the job (once its epoch has begun)."""
+    def report(self) -> JobReport | None:
+        """What the coordinator needs of the job; None until its epoch has begun."""
+        if self.ref is None or self.config is None:
+            return None
         t_miss, t_hit = self.probe.measured or (None, None)
         return JobReport(id=self.id, gen=self.ref.started_generation, gpus=self.config.gpus,
                          remaining=tuple(int(n) for n in self.ref.remaining_chunks),
@@ -197,19 +292,31 @@ class JobRegistry:
         job = self.jobs[job_id] = Job(job_id, uid, gid)
         return job
 
-    async def configure(self, job: Job, raw: bytes) -> None:
+    async def configure(self, job: Job, raw: bytes,
+                        listed: bytes | bytearray | None = None) -> None:
+        """Configure ``job`` from its config write; ``listed`` is what was written to its
+        JOB/paths, for a config that names ``paths``."""
         try:
             cfg = JobConfig.parse(raw)
             ds = self.table.by_name.get(cfg.dataset)
             if ds is None or (job.uid != 0 and ds.reg.uid != job.uid):
                 raise JobError(f"unknown dataset {cfg.dataset!r}: mount it first "
                                "('quiver mount DIGEST --name NAME')")
-            universe = await trio.to_thread.run_sync(
-                image_folder_items, ds, cfg.prefix, cfg.extensions,
-                limiter=self.limiter)
+            if ds.pools is not None:
+                raise JobError(f"{cfg.dataset!r} is a substitutable view, which substitutes "
+                               "by itself: give the sampler an exact mount of the digest")
+            if cfg.paths is not None:
+                universe = await trio.to_thread.run_sync(
+                    listed_items, ds, cfg.prefix, listed or b"", cfg.paths,
+                    limiter=self.limiter)
+            else:
+                universe = await trio.to_thread.run_sync(
+                    folder_items, ds, cfg.prefix, cfg.extensions, limiter=self.limiter)
             if not len(universe):
-                raise JobError(f"no image files under {cfg.dataset}/{cfg.prefix}: check "
-                               "the prefix and extensions")
+                where = f"{cfg.dataset}/{cfg.prefix.strip('/')}".rstrip("/")
+                raise JobError(f"no files ending in {' '.join(cfg.extensions) or '(none)'} "
+                               f"in a class directory under {where}: check the prefix and "
+                               "extensions, or list the files (JOB/paths)")
         except JobError as exc:
             job.error = str(exc)
             raise
@@ -217,6 +324,15 @@ class JobRegistry:
             self._leave(job)
         job.config, job.universe, job.error = cfg, universe, ""
         job.epoch, job.sampler, job.ref = -1, None, None
+        group = await self.group_for(ds)
+        group.jobs[job.id] = job
+        job.group = group
+        log.info("job %s (uid %d) reads %s/%s: %d items, batch %d, rank %d/%d", job.id,
+                 job.uid, cfg.dataset, cfg.prefix, len(universe), cfg.batch_size, cfg.rank,
+                 cfg.world_size)
+
+    async def group_for(self, ds: MountedDataset) -> DatasetJobs:
+        """The DatasetJobs of ``ds``, made (its chunk plan computed) at its first job."""
         group = self.groups.get(ds.name)
         if group is None or group.ds is not ds:
             made = await trio.to_thread.run_sync(
@@ -225,11 +341,7 @@ class JobRegistry:
             group = self.groups.get(ds.name)  # another job may have made it meanwhile
             if group is None or group.ds is not ds:
                 group = self.groups[ds.name] = made
-        group.jobs[job.id] = job
-        job.group = group
-        log.info("job %s (uid %d) reads %s/%s: %d items, batch %d, rank %d/%d", job.id,
-                 job.uid, cfg.dataset, cfg.prefix, len(universe), cfg.batch_size, cfg.rank,
-                 cfg.world_size)
+        return group
 
     def remove(self, job: Job) -> None:
         self.jobs.pop(job.id, None)

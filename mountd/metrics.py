@@ -115,6 +115,9 @@ class MountdCollector:
         fetch_bytes = CounterMetricFamily("quiver_bucket_fetch_bytes", "Bytes of the "
                                           "dataset read from its bucket, by why they were "
                                           "read", labels=["dataset", "cause"])
+        view = CounterMetricFamily("quiver_view_opens", "Opens of a substitutable view's "
+                                   "files, by whether the item chosen was cached",
+                                   labels=["dataset", "result"])
         for ds in datasets:
             items.add_metric([ds.name], len(ds.digest))
             size.add_metric([ds.name], ds.digest.total_bytes)
@@ -127,7 +130,10 @@ class MountdCollector:
             for cause, n in ReadStats.by_cause(ds.counters).items():
                 fetches.add_metric([ds.name, cause], n["fetches"])
                 fetch_bytes.add_metric([ds.name, cause], n["bytes"])
-        yield from (items, size, hits, misses, nbytes, fetches, fetch_bytes)
+            if ds.pools is not None:
+                view.add_metric([ds.name, "hit"], ds.counters["view_hits"])
+                view.add_metric([ds.name, "miss"], ds.counters["view_misses"])
+        yield from (items, size, hits, misses, nbytes, fetches, fetch_bytes, view)
 
     def _chunks(self) -> Iterator[Metric]:
         chunks = GaugeMetricFamily("quiver_chunks", "Chunks of a dataset with jobs, by state "

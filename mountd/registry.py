@@ -39,6 +39,7 @@ class Registration:
     has_credentials: bool = False
     groups: list[int] = dataclasses.field(default_factory=list)  # the uid's, at registration
     digest_bytes: int = 0  # size of the digest file, counted against the uid's quota
+    view: str = "exact"  # or "substitutable" (mountd.view)
 
     def record(self) -> dict:
         return dataclasses.asdict(self)
@@ -151,9 +152,9 @@ def _unlink_quietly(path: str) -> None:
 
 
 def new_registration(name: str, identity: str, user: UserIdentity, options: StorageOptions,
-                     digest_bytes: int) -> Registration:
+                     digest_bytes: int, view: str = "exact") -> Registration:
     return Registration(name=check_name(name), identity=identity, uid=user.uid, gid=user.gid,
                         registered_at=time.time(), emulator_host=options.emulator_host,
                         anonymous=options.anonymous,
                         has_credentials=options.credentials_info is not None,
-                        groups=sorted(user.groups), digest_bytes=digest_bytes)
+                        groups=sorted(user.groups), digest_bytes=digest_bytes, view=view)

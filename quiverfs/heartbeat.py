@@ -43,6 +43,7 @@ class JobReport:
     t_miss: float | None = None  # seconds per batch without cache hits, as last probed
     t_hit: float | None = None  # seconds per batch with them
     probing: bool = False
+    probeable: bool = True  # False: the coordinator never asks to probe it (a view's job)
 
     @property
     def benefit(self) -> float | None:

@@ -1,4 +1,4 @@
-"""``QuiverBatchSampler``: substitutable mini-batches for an unchanged ImageFolder.
+"""``QuiverBatchSampler``: substitutable mini-batches for an unchanged file dataset.
 
     dataset = torchvision.datasets.ImageFolder("/mnt/quiver/imagenet/train", transform=tf)
     sampler = QuiverBatchSampler(dataset.root, batch_size=256, seed=0, dataset=dataset)
@@ -7,8 +7,13 @@
         sampler.set_epoch(epoch)
         for images, labels in loader: ...
 
-Each epoch yields every item of this rank's shard exactly once, in batches mountd
-fills with whatever is cached (paper §4.7). Batches are read as manifests from
+Any map-style dataset of files under the root works: a ``DatasetFolder`` of any
+extensions, one with ``samples`` (a list of (path, label)), or any other given
+``paths=`` (index i reads paths[i]). mountd learns the dataset's selection: a stock
+DatasetFolder's extensions (its own rule), else the list of files, written to
+``JOB/paths`` (``mountd.job_files``); a file the mounted digest does not hold is a
+ValueError. Each epoch yields every item of this rank's shard exactly once, in batches
+mountd fills with whatever is cached (paper §4.7). Batches are read as manifests from
 ``ROOT/.quiver/jobs/JOB/eE-bI``; the time between batches is reported back to mountd.
 Where the dataset is cached in full, one manifest hands out a segment of several
 batches (``mountd.batch_planner``): they are yielded without asking mountd again, and
@@ -49,35 +54,99 @@ def image_folder_samples(root: str) -> list[tuple[str, int]]:
     return make_dataset(root, class_to_idx, extensions=IMG_EXTENSIONS)
 
 
+def folder_extensions(dataset: Any, root: str) -> tuple[str, ...] | None:
+    """The extensions a DatasetFolder over ``root`` selected its files by, where mountd
+    can apply the same rule: torchvision's own listing, not one a subclass overrides or
+    an ``is_valid_file`` chose (then ``extensions`` is None)."""
+    from torchvision.datasets import DatasetFolder
+
+    extensions = getattr(dataset, "extensions", None)
+    if (not isinstance(dataset, DatasetFolder) or not extensions
+            or os.path.abspath(os.fspath(dataset.root)) != root):
+        return None
+    cls = type(dataset)
+    if (cls.find_classes is not DatasetFolder.find_classes
+            or cls.make_dataset is not DatasetFolder.make_dataset):
+        return None
+    return (extensions,) if isinstance(extensions, str) else tuple(extensions)
+
+
+def dataset_files(root: str, dataset: Any, paths: Sequence[Any] | None
+                  ) -> tuple[list[Any], tuple[str, ...] | None]:
+    """The file of each index of the dataset, and the extensions that select them
+    (None: mountd gets the list)."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    if paths is not None:
+        return list(paths), None
+    if dataset is None:
+        return [path for path, _ in image_folder_samples(root)], tuple(IMG_EXTENSIONS)
+    samples = getattr(dataset, "samples", None)
+    if samples is None:
+        raise ValueError(f"quiver: {type(dataset).__name__} has no samples (a list of "
+                         "(path, label)): pass paths=[...], the file of each index")
+    files = [s if isinstance(s, (str, os.PathLike)) else s[0] for s in samples]
+    return files, folder_extensions(dataset, root)
+
+
+def relative_index(root: str, files: Sequence[Any]) -> dict[str, int]:
+    """Path relative to ``root`` -> dataset index, for files each listed once under root."""
+    index: dict[str, int] = {}
+    for i, path in enumerate(files):
+        rel = os.path.relpath(os.path.join(root, os.fspath(path)), root)
+        if rel == ".." or rel.startswith("../") or rel == ".":
+            raise ValueError(f"quiver: {os.fspath(path)!r} (index {i}) is not a file under "
+                             f"{root}: the sampler's root must hold every file of the "
+                             "dataset")
+        if "\n" in rel:
+            raise ValueError(f"quiver: {rel!r} (index {i}) has a newline in its name, "
+                             "which a list of paths cannot carry: rename it")
+        if index.setdefault(rel, i) != i:
+            raise ValueError(f"quiver: the dataset lists {rel!r} twice (indices "
+                             f"{index[rel]} and {i}); the sampler yields each file once "
+                             "an epoch: list each once")
+    if not index:
+        raise ValueError(f"quiver: the dataset lists no files under {root}")
+    return index
+
+
 class QuiverBatchSampler(Sampler[list[int]]):
     """A batch sampler whose batches come from mountd's substitutable sampling."""
 
     def __init__(self, root: str, batch_size: int, *, seed: int = 0, rank: int = 0,
-                 world_size: int = 1, dataset: Any = None, job_id: str | None = None,
-                 scan_factor: int = 10, gpus: int = 1) -> None:
-        from torchvision.datasets.folder import IMG_EXTENSIONS
-
+                 world_size: int = 1, dataset: Any = None, paths: Sequence[Any] | None = None,
+                 job_id: str | None = None, scan_factor: int = 10, gpus: int = 1) -> None:
+        """``dataset``'s files are its ``samples``, or ``paths`` (the file of each index,
+        absolute or relative to ``root``); with neither, ImageFolder(root)'s."""
         self.root = os.path.abspath(root)
         self.mount_root, self.dataset_name, self.prefix = find_mount(self.root)
-        samples: Sequence[tuple[str, int]] = (dataset.samples if dataset is not None
-                                              else image_folder_samples(self.root))
-        self._index = {os.path.relpath(path, self.root): i for i, (path, _) in
-                       enumerate(samples)}
+        files, extensions = dataset_files(self.root, dataset, paths)
+        self._index = relative_index(self.root, files)
         self.job_id = job_id or f"{os.getpid()}-{uuid.uuid4().hex[:8]}-r{rank}"
         self.job_dir = os.path.join(self.mount_root, CONTROL, self.job_id)
         self.epoch = 0
         config = {"dataset": self.dataset_name, "prefix": self.prefix,
                   "batch_size": batch_size, "seed": seed, "rank": rank,
-                  "world_size": world_size, "scan_factor": scan_factor, "gpus": gpus,
-                  "extensions": list(IMG_EXTENSIONS)}
+                  "world_size": world_size, "scan_factor": scan_factor, "gpus": gpus}
+        if extensions is not None:
+            config["extensions"] = list(extensions)
+        else:
+            config["paths"] = len(self._index)
         os.mkdir(self.job_dir)
         try:
+            if extensions is None:
+                self._write("paths", "".join(f"{p}\n" for p in self._index).encode())
             self._write("config", json.dumps(config).encode())
             with open(os.path.join(self.job_dir, "config"), encoding="utf-8") as f:
                 self.config = json.load(f)
             if self.config["universe"] != len(self._index):
-                raise ValueError(f"mountd sees {self.config['universe']} images under "
-                                 f"{self.root}, ImageFolder {len(self._index)}: remount?")
+                selection = (f"ending in {' '.join(extensions)}" if extensions
+                             else "listed")
+                raise ValueError(
+                    f"quiver: mountd sees {self.config['universe']} files {selection} "
+                    f"under {self.root}, the dataset lists {len(self._index)}: if it "
+                    "selects its files otherwise, pass paths=[the file of each index]; "
+                    "else remount?")
             self._report = os.open(os.path.join(self.job_dir, "report"), os.O_WRONLY)
         except BaseException:
             self.close()
@@ -92,7 +161,9 @@ class QuiverBatchSampler(Sampler[list[int]]):
     def _write(self, name: str, data: bytes) -> None:
         fd = os.open(os.path.join(self.job_dir, name), os.O_WRONLY)
         try:
-            os.write(fd, data)
+            view = memoryview(data)
+            while view:  # a large write may be taken in part
+                view = view[os.write(fd, view):]
         except OSError as exc:
             if exc.errno == errno.EINVAL:
                 raise ValueError(f"quiver: {self._error()}") from None
@@ -122,7 +193,7 @@ class QuiverBatchSampler(Sampler[list[int]]):
         try:
             return [self._index[p] for p in paths]
         except KeyError as exc:
-            raise RuntimeError(f"quiver sent {exc.args[0]!r}, which ImageFolder does not "
+            raise RuntimeError(f"quiver sent {exc.args[0]!r}, which the dataset does not "
                                "list: the dataset changed under the mount?") from None
 
     def _flush_reports(self) -> None:

@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import trio
@@ -105,22 +106,21 @@ def dataset_counters(m: MountdProcess, name: str) -> dict:
     raise KeyError(name)
 
 
-def call_as(uid: int, gid: int, socket_path: str, request: dict) -> dict:
-    """Send a control request from a forked child running as ``uid``/``gid``."""
+def run_as(uid: int, gid: int, work: Callable[[], Any]) -> Any:
+    """``work()`` in a forked child running as ``uid``/``gid`` (no supplementary groups);
+    its JSON-able result. An exception in the child is re-raised here as RuntimeError."""
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # child: drop privileges, call, report, exit without cleanup
+    if pid == 0:  # child: drop privileges, work, report, exit without cleanup
         try:
             os.close(r)
             os.setgroups([])
             os.setgid(gid)
             os.setuid(uid)
             try:
-                reply = control_client.call(socket_path, request)
-                out = {"ok": True, "reply": {k: v for k, v in reply.items()
-                                             if isinstance(v, (str, int, float, bool))}}
-            except QuietError as exc:
-                out = {"ok": False, "error": exc.message, "code": int(exc.exitcode)}
+                out = {"ok": work()}
+            except BaseException as exc:  # reported to the test, which fails with it
+                out = {"error": repr(exc)}
             os.write(w, json.dumps(out).encode())
         finally:
             os._exit(0)
@@ -130,4 +130,19 @@ def call_as(uid: int, gid: int, socket_path: str, request: dict) -> dict:
         chunks.append(chunk)
     os.close(r)
     os.waitpid(pid, 0)
-    return json.loads(b"".join(chunks))
+    out = json.loads(b"".join(chunks) or b"{}")
+    if "ok" not in out:
+        raise RuntimeError(f"as uid {uid}: {out.get('error', 'the child died')}")
+    return out["ok"]
+
+
+def call_as(uid: int, gid: int, socket_path: str, request: dict) -> dict:
+    """Send a control request from a forked child running as ``uid``/``gid``."""
+    def call() -> dict:
+        try:
+            reply = control_client.call(socket_path, request)
+            return {"ok": True, "reply": {k: v for k, v in reply.items()
+                                          if isinstance(v, (str, int, float, bool))}}
+        except QuietError as exc:
+            return {"ok": False, "error": exc.message, "code": int(exc.exitcode)}
+    return run_as(uid, gid, call)

@@ -6,8 +6,8 @@ import os
 import pytest
 
 from mountd.read_stats import FetchCause
-from quiverfs.bench.compare import (CACHED_MODES, FRACTIONS, GOALS, SIZES, rclone_available,
-                                    run)
+from quiverfs.bench.compare import (CACHED_MODES, FRACTIONS, GOALS, SIZES, VIEW_FRACTION,
+                                    rclone_available, run)
 from quiverfs.bench.emulator import emulator_available
 from quiverfs.mount_point import is_mounted
 
@@ -20,7 +20,9 @@ pytestmark = [
 SUMMARY_KEYS = {"speedup_vs_rclone_10", "speedup_vs_rclone_50", "speedup_vs_rclone_100",
                 "bucket_bytes_vs_rclone_10", "speedup_vs_rclone_10_1job",
                 "epoch0_bucket_ratio_sub_10", "epoch0_speedup_vs_rclone_10",
-                "bucket_utilization_sub_10", "wait_any_s_sub_10", "budget_used_sub_50"}
+                "bucket_utilization_sub_10", "wait_any_s_sub_10", "budget_used_sub_50",
+                "speedup_vs_rclone_10_view", "speedup_view_vs_sub_10",
+                "bucket_bytes_vs_rclone_10_view", "hit_ratio_sub_10", "hit_ratio_view_10"}
 LATENCY_MS = 20.0  # the tiny run's bucket latency: the option reaches the proxy
 
 
@@ -38,7 +40,7 @@ def test_tiny_run_measures_every_configuration(tiny_report):
     tiny = SIZES["tiny"]
     expected = {("direct", None, n) for n in tiny.job_counts} | {
         (mode, fraction, n) for mode in CACHED_MODES for fraction in FRACTIONS
-        for n in tiny.job_counts}
+        for n in tiny.job_counts} | {("view", VIEW_FRACTION, max(tiny.job_counts))}
     assert {(c["mode"], c["cache_fraction"], c["jobs"]) for c in report["configs"]} == expected
     for config in report["configs"]:
         epochs = tiny.epochs_direct if config["mode"] == "direct" else tiny.epochs
@@ -63,8 +65,22 @@ def test_new_keys_are_in_their_ranges(tiny_report):
     assert 0 < summary["bucket_utilization_sub_10"] <= 1.5
     # mountd's store is bounded by its budget (a little more between evictions)
     assert 0 < summary["budget_used_sub_50"] <= 1.2
-    for key in ("speedup_vs_rclone_10_1job", "epoch0_speedup_vs_rclone_10"):
+    for key in ("speedup_vs_rclone_10_1job", "epoch0_speedup_vs_rclone_10",
+                "speedup_vs_rclone_10_view", "speedup_view_vs_sub_10"):
         assert 0.05 < summary[key] < 20, key
+    for key in ("hit_ratio_sub_10", "hit_ratio_view_10"):
+        assert 0 < summary[key] <= 1, key
+
+
+def test_view_jobs_are_told_apart(tiny_report):
+    """The view's jobs share the bench's process group but each has its own QUIVER_JOB:
+    mountd tells them apart, and counts an open for every item they read."""
+    view = next(c for c in tiny_report[0]["configs"] if c["mode"] == "view")
+    assert view["cache_fraction"] == VIEW_FRACTION
+    assert view["jobs"] == max(SIZES["tiny"].job_counts) > 1
+    for epoch in view["epochs"]:
+        assert epoch["mountd_jobs"] == view["jobs"]
+        assert epoch["lookups"] == epoch["items"] == view["jobs"] * SIZES["tiny"].items
 
 
 def test_jobs_report_their_waits(tiny_report):
@@ -96,7 +112,7 @@ def test_every_read_went_through_the_capped_bucket(tiny_report):
     first_epochs = [c["epochs"][0] for c in report["configs"]]
     assert all(e["bucket_bytes"] > 0 for e in first_epochs), "a cold epoch read nothing"
     for config in report["configs"]:
-        if config["mode"] in ("exact", "sub"):
+        if config["mode"] in ("exact", "sub", "view"):
             assert 0 <= config["all"]["hit_ratio"] <= 1
 
 

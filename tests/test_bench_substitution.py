@@ -1,37 +1,52 @@
-"""``quiver bench substitution`` keeps working: a tiny run end to end, real mounts."""
+"""``quiver bench substitution`` keeps working: a tiny run end to end, real mounts; and
+its checks of a view's reads and its statistics, on made-up inputs."""
 from __future__ import annotations
 
+import hashlib
 import os
 
 import pytest
 
-from quiverfs.bench.substitution import SIZES, run
+from quiverfs import digest as digest_format
+from quiverfs.bench.bucket_dataset import Dataset
+from quiverfs.bench.substitution import SIZES, check_served, paired_gap, run
 from quiverfs.bench.emulator import emulator_available
 
 SUMMARY_KEYS = {
-    "hit_ratio_sub", "hit_ratio_lru", "bucket_bytes_ratio_sub", "bucket_bytes_ratio_lru",
-    "items_per_s_sub", "items_per_s_lru", "exactly_once", "order_spearman_sub",
+    "hit_ratio_sub", "hit_ratio_lru", "hit_ratio_view", "bucket_bytes_ratio_sub",
+    "bucket_bytes_ratio_lru", "bucket_bytes_ratio_view", "items_per_s_sub", "items_per_s_lru",
+    "items_per_s_view", "exactly_once", "exactly_once_view", "order_spearman_sub",
     "order_spearman_global", "label_hist_dev_sub", "label_hist_dev_global", "accuracy_global",
-    "accuracy_sub", "accuracy_gap", "max_resident_chunks", "sub_vs_exact_cached"}
+    "accuracy_sub", "accuracy_view", "accuracy_global_std", "accuracy_sub_std",
+    "accuracy_view_std", "accuracy_gap", "accuracy_gap_ci95", "accuracy_gap_view",
+    "accuracy_gap_view_ci95", "max_resident_chunks", "sub_vs_exact_cached"}
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
 @pytest.mark.skipif(not emulator_available(), reason="gcp-storage-emulator is not installed")
-@pytest.mark.timeout(120)
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_tiny_run_reports_the_summary_and_every_item_exactly_once(tmp_path):
     report = run(quick=True, workdir=str(tmp_path), size="tiny")
     summary = report["summary"]
     assert set(summary) == SUMMARY_KEYS
     assert summary["exactly_once"] is True
+    assert summary["exactly_once_view"] is True
     tiny = SIZES["tiny"]
+    (first_fraction, first_jobs), *_ = tiny.configs
     assert {(c["mode"], c["cache_fraction"], c["jobs"]) for c in report["configs"]} == {
-        (mode, fraction, jobs) for mode in ("sub", "lru") for fraction, jobs in tiny.configs}
+        (mode, fraction, jobs) for mode in ("sub", "lru") for fraction, jobs in tiny.configs
+    } | {("view", first_fraction, first_jobs)}
     for config in report["configs"]:
         assert len(config["epochs"]) == tiny.epochs
         assert all(e["items"] == config["jobs"] * tiny.items for e in config["epochs"])
-    assert 0 <= summary["hit_ratio_sub"] <= 1 and 0 <= summary["hit_ratio_lru"] <= 1
+    for key in ("hit_ratio_sub", "hit_ratio_lru", "hit_ratio_view"):
+        assert 0 <= summary[key] <= 1, key
     assert 1 <= summary["max_resident_chunks"] <= 2  # the chunk cycle ran, double-buffered
-    assert 0 <= summary["accuracy_sub"] <= 100
+    for mode in ("global", "sub", "view"):
+        assert 0 <= summary[f"accuracy_{mode}"] <= 100
+        assert summary[f"accuracy_{mode}_std"] is None  # one seed: no spread
+    assert summary["accuracy_gap_ci95"] is None and summary["accuracy_gap_view_ci95"] is None
     cached = report["cached"]  # the whole dataset cached: the sampler was handed segments
     assert summary["sub_vs_exact_cached"] > 0
     assert cached["runs"]["sub"]["cache_mode"] == "full"
@@ -42,4 +57,60 @@ def test_tiny_run_reports_the_summary_and_every_item_exactly_once(tmp_path):
             assert fetched == {"exact"}
         else:
             assert fetched
+    view = next(c for c in report["configs"] if c["mode"] == "view")
+    assert view["served_check"]["reads"] == tiny.epochs * first_jobs * tiny.items
+    for epoch in view["epochs"]:  # mountd counted one open per read
+        assert epoch["job_opens"] == [tiny.items] * first_jobs
+    assert all(run["opens"] > 0 for run in report["accuracy"]["runs"]["view"])
     assert not any(os.path.ismount(os.path.join(tmp_path, d)) for d in os.listdir(tmp_path))
+
+
+def _dataset(paths: list[str]) -> Dataset:
+    items = [digest_format.NewItem(p, hashlib.sha256(p.encode()).digest(), len(p))
+             for p in paths]
+    return Dataset.from_digest(digest_format.encode("d", "file:///d", items))
+
+
+def _read(path: str, intact: bool = True) -> list:
+    return [hashlib.sha256(path.encode()).hexdigest(), path, intact]
+
+
+PATHS = ["a/1.jpg", "a/2.jpg", "b/3.jpg", "b/4.jpg"]
+
+
+def test_served_in_place_of_a_path_of_the_same_label_is_exactly_once():
+    asked = [[["a/1.jpg", "b/3.jpg", "a/2.jpg", "b/4.jpg"]]]
+    served = [[[_read("a/2.jpg"), _read("b/4.jpg"), _read("a/1.jpg"), _read("b/3.jpg")]]]
+    check = check_served(asked, served, _dataset(PATHS))
+    assert check["exactly_once"] is True
+    assert check["reads"] == 4 and check["job_epochs"] == 1
+
+
+@pytest.mark.parametrize("reads, problem", [
+    ([_read("b/3.jpg"), _read("a/2.jpg"), _read("a/1.jpg"), _read("b/4.jpg")], "other_label"),
+    ([_read("a/2.jpg"), _read("b/4.jpg"), _read("a/2.jpg"), _read("b/3.jpg")],
+     "job_epochs_not_every_item_once"),
+    ([_read("a/1.jpg", intact=False), _read("b/3.jpg"), _read("a/2.jpg"), _read("b/4.jpg")],
+     "bytes_not_sha256"),
+    ([[_read("a/2.jpg")[0], "a/1.jpg", True], _read("b/3.jpg"), _read("a/2.jpg"),
+      _read("b/4.jpg")], "wrong_sha256"),
+])
+def test_a_wrong_serving_is_not_exactly_once(reads, problem):
+    asked = [[["a/1.jpg", "b/3.jpg", "a/2.jpg", "b/4.jpg"]]]
+    check = check_served(asked, [[reads]], _dataset(PATHS))
+    assert check["exactly_once"] is False
+    assert check[problem] >= 1
+
+
+def test_paired_gap_has_a_student_t_interval():
+    gap = paired_gap([90.0, 92.0, 94.0], [89.0, 90.0, 91.0])  # gaps 1, 2, 3
+    assert gap["per_seed"] == [1.0, 2.0, 3.0]
+    assert gap["mean"] == pytest.approx(2.0) and gap["std"] == pytest.approx(1.0)
+    half = 4.303 / 3 ** 0.5  # t(0.975, 2 df) * std / sqrt(n)
+    assert gap["ci95"] == pytest.approx([2.0 - half, 2.0 + half])
+
+
+def test_paired_gap_of_one_seed_has_no_interval():
+    gap = paired_gap([90.0], [88.0])
+    assert gap["mean"] == pytest.approx(2.0)
+    assert gap["std"] is None and gap["ci95"] is None

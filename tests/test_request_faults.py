@@ -3,7 +3,6 @@ EIO, the control server answers an error, and a uid cannot take all connections.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import socket
 from typing import Any
@@ -19,6 +18,7 @@ from mountd.mount_table import FIRST_DATASET_INODE, MountTable
 from mountd.read_stats import ReadStats
 from quiverfs import control_client, wire
 from quiverfs.errors import ExitCode, QuietError
+from tests.mountd_helpers import run_as
 
 
 class BrokenTable(MountTable):
@@ -42,7 +42,8 @@ class NoControlFiles:
 
 
 async def test_fuse_handler_fault_answers_eio_and_is_logged(caplog):
-    fs = QuiverFS(BrokenTable(), NoReader(), NoControlFiles())  # type: ignore[arg-type]
+    fs = QuiverFS(BrokenTable(), NoReader(), NoControlFiles(),  # type: ignore[arg-type]
+                  None)  # type: ignore[arg-type]
     for call in (fs.getattr(FIRST_DATASET_INODE), fs.open(FIRST_DATASET_INODE, os.O_RDONLY,
                                                           None),
                  fs.lookup(FIRST_DATASET_INODE, b"x")):
@@ -56,7 +57,8 @@ async def test_fuse_handler_fault_answers_eio_and_is_logged(caplog):
 
 
 async def test_fuse_errors_pass_through_unchanged():
-    fs = QuiverFS(MountTable(), NoReader(), NoControlFiles())  # type: ignore[arg-type]
+    fs = QuiverFS(MountTable(), NoReader(), NoControlFiles(),  # type: ignore[arg-type]
+                  None)  # type: ignore[arg-type]
     with pytest.raises(pyfuse3.FUSEError) as info:
         await fs.getattr(FIRST_DATASET_INODE)
     assert info.value.errno == errno.ENOENT
@@ -95,29 +97,16 @@ def hold_connections_as(uid: int, path: str, n: int) -> dict[str, Any]:
     """From a child running as ``uid``: hold ``n`` control connections (each answered
     once, so the server has counted it), then make a request on one more and report
     its reply."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            held = []
-            for _ in range(n + 1):
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                s.settimeout(30)
-                s.connect(path)
-                held.append(s)
-                reply = echo_on(s)
-            os.write(w, json.dumps(reply).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        data = f.read()
-    os.waitpid(pid, 0)
-    return json.loads(data)
+    def hold() -> dict[str, Any]:
+        held = []
+        for _ in range(n + 1):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(30)
+            s.connect(path)
+            held.append(s)
+            reply = echo_on(s)
+        return reply
+    return run_as(uid, uid, hold)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")

@@ -5,7 +5,7 @@ proxy (``throttle_proxy``) that every configuration reads through, so the "bucke
 shared and slower than a local cache, and the proxy counts the bytes it serves. k jobs
 (separate processes, running concurrently) each train for E epochs with torchvision's
 ``ImageFolder`` and a ``DataLoader`` with worker processes, sleeping a simulated compute
-time per batch. Four ways to read:
+time per batch. Five ways to read:
 
 - ``direct``: no cache; a Dataset whose ``__getitem__`` downloads the object with the
   google-cloud-storage client;
@@ -13,9 +13,12 @@ time per batch. Four ways to read:
   ``--vfs-cache-max-size`` = the cache budget), a plain ImageFolder over it;
 - ``exact``: a plain ImageFolder over a ``quiver mountd`` mount (its LRU store of the
   budget size);
-- ``sub``: the same mount with ``quiverfs.torch.QuiverBatchSampler``.
+- ``sub``: the same mount with ``quiverfs.torch.QuiverBatchSampler``;
+- ``view``: a plain ImageFolder over a ``--view substitutable`` mount of the dataset,
+  each job its own ``QUIVER_JOB``: substitution without the sampler.
 
-Cache budgets are 10%, 50% and 100% of the dataset, with 1 and with 4 jobs. The parent
+Cache budgets are 10%, 50% and 100% of the dataset, with 1 and with 4 jobs (``view``:
+10% with the most jobs only, beside ``sub``'s summary configuration). The parent
 holds the jobs at every epoch boundary to read the proxy's byte count, the daemon's CPU
 time and mountd's hit counters and bucket fetches by cause per epoch; epoch 0 (cold
 cache) is left out of the steady-state numbers. A thread samples how much the cache
@@ -51,6 +54,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from mountd.view import JOB_ENV
 from quiverfs.bench import fetch_causes, figures
 from quiverfs.bench.bucket_dataset import Dataset, upload_synthetic
 from quiverfs.bench.cpu_time import own_cpu_seconds, process_cpu_seconds
@@ -65,11 +69,12 @@ log = logging.getLogger(__name__)
 
 BUCKET = "bench"
 DATASET = "syn"
-MODES = ("direct", "rclone", "exact", "sub")
+MODES = ("direct", "rclone", "exact", "sub", "view")
 LABELS = {"direct": "direct (no cache)", "rclone": "rclone mount", "exact": "Quiver exact",
-          "sub": "Quiver substitutable"}
-CACHED_MODES = ("rclone", "exact", "sub")
+          "sub": "Quiver substitutable", "view": "Quiver substitutable view"}
+CACHED_MODES = ("rclone", "exact", "sub")  # each at every budget and job count
 FRACTIONS = (0.1, 0.5, 1.0)  # cache budgets, of the dataset's bytes
+VIEW_FRACTION = 0.1  # the view runs at this budget, with the most jobs only
 # Benefit probing forces this many batches of misses per substitutable job in epoch 0
 # (mountd's default, 100, is more than an epoch of these datasets).
 PROBE_BATCHES = 5
@@ -187,7 +192,7 @@ class _Training:
         transform = transforms.Compose([transforms.CenterCrop(CROP), transforms.PILToTensor()])
         if spec.mode == "direct":
             dataset: Any = BucketImages(spec.source, transform)
-        else:
+        else:  # the view, too, is a plain ImageFolder: the mount substitutes
             dataset = datasets.ImageFolder(spec.source, transform=transform, loader=load_image)
         # fork: the workers are this process's children, so RUSAGE_CHILDREN counts them
         common = {"num_workers": spec.workers, "multiprocessing_context": "fork"}
@@ -257,12 +262,15 @@ def job_main() -> int:
 # -- the parent: jobs ------------------------------------------------------------------
 @contextlib.contextmanager
 def running_jobs(n: int, log_dir: str) -> Iterator[list[JobChild]]:
-    """``n`` started job processes (this module), all ready; stopped (or killed) on exit."""
+    """``n`` started job processes (this module), all ready; stopped (or killed) on exit.
+    Each starts with a QUIVER_JOB of its own: they share this process's process group,
+    which a view would otherwise take for one job."""
     jobs: list[JobChild] = []
     try:
         for i in range(n):
             jobs.append(JobChild(str(i), [sys.executable, "-m", __name__],
-                                 os.path.join(log_dir, f"job{i}.log")))
+                                 os.path.join(log_dir, f"job{i}.log"),
+                                 env={JOB_ENV: f"compare-{os.getpid()}-{n}jobs-{i}"}))
         for job in jobs:
             job.receive(START_TIMEOUT)
         yield jobs
@@ -290,34 +298,46 @@ class MountdCounters:
     hits: int
     lookups: int
     causes: fetch_causes.Causes  # status's bucket_fetch_causes
+    jobs: int  # the sampler's or the view's jobs mountd tells apart (exact: 0)
 
 
 def _quiver_counters(m: MountdProcess, mode: str) -> MountdCounters:
     """Hits and lookups so far (for ``sub`` the items its manifests listed as cached,
-    over all items planned; for ``exact`` reads served from the store, over all reads),
-    and the bucket fetches by cause."""
+    over all items planned; for ``view`` the opens it served a cached item, over all
+    opens; for ``exact`` reads served from the store, over all reads), and the bucket
+    fetches by cause."""
     status = m.status()
     ds = next(ds for ds in status["datasets"] if ds["name"] == DATASET)
+    counters = []
     if mode == "sub":
         counters = [job["counters"] for job in status["jobs"]]
         hits = sum(c.get("hits", 0) for c in counters)
         lookups = hits + sum(c.get("fetched", 0) for c in counters)
+    elif mode == "view":
+        counters = [job["counters"] for job in status["view_jobs"]
+                    if job["dataset"] == DATASET]
+        hits = sum(c.get("hits", 0) for c in counters)
+        lookups = hits + sum(c.get("misses", 0) for c in counters)
     else:
         c = ds["counters"]
         hits = c.get("local_hits", 0)
         lookups = hits + c.get("misses", 0) + c.get("probe_misses", 0)
-    return MountdCounters(hits, lookups, ds["bucket_fetch_causes"])
+    return MountdCounters(hits, lookups, ds["bucket_fetch_causes"], len(counters))
 
 
 @contextlib.contextmanager
 def quiver_mount(mode: str, data: Dataset, proxy: ThrottleProxy, cache_bytes: int,
                  workdir: str, name: str) -> Iterator[Target]:
     """A mountd with an LRU store of ``cache_bytes`` and the dataset mounted through the
-    proxy; stopped, unmounted and its cache removed on exit."""
+    proxy (as a substitutable view for ``view``); stopped, unmounted and its cache
+    removed on exit."""
     with running_mountd(workdir, cache_size=str(cache_bytes), name=name,
                         extra_args=("--probe-batches", str(PROBE_BATCHES))) as m:
-        m.call({"op": "mount", "name": DATASET, "digest": data.digest,
-                "emulator_host": proxy.url})
+        request = {"op": "mount", "name": DATASET, "digest": data.digest,
+                   "emulator_host": proxy.url}
+        if mode == "view":
+            request["view"] = "substitutable"
+        m.call(request)
         try:
             yield Target(os.path.join(m.root, DATASET), m.proc.pid,
                          cache_used=lambda: int(m.status()["cache"]["used_bytes"]),
@@ -442,11 +462,13 @@ def _epoch_record(epoch: int, seconds: float, replies: list[dict[str, Any]],
               "bucket_bytes_waiting": round(proxy.sent.within(waiting)),
               "daemon_cpu_s": round(after["daemon_cpu_s"] - before["daemon_cpu_s"], 3),
               "bucket_bytes": after["bucket_bytes"] - before["bucket_bytes"],
-              "hits": None, "lookups": None, "bucket_fetch_causes": None}
+              "hits": None, "lookups": None, "bucket_fetch_causes": None,
+              "mountd_jobs": None}
     m0, m1 = before["mountd"], after["mountd"]
     if m1 is not None:
         record.update(hits=m1.hits - m0.hits, lookups=m1.lookups - m0.lookups,
-                      bucket_fetch_causes=fetch_causes.since(m0.causes, m1.causes))
+                      bucket_fetch_causes=fetch_causes.since(m0.causes, m1.causes),
+                      mountd_jobs=m1.jobs)
     return record
 
 
@@ -552,9 +574,9 @@ def _summary(configs: list[dict[str, Any]], job_counts: tuple[int, ...]) -> dict
                     and c["cache_fraction"] == fraction)
 
     def vs_rclone(key: str, fraction: float, digits: int, n_jobs: int = jobs,
-                  epochs: str = "steady") -> float | None:
-        sub, rclone = (config(mode, fraction, n_jobs)[epochs][key] for mode in ("sub", "rclone"))
-        return round(sub / rclone, digits) if rclone else None
+                  epochs: str = "steady", mode: str = "sub") -> float | None:
+        ours, rclone = (config(m, fraction, n_jobs)[epochs][key] for m in (mode, "rclone"))
+        return round(ours / rclone, digits) if rclone else None
 
     summary: dict[str, Any] = {f"speedup_vs_rclone_{round(f * 100)}":
                                vs_rclone("items_per_s", f, 2) for f in FRACTIONS}
@@ -568,6 +590,15 @@ def _summary(configs: list[dict[str, Any]], job_counts: tuple[int, ...]) -> dict
     summary["bucket_utilization_sub_10"] = sub_10["steady"]["bucket_utilization_waiting"]
     summary["wait_any_s_sub_10"] = sub_10["steady"]["wait_any_s"]
     summary["budget_used_sub_50"] = config("sub", 0.5)["budget_used"]
+    view_10 = config("view", VIEW_FRACTION)
+    summary["speedup_vs_rclone_10_view"] = vs_rclone("items_per_s", VIEW_FRACTION, 2,
+                                                     mode="view")
+    summary["speedup_view_vs_sub_10"] = round(
+        view_10["steady"]["items_per_s"] / sub_10["steady"]["items_per_s"], 3)
+    summary["bucket_bytes_vs_rclone_10_view"] = vs_rclone("bucket_bytes", VIEW_FRACTION, 3,
+                                                          mode="view")
+    summary["hit_ratio_sub_10"] = sub_10["steady"]["hit_ratio"]
+    summary["hit_ratio_view_10"] = view_10["steady"]["hit_ratio"]
     return summary
 
 
@@ -575,7 +606,9 @@ GOALS = {"speedup_vs_rclone_10": (">=", 3.0), "speedup_vs_rclone_50": (">=", 2.0
          "speedup_vs_rclone_100": (">=", 1.0), "bucket_bytes_vs_rclone_10": ("<=", 1 / 3),
          "speedup_vs_rclone_10_1job": (">=", 0.95), "epoch0_bucket_ratio_sub_10": ("<=", 1.1),
          "epoch0_speedup_vs_rclone_10": (">=", 1.0), "bucket_utilization_sub_10": (">=", 0.9),
-         "budget_used_sub_50": (">=", 0.8)}
+         "budget_used_sub_50": (">=", 0.8),
+         # the view within 10% of the sampler, with no change to the training code
+         "speedup_view_vs_sub_10": (">=", 0.9)}
 
 
 def _goals(summary: dict[str, Any]) -> dict[str, bool | None]:
@@ -598,13 +631,18 @@ def plot_bars(report: dict[str, Any], out: str) -> None:
                              squeeze=False, sharey=True)
     for ax, jobs in zip(axes[0], job_counts):
         for k, mode in enumerate(MODES):
-            rates = []
-            for fraction in FRACTIONS:  # direct has no cache: the same bar in every group
-                rates.append(next(c["steady"]["items_per_s"] for c in configs
-                                  if c["mode"] == mode and c["jobs"] == jobs
-                                  and c["cache_fraction"] in (fraction, None)))
-            xs = [i + (k - (len(MODES) - 1) / 2) * width for i in range(len(FRACTIONS))]
-            bars = ax.bar(xs, rates, width, label=LABELS[mode])
+            xs, rates = [], []
+            for i, fraction in enumerate(FRACTIONS):
+                # direct has no cache: the same bar in every group; the view runs at one
+                rate = next((c["steady"]["items_per_s"] for c in configs
+                             if c["mode"] == mode and c["jobs"] == jobs
+                             and c["cache_fraction"] in (fraction, None)), None)
+                if rate is not None:
+                    xs.append(i + (k - (len(MODES) - 1) / 2) * width)
+                    rates.append(rate)
+            if not rates:
+                continue
+            bars = ax.bar(xs, rates, width, label=LABELS[mode], color=f"C{k}")
             ax.bar_label(bars, fmt="%.0f", fontsize=7)
         ax.set_xticks(range(len(FRACTIONS)), [f"{round(f * 100)}%" for f in FRACTIONS])
         ax.set_xlabel("cache budget (of the dataset)")
@@ -636,6 +674,10 @@ def run(quick: bool, workdir: str, plot: str | None = None, size: str | None = N
                     for mode in CACHED_MODES:
                         configs.append(run_config(mode, fraction, jobs, data, proxy, s,
                                                   workdir))
+                    if fraction == VIEW_FRACTION and n_jobs == max(s.job_counts):
+                        # right after sub's summary configuration, on the same jobs
+                        configs.append(run_config("view", fraction, jobs, data, proxy, s,
+                                                  workdir))
     summary = _summary(configs, s.job_counts)
     report = {
         "dataset": {"items": len(data.paths), "bytes": data.bytes,
@@ -656,7 +698,8 @@ def run(quick: bool, workdir: str, plot: str | None = None, size: str | None = N
             "byte_hit_ratio": "1 - bucket_bytes / bytes the jobs read (the only hit ratio "
                               "rclone exposes)",
             "hit_ratio": "mountd's counters; exact: reads served from the store / reads; "
-                         "sub: items its manifests listed as cached / items",
+                         "sub: items its manifests listed as cached / items; view: "
+                         "opens served a cached item / opens (status view_jobs)",
             "cpu_s": "user + system seconds; jobs: the job processes and their DataLoader "
                      "workers; daemon: mountd or rclone",
             "wait_s_per_job": "mean seconds a job's training loop waited for the "
@@ -669,6 +712,8 @@ def run(quick: bool, workdir: str, plot: str | None = None, size: str | None = N
                                 f"{USAGE_SAMPLE_S:g} s: mountd's store volume (status "
                                 "cache.used_bytes), rclone's cache directory on disk",
             "budget_used": "peak_cache_bytes / cache_bytes",
+            "mountd_jobs": "per epoch, the jobs mountd told apart at its end: sub's "
+                           "sampler jobs, the view's jobs (one per QUIVER_JOB); exact: 0",
             "bucket_fetch_causes": "mountd's bucket fetches of the dataset by cause "
                                    "(status bucket_fetch_causes): {cause: {fetches, "
                                    "bytes}}, per epoch and for the configuration",
@@ -685,7 +730,18 @@ def run(quick: bool, workdir: str, plot: str | None = None, size: str | None = N
             "bucket_utilization_sub_10": "sub, summary_jobs jobs, cache 10%: steady "
                                          "bucket_utilization_waiting",
             "wait_any_s_sub_10": "sub, summary_jobs jobs, cache 10%: steady wait_any_s",
-            "budget_used_sub_50": "sub, summary_jobs jobs, cache 50%: budget_used"},
+            "budget_used_sub_50": "sub, summary_jobs jobs, cache 50%: budget_used",
+            "speedup_vs_rclone_10_view": "view / rclone, steady items_per_s, summary_jobs "
+                                         "jobs, cache 10%: plain ImageFolder + "
+                                         "DataLoader(shuffle=True) through a --view "
+                                         "substitutable mount, one QUIVER_JOB per job",
+            "speedup_view_vs_sub_10": "view / sub, steady items_per_s, summary_jobs jobs, "
+                                      "cache 10% (speedup_vs_rclone_10_view / "
+                                      "speedup_vs_rclone_10)",
+            "bucket_bytes_vs_rclone_10_view": "view / rclone, steady bucket_bytes, "
+                                              "summary_jobs jobs, cache 10%",
+            "hit_ratio_sub_10": "sub, summary_jobs jobs, cache 10%: steady hit_ratio",
+            "hit_ratio_view_10": "view, summary_jobs jobs, cache 10%: steady hit_ratio"},
         "load_average_1min": {"start": load_at_start, "end": os.getloadavg()[0]},
         "configs": configs,
         "goals": _goals(summary),

@@ -16,14 +16,18 @@ from typing import Any
 
 
 class JobChild:
-    """One job process (``argv``), called ``name`` in errors."""
+    """One job process (``argv``), called ``name`` in errors; ``env``: variables added to
+    the parent's environment for it (such as ``QUIVER_JOB``, which mountd's views read
+    from the reading process's environment, so it must be there when the process starts)."""
 
-    def __init__(self, name: str, argv: list[str], log_path: str) -> None:
+    def __init__(self, name: str, argv: list[str], log_path: str,
+                 env: dict[str, str] | None = None) -> None:
         self.name = name
         self.log_path = log_path
         with open(log_path, "ab") as log_file:
             self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=log_file, bufsize=0)
+                                         stderr=log_file, bufsize=0,
+                                         env={**os.environ, **env} if env else None)
         self._buffer = b""
 
     def send(self, line: str) -> None:
@@ -83,23 +87,25 @@ class JobChild:
 class JobProcess(JobChild):
     """A job child running ``python -m MODULE SPEC`` (``spec`` a dataclass, as JSON)."""
 
-    def __init__(self, name: str, module: str, spec: Any, log_path: str) -> None:
+    def __init__(self, name: str, module: str, spec: Any, log_path: str,
+                 env: dict[str, str] | None = None) -> None:
         super().__init__(name, [sys.executable, "-m", module,
-                                json.dumps(dataclasses.asdict(spec))], log_path)
+                                json.dumps(dataclasses.asdict(spec))], log_path, env)
         self.spec = spec
         self.job_id: str | None = None  # mountd's, for a job with a sampler
 
 
 @contextlib.contextmanager
-def running_jobs(module: str, specs: dict[str, Any], log_dir: str, start_timeout: float
-                 ) -> Iterator[list[JobProcess]]:
-    """Started job processes (name -> spec), all ready, each logging to
-    ``log_dir/job-NAME.log``; killed on exit if they have not finished."""
+def running_jobs(module: str, specs: dict[str, Any], log_dir: str, start_timeout: float,
+                 envs: dict[str, dict[str, str]] | None = None) -> Iterator[list[JobProcess]]:
+    """Started job processes (name -> spec; ``envs``: name -> added environment), all
+    ready, each logging to ``log_dir/job-NAME.log``; killed on exit if they have not
+    finished."""
     jobs: list[JobProcess] = []
     try:
         for name, spec in specs.items():
-            jobs.append(JobProcess(name, module, spec,
-                                   os.path.join(log_dir, f"job-{name}.log")))
+            jobs.append(JobProcess(name, module, spec, os.path.join(log_dir, f"job-{name}.log"),
+                                   (envs or {}).get(name)))
         for job in jobs:
             job.job_id = job.receive(start_timeout).get("job")
         yield jobs

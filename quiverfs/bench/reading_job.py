@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import json
 import os
 import queue
@@ -24,6 +25,9 @@ from quiverfs.bench.emulator import gcs_client
 
 READERS = 4  # reader threads per job, like DataLoader workers
 PREFETCH_BATCHES = 2  # batches a job's readers may run ahead of its compute
+# On an open file of a substitutable view: the item served (hex SHA-256, digest path).
+SERVED_HASH = "user.quiver.served.sha256"
+SERVED_PATH = "user.quiver.served.path"
 
 
 def read_dropping_pages(path: str) -> bytes:
@@ -50,6 +54,43 @@ class MountSource:
 
     def close(self) -> None:
         pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """What a view served for one open: the item's SHA-256 and digest path (from the
+    open file's xattrs) and whether the bytes read hash to that SHA-256."""
+
+    sha256: str
+    path: str
+    intact: bool
+
+
+class ViewSource(MountSource):
+    """The dataset's files in a substitutable view: each read also records what the view
+    served for it (``take_served``). The view's files are direct_io: no pages to drop."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self._lock = threading.Lock()
+        self._served: dict[str, Served] = {}
+
+    def read(self, path: str) -> int:
+        with open(os.path.join(self.root, path), "rb", buffering=0) as f:
+            data = f.read()
+            # asked by the thread that opened: the view answers for that open
+            sha = os.getxattr(f.fileno(), SERVED_HASH).decode()
+            served = Served(sha, os.getxattr(f.fileno(), SERVED_PATH).decode(),
+                            hashlib.sha256(data).hexdigest() == sha)
+        with self._lock:
+            self._served[path] = served
+        return len(data)
+
+    def take_served(self, paths: list[str]) -> list[Served]:
+        """What was served for each of ``paths`` (read since the last call), in order."""
+        with self._lock:
+            served, self._served = self._served, {}
+        return [served[p] for p in paths]
 
 
 def bucket_address(endpoint: str, bucket: str, prefix: str) -> str:
@@ -149,12 +190,15 @@ class ShufflePlans:
 
 
 class JobInput:
-    """A job's source (a mount's directory, or a ``bucket_address``), its reader threads,
-    and its batch plans (the sampler's, or a shuffle of the source's paths)."""
+    """A job's source (a mount's directory, a substitutable view's, or a
+    ``bucket_address``), its reader threads, and its batch plans (the sampler's, or a
+    shuffle of the source's paths)."""
 
     def __init__(self, source: str, from_bucket: bool, sampler: bool, batch_size: int,
-                 seed: int) -> None:
-        self.source = BucketSource(source) if from_bucket else MountSource(source)
+                 seed: int, view: bool = False) -> None:
+        self.source: MountSource | ViewSource | BucketSource = (
+            BucketSource(source) if from_bucket else ViewSource(source) if view
+            else MountSource(source))
         self.pool = concurrent.futures.ThreadPoolExecutor(READERS)
         try:
             self.plans: SamplerPlans | ShufflePlans = (
@@ -206,7 +250,9 @@ def loaded_batches(read: Callable[[str], int], pool: concurrent.futures.Executor
 class JobSpec:
     """What one epoch-by-epoch job does; sent to it as JSON on its command line."""
 
-    mode: str  # "sub" (the sampler), "lru" (a shuffle, exact reads) or "direct"
+    # "sub" (the sampler), "lru" (a shuffle, exact reads), "view" (a shuffle read through
+    # a substitutable view) or "direct" (a shuffle read from the bucket)
+    mode: str
     source: str  # the dataset's directory in a mount; for "direct" a bucket_address
     seed: int
     batch_size: int
@@ -217,10 +263,11 @@ class JobSpec:
 def job_main(argv: list[str]) -> int:
     """One job: announce readiness (and mountd's job id), then run an epoch for each
     ``go`` line on stdin, answering with a JSON line (paths in order, manifest hits or
-    null, bytes, seconds, and the seconds spent waiting for the sampler's batches)."""
+    null, bytes, seconds, the seconds spent waiting for the sampler's batches, and in a
+    view what was served for each path: [sha256, path, intact])."""
     spec = JobSpec(**json.loads(argv[0]))
     with JobInput(spec.source, spec.mode == "direct", spec.mode == "sub", spec.batch_size,
-                  spec.seed) as job:
+                  spec.seed, view=spec.mode == "view") as job:
         plans = job.plans
         print(json.dumps({"ready": True, "job": plans.job_id}), flush=True)
         for epoch in range(spec.epochs):
@@ -234,9 +281,12 @@ def job_main(argv: list[str]) -> int:
                 time.sleep(spec.compute_s)  # the simulated training step
                 paths += batch
                 nbytes += batch_bytes
-            print(json.dumps({"epoch": epoch, "seconds": time.monotonic() - start,
-                              "paths": paths, "hits": plans.hits(), "bytes": nbytes,
-                              "manifest_s": plans.wait_s}), flush=True)
+            seconds = time.monotonic() - start
+            served = (None if not isinstance(job.source, ViewSource) else
+                      [dataclasses.astuple(x) for x in job.source.take_served(paths)])
+            print(json.dumps({"epoch": epoch, "seconds": seconds, "paths": paths,
+                              "hits": plans.hits(), "bytes": nbytes,
+                              "manifest_s": plans.wait_s, "served": served}), flush=True)
             plans.wait_s = 0.0
         sys.stdin.readline()  # the parent reads mountd's status before we unregister
     return 0

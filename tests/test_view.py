@@ -1,0 +1,275 @@
+"""The substitutable view: plain readers get every item of each label once per pass."""
+from __future__ import annotations
+
+import collections
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+import wave
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+
+from quiverfs import digest as digest_format
+from quiverfs.bench.processes import MountdProcess
+from quiverfs.errors import QuietError
+from mountd.view import ViewPools, identity_from
+from quiverfs.torch import QuiverBatchSampler
+from tests.mountd_helpers import make_digest, mount, mountd_factory  # noqa: F401
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
+
+SERVED_HASH = "user.quiver.served.sha256"
+SERVED_PATH = "user.quiver.served.path"
+
+# A reader in its own process: reads the given paths under ROOT (argv: ROOT, then a JSON
+# list of paths on stdin) and prints, per path, what it was served (JSON lines).
+READER = """
+import hashlib, json, os, sys
+root = sys.argv[1]
+for rel in json.load(sys.stdin):
+    with open(os.path.join(root, rel), "rb") as f:
+        data = f.read()
+        served = os.getxattr(f.fileno(), "user.quiver.served.sha256").decode()
+        path = os.getxattr(f.fileno(), "user.quiver.served.path").decode()
+    print(json.dumps({"read": rel, "served": served, "path": path,
+                      "sha256": hashlib.sha256(data).hexdigest()}), flush=True)
+"""
+
+
+def load_served(path: str) -> dict:
+    """A DatasetFolder loader: what an open of ``path`` served, checked against its bytes."""
+    with open(path, "rb") as f:
+        data = f.read()
+        size = os.fstat(f.fileno()).st_size
+        served = os.getxattr(f.fileno(), SERVED_HASH).decode()
+        served_path = os.getxattr(f.fileno(), SERVED_PATH).decode()
+    return {"read": path, "served": served, "path": served_path, "size": size,
+            "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def keep_dicts(batch: list) -> list:
+    return batch
+
+
+@pytest.fixture
+def view_mount(mountd_factory, digits_tree):
+    """mountd with the digits mounted as a substitutable view at ROOT/digits."""
+    def start(cache_size: str = "1G") -> tuple[MountdProcess, digest_format.Digest]:
+        m = mountd_factory(cache_size=cache_size)
+        data = make_digest(digits_tree.root, "digits")
+        reply = mount(m, data, "digits", view="substitutable")
+        assert reply["view"] == "substitutable"
+        return m, digest_format.decode(data)
+    return start
+
+
+def digest_hashes(d: digest_format.Digest) -> collections.Counter[str]:
+    return collections.Counter(d.hash(i).hex() for i in range(len(d)))
+
+
+def check_served(records: list[dict], d: digest_format.Digest, root: str) -> None:
+    """Each record's bytes are the item it says it was served, of the label of the path
+    it was read under, and fstat told their size."""
+    by_path = {d.path(i): d.hash(i).hex() for i in range(len(d))}
+    for r in records:
+        assert r["sha256"] == r["served"] == by_path[r["path"]]
+        read = os.path.relpath(r["read"], root) if os.path.isabs(r["read"]) else r["read"]
+        assert os.path.dirname(read) == os.path.dirname(r["path"])  # same class folder
+        if "size" in r:
+            assert r["size"] == r["bytes"]
+
+
+def test_dataloader_with_four_workers_gets_every_item_once_per_epoch(view_mount):
+    m, d = view_mount(cache_size="200K")  # a fifth of the digits' store footprint, about
+    root = os.path.join(m.root, "digits")
+    ds = torchvision.datasets.DatasetFolder(root, loader=load_served, extensions=(".png",))
+    loader = torch.utils.data.DataLoader(ds, batch_size=32, shuffle=True, num_workers=4,
+                                         collate_fn=keep_dicts)
+    for _ in range(2):
+        records = [r for batch in loader for r, _ in batch]
+        assert len(records) == len(d)
+        assert collections.Counter(r["served"] for r in records) == digest_hashes(d)
+        check_served(records, d, root)
+    jobs = m.status()["view_jobs"]
+    assert len(jobs) == 1 and jobs[0]["identity"].startswith("pgid:")
+    assert jobs[0]["counters"]["opens"] == 2 * len(d)
+    assert jobs[0]["counters"]["hits"] > 0
+
+
+def run_readers(root: str, groups: list[tuple[dict[str, str], list[str]]],
+                new_session: bool) -> list[list[dict]]:
+    """Start reader processes: per group an environment and one path-list file per
+    process; the processes of a group share a process group. Their records, per group."""
+    procs = []
+    for env, path_lists in groups:
+        script = " & ".join(f"{sys.executable} -c \"$READER\" {root} < {path} > {path}.out"
+                            for path in path_lists) + " & wait"
+        procs.append(subprocess.Popen(["sh", "-c", script], env={**os.environ, **env,
+                                                                  "READER": READER},
+                                      start_new_session=new_session))
+    for p in procs:
+        assert p.wait(timeout=300) == 0
+    out = []
+    for _, path_lists in groups:
+        records = []
+        for path in path_lists:
+            with open(f"{path}.out", encoding="utf-8") as f:
+                records += [json.loads(line) for line in f]
+        out.append(records)
+    return out
+
+
+def path_files(tmp_path, name: str, paths: list[str], parts: int) -> list[str]:
+    files = []
+    for k in range(parts):
+        f = tmp_path / f"{name}-{k}.json"
+        f.write_text(json.dumps(paths[k::parts]))
+        files.append(str(f))
+    return files
+
+
+def test_two_concurrent_jobs_each_get_every_item_once(view_mount, tmp_path):
+    m, d = view_mount(cache_size="400K")
+    root = os.path.join(m.root, "digits")
+    paths = sorted(d.path(i) for i in range(len(d)))
+    # one job recognised by its process group, one by QUIVER_JOB
+    by_session, by_env = run_readers(root, [
+        ({}, path_files(tmp_path, "a", paths, 1)),
+        ({"QUIVER_JOB": "second"}, path_files(tmp_path, "b", paths, 1))], new_session=True)
+    for records in (by_session, by_env):
+        assert collections.Counter(r["served"] for r in records) == digest_hashes(d)
+        check_served(records, d, root)
+    deadline = time.monotonic() + 30  # their processes are gone: the jobs are forgotten
+    while m.status()["view_jobs"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert m.status()["view_jobs"] == []
+
+
+@pytest.mark.parametrize("same", ["process group", "QUIVER_JOB"])
+def test_two_ranks_of_one_run_together_get_every_item_once(view_mount, tmp_path, same):
+    """Two processes of one run, each reading half of the paths, are one job: in one
+    process group (as mp.spawn starts ranks), or in sessions of their own with the same
+    QUIVER_JOB. Together they get each item once."""
+    m, d = view_mount(cache_size="400K")
+    root = os.path.join(m.root, "digits")
+    paths = sorted(d.path(i) for i in range(len(d)))
+    halves = path_files(tmp_path, "r", paths, 2)
+    if same == "process group":
+        [records] = run_readers(root, [({}, halves)], new_session=True)
+    else:
+        env = {"QUIVER_JOB": "run-1"}
+        records = sum(run_readers(root, [(env, halves[:1]), (env, halves[1:])],
+                                  new_session=True), [])
+    assert sorted(r["read"] for r in records) == paths
+    assert collections.Counter(r["served"] for r in records) == digest_hashes(d)
+    check_served(records, d, root)
+
+
+def write_mixed_tree(dest: str) -> dict[str, bytes]:
+    """Class folders of .npy arrays and .wav clips of different lengths; path -> bytes."""
+    rng = np.random.default_rng(3)
+    files = {}
+    for label in ("a", "b"):
+        for k in range(12):
+            buf = io.BytesIO()
+            np.save(buf, rng.normal(size=(int(rng.integers(1, 400)),)).astype(np.float32))
+            files[f"{label}/{k}.npy"] = buf.getvalue()
+            buf = io.BytesIO()
+            with wave.open(buf, "wb") as w:
+                w.setnchannels(1)
+                w.setsampwidth(2)
+                w.setframerate(8000)
+                w.writeframes(rng.integers(-2000, 2000, int(rng.integers(10, 3000)),
+                                           dtype=np.int16).tobytes())
+            files[f"{label}/{k}.wav"] = buf.getvalue()
+    for rel, data in files.items():
+        os.makedirs(os.path.join(dest, os.path.dirname(rel)), exist_ok=True)
+        with open(os.path.join(dest, rel), "wb") as f:
+            f.write(data)
+    return files
+
+
+def test_numpy_and_wave_readers_get_whole_items_of_their_folder_and_type(mountd_factory,
+                                                                         tmp_path):
+    src = str(tmp_path / "mixed")
+    files = write_mixed_tree(src)
+    m = mountd_factory()
+    mount(m, make_digest(src, "mixed"), "mixed", view="substitutable")
+    root = os.path.join(m.root, "mixed")
+    npy = [p for p in files if p.endswith(".npy")]
+    wav = [p for p in files if p.endswith(".wav")]
+    got_npy, got_wav = collections.Counter(), collections.Counter()
+    for rel in npy:
+        with open(os.path.join(root, rel), "rb") as f:
+            array = np.load(f)
+            served = os.getxattr(f.fileno(), SERVED_PATH).decode()
+        assert served.endswith(".npy") and served.split("/")[0] == rel.split("/")[0]
+        np.testing.assert_array_equal(array, np.load(io.BytesIO(files[served])))
+        got_npy[served] += 1
+    for rel in wav:
+        with open(os.path.join(root, rel), "rb") as f:
+            with wave.open(f, "rb") as w:
+                frames = w.readframes(w.getnframes())
+            served = os.getxattr(f.fileno(), SERVED_PATH).decode()
+        assert served.endswith(".wav") and served.split("/")[0] == rel.split("/")[0]
+        with wave.open(io.BytesIO(files[served]), "rb") as w:
+            assert frames == w.readframes(w.getnframes())
+        got_wav[served] += 1
+    assert got_npy == collections.Counter(npy)  # each item once
+    assert got_wav == collections.Counter(wav)
+
+
+def test_unlabelled_digest_and_unknown_view_are_refused(mountd_factory, quiver, tmp_path):
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for k in range(3):
+        (flat / f"{k}.bin").write_bytes(bytes([k]) * 10)
+    m = mountd_factory()
+    digest_file = tmp_path / "flat.qd"
+    digest_file.write_bytes(make_digest(str(flat), "flat"))
+    r = quiver("mount", str(digest_file), "--view", "substitutable", "--root", m.root,
+               "--control-socket", m.socket)
+    assert r.returncode == 5
+    assert r.stderr.strip().count("\n") == 0 and "has no labels" in r.stderr
+    r = quiver("mount", str(digest_file), "--view", "shuffled", "--root", m.root,
+               "--control-socket", m.socket)
+    assert r.returncode == 2 and "invalid choice: 'shuffled'" in r.stderr
+    with pytest.raises(QuietError, match="unknown view 'shuffled'"):
+        m.call({"op": "mount", "name": "flat", "digest": digest_file.read_bytes(),
+                "view": "shuffled"})
+    assert m.status()["datasets"] == []
+
+
+def test_the_sampler_is_refused_on_a_view(view_mount):
+    m, _ = view_mount()
+    root = os.path.join(m.root, "digits")
+    with pytest.raises(ValueError, match="is a substitutable view"):
+        QuiverBatchSampler(root, 32)
+
+
+def test_job_identity_rule():
+    assert identity_from({b"QUIVER_JOB": b"sweep-3"}, 77) == "env:sweep-3"
+    torchrun = {b"TORCHELASTIC_RUN_ID": b"none", b"MASTER_ADDR": b"127.0.0.1",
+                b"MASTER_PORT": b"29500"}
+    assert identity_from(torchrun, 77) == "torchrun:127.0.0.1:29500:none"
+    assert identity_from({**torchrun, b"QUIVER_JOB": b"mine"}, 77) == "env:mine"
+    for hostile in (b"", b"../x", b"a b", b"\xff", b"x" * 200, b".hidden"):
+        assert identity_from({b"QUIVER_JOB": hostile}, 77) == "pgid:77"
+
+
+def test_pools_are_a_folder_and_an_extension_and_unlabelled_items_stand_alone():
+    items = [digest_format.NewItem(path, hashlib.sha256(path.encode()).digest(), 10)
+             for path in ("README", "a/1.jpg", "a/2.JPG", "a/3.json", "b/1.jpg",
+                          "b/sub/1.jpg", "b/sub/2.jpg", "top.jpg")]
+    d = digest_format.decode(digest_format.encode("t", "file:///x", items))
+    pools = ViewPools.of(d)
+    groups = sorted(sorted(d.path(int(i)) for i in m) for m in pools.members)
+    assert groups == [["README"], ["a/1.jpg", "a/2.JPG"], ["a/3.json"], ["b/1.jpg"],
+                      ["b/sub/1.jpg", "b/sub/2.jpg"], ["top.jpg"]]
