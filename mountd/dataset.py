@@ -45,5 +45,9 @@ class MountedDataset:
     def name(self) -> str:
         return self.reg.name
 
+    def entry_inode(self, index: int) -> int:
+        """The inode of digest entry ``index``'s file."""
+        return self.inode_base + self.tree.n_dirs + index
+
     def owns_inode(self, inode: int) -> bool:
         return self.inode_base <= inode < self.inode_base + self.tree.n_nodes

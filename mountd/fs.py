@@ -24,7 +24,8 @@ from mountd.dataset import MountedDataset
 from mountd.item_reader import ItemReader, ReadFailed
 from mountd.job_files import CONTROL_INODE, CONTROL_NAME, ControlFiles, ControlHandle
 from mountd.mount_table import MountTable
-from mountd.view import Choice, ViewJobs
+from mountd.read_stats import FetchCause
+from mountd.view import ViewJobs
 
 log = logging.getLogger(__name__)
 
@@ -41,16 +42,17 @@ XATTR_SERVED_PATH = b"user.quiver.served.path"
 class _OpenFile:
     """An open file: which item, and its bytes once the first read fetched them."""
 
-    __slots__ = ("ds", "index", "data", "failed", "pushed", "choice", "opener")
+    __slots__ = ("ds", "index", "data", "failed", "pushed", "cause", "keep", "opener")
 
-    def __init__(self, ds: MountedDataset, index: int, pushed: bool,
-                 choice: Choice | None = None, opener: tuple[int, int] | None = None) -> None:
+    def __init__(self, ds: MountedDataset, index: int, pushed: bool = False,
+                 cause: FetchCause = FetchCause.EXACT, keep: bool = True,
+                 opener: tuple[int, int] | None = None) -> None:
         self.ds = ds
         self.index = index
         self.data: bytes | None = None
         self.failed = False
         self.pushed = pushed  # its pages were pushed ahead (mountd.page_push)
-        self.choice = choice  # in a view: what was chosen, and how a miss of it is fetched
+        self.cause, self.keep = cause, keep  # how a miss of it is fetched, and whether kept
         self.opener = opener  # in a view: (pid, inode) of the open
 
 
@@ -217,7 +219,8 @@ class QuiverFS(pyfuse3.Operations):
             # other bytes under the same inode, so none of them may go to the page cache.
             choice = await self.views.choose(ds, ds.tree.entry_index(node), ctx.pid, ctx.uid)
             opener = (ctx.pid, inode)
-            self._files[fh] = _OpenFile(ds, choice.index, False, choice, opener)
+            self._files[fh] = _OpenFile(ds, choice.index, cause=choice.cause,
+                                        keep=choice.keep, opener=opener)
             self._served[opener] = fh
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
         pushed = self.reader.push.opened(inode)
@@ -233,10 +236,8 @@ class QuiverFS(pyfuse3.Operations):
         if f.data is None:
             if f.failed:  # one fetch attempt per open, however often the kernel retries
                 raise pyfuse3.FUSEError(errno.EIO)
-            choice = f.choice
             try:
-                f.data = await (self.reader.read(f.ds, f.index) if choice is None else
-                                self.reader.read(f.ds, f.index, choice.cause, choice.keep))
+                f.data = await self.reader.read(f.ds, f.index, f.cause, f.keep)
             except ReadFailed:
                 f.failed = True
                 raise pyfuse3.FUSEError(errno.EIO) from None

@@ -94,7 +94,7 @@ class ItemReader:
             # a miss that is not kept is read again when its chunk loads: the probe's cost
             cause = FetchCause.PROBE if i in must or not k else FetchCause.COOP_MISS
             self._probed[ds.digest.hash(i)] = (cause, k)
-        inodes = [ds.inode_base + ds.tree.n_dirs + i for i in forced + uncached]
+        inodes = [ds.entry_inode(i) for i in forced + uncached]
         self.push.forget(inodes)
         await trio.to_thread.run_sync(_invalidate, inodes, limiter=self._invalidations)
 

@@ -76,7 +76,7 @@ class PagePush:
         ds, n, _ = pushed
         self.held -= n
         # the pages hold the hit a manifest promised: its chunk need not wait for a READ
-        self.staging.take(ds.digest.hash(inode - ds.inode_base - ds.tree.n_dirs))
+        self.staging.take(ds.digest.hash(ds.tree.entry_index(inode - ds.inode_base)))
         self.stats.count(ds, "pushed_opens")
         self.stats.count(ds, "local_hits")
         self.stats.count(ds, "local_bytes", n)
@@ -110,7 +110,7 @@ class PagePush:
         while self._queue and len(batch) < PUSH_BATCH:
             ds, index = self._queue.popleft()
             size = ds.digest.sizes[index]
-            inode = ds.inode_base + ds.tree.n_dirs + index
+            inode = ds.entry_inode(index)
             if inode in self._pushed or size > self.budget:
                 continue  # pushed already, or never fits
             if size > room:

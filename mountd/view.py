@@ -56,6 +56,7 @@ MAX_JOBS_PER_USER = 64  # view jobs a uid holds at once; its least recently used
 JOB_IDLE = 3600.0  # seconds without an open after which a job is forgotten
 SWEEP_EVERY = 5.0  # seconds between looks for jobs whose processes are gone
 MAX_IDENTITIES = 4096  # reader pids whose job identity is remembered
+MAX_PGIDS = 64  # process groups remembered per job (it ends when all of them are gone)
 JOB_ENV = "QUIVER_JOB"
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
@@ -211,7 +212,7 @@ class ViewJobs:
             if job is None:
                 job = self._create(key, ds, group)
         job.last_used = time.monotonic()
-        if pgid is not None and len(job.pgids) < 64:
+        if pgid is not None and len(job.pgids) < MAX_PGIDS:
             job.pgids.add(pgid)
         return job
 
@@ -315,18 +316,21 @@ class ViewJobs:
                                                          limiter=limiter)
         if group.take(ref, batch.items):
             self.cluster.poke()  # this job released the marked chunk
-        current.queue.extend(Choice(i, True, FetchCause.COOP_MISS, True) for i in batch.hits)
         horizon = len(group.view.resident) if group.view is not None else 0
-        for i in batch.fetch:
+
+        def choice(i: int, hit: bool) -> Choice:
+            """How the item is read should it miss (a hit may be evicted first)."""
             if group.mode is not CacheMode.COOP:
-                current.queue.append(Choice(i, False, FetchCause.COOP_MISS,
-                                            group.mode is CacheMode.FULL))
-            elif ahead[group.plan.chunk_of[i]] <= horizon:
+                return Choice(i, hit, FetchCause.COOP_MISS, group.mode is CacheMode.FULL)
+            if ahead[group.plan.chunk_of[i]] <= horizon:
                 # the cycle loads it soon: kept, the other jobs hit it meanwhile, and the
                 # loader finds it held
-                current.queue.append(Choice(i, False, FetchCause.COOP_MISS, True))
-            else:  # read once, not cached: it would push out what the cycle brought in
-                current.queue.append(Choice(i, False, FetchCause.STAGED_MISS, False))
+                return Choice(i, hit, FetchCause.COOP_MISS, True)
+            # read once, not cached: it would push out what the cycle brought in
+            return Choice(i, hit, FetchCause.STAGED_MISS, False)
+
+        current.queue.extend(choice(i, True) for i in batch.hits)
+        current.queue.extend(choice(i, False) for i in batch.fetch)
         self.reader.staging.planned([digest.hash(i) for i in batch.hits])
 
     @staticmethod

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -57,18 +56,6 @@ def job_counters(sampler: QuiverBatchSampler) -> dict[str, int]:
         return json.load(f)["counters"]
 
 
-def dataset_mode(m: MountdProcess) -> str | None:
-    cycles = m.call({"op": "cluster"})["cycles"]
-    return next(iter(cycles.values()))["mode"] if cycles else None
-
-
-def wait_for_mode(m: MountdProcess, want: str) -> None:
-    deadline = time.monotonic() + MODE_TIMEOUT
-    while dataset_mode(m) != want:
-        assert time.monotonic() < deadline, f"the dataset stayed {dataset_mode(m)}"
-        time.sleep(0.1)
-
-
 def epoch_indices(batches: Iterator[list[int]], between: Callable[[int], None] | None = None
                   ) -> list[int]:
     """Every index the sampler's batches of one epoch hold; ``between(b)`` runs after the
@@ -99,7 +86,7 @@ def test_a_cached_full_dataset_gets_segments_and_each_item_once(warm_digits):
         n = len(sampler)
         assert n == 57
         epoch_indices(iter(sampler))  # the job's first epoch tells the coordinator of it
-        wait_for_mode(m, "full")
+        m.wait_for_mode("full", MODE_TIMEOUT)
         before = job_counters(sampler)
         for epoch in (1, 2):
             sampler.set_epoch(epoch)
@@ -163,7 +150,7 @@ class CoordinatedNode:
         self.coordinator.stop()
         self.coordinator.extra_args = ("--cache-budget", budget, *NO_PROBES)
         self.coordinator.start()
-        wait_for_mode(self.m, want)
+        self.m.wait_for_mode(want, MODE_TIMEOUT)
 
     def close(self) -> None:
         try:
@@ -197,7 +184,7 @@ def test_full_to_coop_mid_epoch_keeps_exactly_once_and_plans_per_batch(coordinat
         assert n == 113
         batches = iter(sampler)
         seen = next(batches)  # the job's epoch began: the coordinator allots it
-        wait_for_mode(node.m, "full")
+        node.m.wait_for_mode("full", MODE_TIMEOUT)
         at_switch: dict[str, int] = {}
 
         def switch(b: int) -> None:
@@ -226,7 +213,7 @@ def test_a_coop_dataset_gets_no_segments_even_when_cached(coordinated):
     try:
         batches = iter(sampler)
         seen = next(batches)
-        wait_for_mode(node.m, "coop")
+        node.m.wait_for_mode("coop", MODE_TIMEOUT)
         seen += epoch_indices(batches)
         assert sorted(seen) == list(range(1797))
         counters = job_counters(sampler)

@@ -89,6 +89,19 @@ class MountdProcess:
     def status(self) -> dict[str, Any]:
         return self.call({"op": "status"})
 
+    def wait_for_mode(self, mode: str, timeout: float) -> None:
+        """Wait until the coordinator allots one of this node's datasets ``mode`` (the
+        cycles are another process's state: polled); RuntimeError after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            cycles = self.call({"op": "cluster"})["cycles"]
+            if any(c["mode"] == mode for c in cycles.values()):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no dataset was allotted {mode} within {timeout:g} s: "
+                                   f"{cycles}")
+            time.sleep(0.1)
+
     def stop(self) -> int:
         """SIGTERM and wait; return the exit status (the mount is gone afterwards)."""
         rc = terminate(self.proc)

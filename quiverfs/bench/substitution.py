@@ -323,7 +323,7 @@ def run_cached(data: Dataset, proxy: ThrottleProxy, size: Size, workdir: str
                               EPOCH_TIMEOUT) as jobs:
                 replies = [run_epoch(jobs, EPOCH_TIMEOUT)[0][0]]  # the warm-up
                 if mode == "sub":  # it told the coordinator of the job: it allots full
-                    _wait_for_full(m)
+                    m.wait_for_mode("full", MODE_TIMEOUT)
                 replies += [run_epoch(jobs, EPOCH_TIMEOUT)[0][0]
                             for _ in range(size.cached_epochs - 1)]
                 status = m.status()
@@ -341,20 +341,6 @@ def run_cached(data: Dataset, proxy: ThrottleProxy, size: Size, workdir: str
     shutil.rmtree(os.path.join(workdir, "cached-cache"), ignore_errors=True)
     return {"cache_bytes": cache_bytes, "epochs": size.cached_epochs, "runs": runs,
             "sub_vs_exact": runs["sub"]["items_per_s"] / runs["lru"]["items_per_s"]}
-
-
-def _wait_for_full(m: MountdProcess) -> None:
-    """Wait until mountd's one dataset is allotted ``full`` (the cached configuration
-    measures that mode: its first epoch may run before the allotment)."""
-    deadline = time.monotonic() + MODE_TIMEOUT
-    while True:
-        cycles = m.call({"op": "cluster"})["cycles"]
-        if any(c["mode"] == "full" for c in cycles.values()):
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the cached dataset was not allotted full within "
-                               f"{MODE_TIMEOUT:g} s: {cycles}")
-        time.sleep(0.1)
 
 
 # -- order statistics ------------------------------------------------------------------
