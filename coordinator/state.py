@@ -324,10 +324,10 @@ class CoordinatorState:
             cycle.evicted(victim)
             changed = True
         if ds.mode is CacheMode.COOP:
-            for chunk in cycle.start_loading():
+            for chunk in cycle.start_loading(refs):
                 ds.loaders[chunk], ds.done[chunk] = users, set()
                 changed = True
-            changed |= cycle.mark() is not None
+            changed |= cycle.mark(refs) is not None
         return changed
 
     def _ask_for_probe(self, ds: DatasetState, now: float) -> None:

@@ -80,6 +80,7 @@ class ChunkLoader:
                     log.info("job %s: probe %d of %d batches", job.id, seq,
                              view.probe_batches)
             for load in view.loads:
+                group.kept[group.plan.members[load.chunk]] = False  # resident again
                 if me in load.loaders and load not in group.loaded:
                     self._spawn(group, f"load {load.chunk}", load.chunk, load.loaders, load)
             if previous is not None:
@@ -129,13 +130,18 @@ class ChunkLoader:
             group.busy.discard(name)
 
     async def _evict_local(self, group: DatasetJobs, chunk: int) -> None:
-        """Drop this node's copies of an evicted chunk (keeping items whose content a
-        resident chunk shares, and hits that manifests promised and were not read yet:
-        the store's LRU drops those later)."""
+        """Drop this node's copies of an evicted chunk, keeping items whose content a
+        resident chunk shares, hits that manifests promised and were not read yet, and
+        (up to half the chunk) items that view jobs released it with and still need in
+        their passes: the store's LRU drops those later."""
         view, digest, store = group.view, group.ds.digest, self.reader.store
+        members = group.plan.members[chunk]
+        kept = members[group.kept_at_eviction(members)][:len(members) // 2]
+        group.kept[kept] = True
 
         def drop() -> None:
             keep = {digest.hash(int(i)) for c in view.resident for i in group.plan.members[c]}
+            keep.update(digest.hash(int(i)) for i in kept)
             for h in (digest.hash(int(i)) for i in group.plan.members[chunk]):
                 if h not in keep and not self.reader.staging.awaiting_read(h):
                     store.discard(h)

@@ -33,6 +33,9 @@ class DatasetJobs:
         self.busy: set[str] = set()  # load tasks running, by key
         self.version = -1  # membership version of the last refill
         self.changed = trio.Event()  # set (and replaced) when the cycle moves
+        # items kept in the store when their chunk was evicted, for view jobs that had
+        # not been served them yet (until the chunk loads again)
+        self.kept = np.zeros(len(self.plan.chunk_of), dtype=bool)
         # (the loads it was computed for, others_loading's mask)
         self._others: tuple[tuple[LoadedShare, ...], np.ndarray] | None = None
 
@@ -66,6 +69,14 @@ class DatasetJobs:
         held_marked = marked is not None and ref.remaining_chunks[marked] > 0
         np.subtract.at(ref.remaining_chunks, self.plan.chunk_of[items], 1)
         return held_marked and not ref.remaining_chunks[marked]
+
+    def kept_at_eviction(self, items: np.ndarray) -> np.ndarray:
+        """Which of an evicted chunk's ``items`` a job here wants kept: a view job's
+        items it has not been served in its current pass."""
+        kept = np.zeros(len(items), dtype=bool)
+        for job in self.jobs.values():
+            kept |= job.kept_for(items)
+        return kept
 
     def others_loading(self, me: str) -> np.ndarray | None:
         """A mask over all items: those of the loading chunks that other nodes load (by

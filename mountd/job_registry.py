@@ -245,6 +245,12 @@ class Job:
                          probe_seq=self.probe.seq, t_miss=t_miss, t_hit=t_hit,
                          probing=self.probe.active)
 
+    @staticmethod
+    def kept_for(items: np.ndarray) -> np.ndarray:
+        """Which of an evicted chunk's ``items`` to keep for the job: none, as a sampler
+        job takes hits only from the chunks it may use."""
+        return np.zeros(len(items), dtype=bool)
+
     def benefit(self) -> dict[str, Any]:
         """t_miss and t_hit (seconds per batch) as the last complete probe measured them."""
         t_miss, t_hit = self.probe.measured or (None, None)

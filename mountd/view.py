@@ -39,7 +39,6 @@ from mountd.dataset_jobs import DatasetJobs
 from mountd.item_reader import ItemReader
 from mountd.job_registry import JobRegistry
 from mountd.read_stats import FetchCause
-from mountd.substitution import EpochSampler, advance
 from quiverfs.chunk_cycle import EpochRef
 from quiverfs.digest import Digest
 from quiverfs.heartbeat import CacheMode, JobReport, to_wire
@@ -58,6 +57,12 @@ SWEEP_EVERY = 5.0  # seconds between looks for jobs whose processes are gone
 MAX_IDENTITIES = 4096  # reader pids whose job identity is remembered
 MAX_PGIDS = 64  # process groups remembered per job (it ends when all of them are gone)
 JOB_ENV = "QUIVER_JOB"
+# A job counts as done with a chunk once at most this share of the chunk's items is left
+# for it there. Its pools are read at random rates, so waiting for the last items of
+# its slowest pool would hold back the cycle for all; what is left is served from the
+# items kept when the chunk is evicted, or read as misses.
+SCRAPS = 0.1
+LOOKUP_BLOCK = 4 * POOL_BATCH  # pending items of a pool looked up in the store at once
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 
@@ -104,18 +109,36 @@ class Choice:
 
 
 class _PoolPass:
-    """A job's current pass over one pool: its sampler, and items chosen not yet served."""
+    """A job's current pass over one pool: which of its items the job has not been
+    served yet, and items chosen not yet served."""
 
-    def __init__(self, number: int, sampler: EpochSampler) -> None:
+    def __init__(self, number: int, members: np.ndarray, rng: np.random.Generator) -> None:
         self.number = number
-        self.sampler = sampler
+        self.members = members  # the pool's items, ascending
+        self.visit = rng.permutation(len(members))  # this pass's random order (positions)
+        self.pending = np.ones(len(members), dtype=bool)
         self.queue: collections.deque[Choice] = collections.deque()
-        self.lock = trio.Lock()  # one planning at a time: the sampler is a generator
+        self.lock = trio.Lock()  # one planning at a time
+
+    def pending_items(self) -> np.ndarray:
+        """The items not yet served in this pass, in its random order."""
+        return self.members[self.visit[self.pending[self.visit]]]
+
+    def needs(self, items: np.ndarray) -> np.ndarray:
+        """Which of ``items`` (all of this pool) are not yet served in this pass."""
+        return self.pending[np.searchsorted(self.members, items)]
+
+    def place(self, items: list[int]) -> None:
+        """Hand out ``items``: each at most once per pass."""
+        positions = np.searchsorted(self.members, items)
+        if not self.pending[positions].all() or len(set(items)) < len(items):
+            raise AssertionError("an item was chosen twice in one pass")
+        self.pending[positions] = False
 
     @property
     def used_up(self) -> bool:
         """Every item handed out (a planning under way may still be queueing some)."""
-        return not self.queue and not self.sampler.remaining and not self.lock.locked()
+        return not self.queue and not self.pending.any() and not self.lock.locked()
 
 
 class ViewJob:
@@ -131,6 +154,8 @@ class ViewJob:
         self.seed = int.from_bytes(hashlib.sha256(job_id.encode()).digest()[:8], "little")
         generation = group.view.generation if group.view is not None else 0
         self.ref = EpochRef(generation, np.zeros(group.plan.n_chunks, dtype=np.int64))
+        sizes = np.bincount(group.plan.chunk_of, minlength=group.plan.n_chunks)
+        self.scraps = np.floor(SCRAPS * sizes).astype(np.int64)  # per chunk
         self.pools: dict[int, _PoolPass] = {}
         self.pgids: set[int] = set()  # process groups seen opening for it
         self.counters: collections.Counter[str] = collections.Counter()
@@ -140,7 +165,7 @@ class ViewJob:
         """What the coordinator needs: its passes stand for an epoch; never probed (its
         reads are not timed per batch)."""
         return JobReport(id=self.id, gen=self.ref.started_generation, gpus=1,
-                         remaining=tuple(int(n) for n in self.ref.remaining_chunks),
+                         remaining=tuple(int(n) for n in self.left()),
                          probe_seq=0, probeable=False)
 
     def stats(self) -> dict[str, Any]:
@@ -156,18 +181,41 @@ class ViewJob:
             return current
         number = 0 if current is None else current.number + 1
         members = self.ds.pools.members[pool]
-        order = members[np.random.default_rng([self.seed, pool, number])
-                        .permutation(len(members))]
+        rng = np.random.default_rng([self.seed, pool, number])
         plan = self.group.plan
-        sampler = EpochSampler(order, POOL_BATCH, seed=self.seed + number,
-                               chunk_of=plan.chunk_of)
         self.ref.remaining_chunks += np.bincount(plan.chunk_of[members],
                                                  minlength=plan.n_chunks)
         if self.group.view is not None:
             self.ref.started_generation = self.group.view.generation
         self.counters["passes"] += 1
-        self.pools[pool] = made = _PoolPass(number, sampler)
+        self.pools[pool] = made = _PoolPass(number, members, rng)
         return made
+
+    def left(self) -> np.ndarray:
+        """Per chunk, the items the job still needs there as the cycle counts them: none
+        where only its scraps are left (SCRAPS)."""
+        left = self.ref.remaining_chunks.copy()
+        left[left <= self.scraps] = 0
+        return left
+
+    def holds_marked(self) -> bool:
+        """Whether the job holds back the marked chunk's eviction."""
+        view = self.group.view
+        return (view is not None and view.marked is not None
+                and self.ref.started_generation < view.marked_generation
+                and bool(self.left()[view.marked]))
+
+    def kept_for(self, items: np.ndarray) -> np.ndarray:
+        """Which of an evicted chunk's ``items`` the job has not been served in its
+        current passes (it released the chunk with them left: SCRAPS)."""
+        out = np.zeros(len(items), dtype=bool)
+        pools = self.ds.pools.pool_of[items]
+        for pool in np.unique(pools):
+            current = self.pools.get(int(pool))
+            if current is not None and not current.used_up:
+                mine = pools == pool
+                out[mine] = current.needs(items[mine])
+        return out
 
 
 class ViewJobs:
@@ -268,7 +316,7 @@ class ViewJobs:
                 choice = current.queue.popleft()
                 break
             async with current.lock:
-                if not current.queue and current.sampler.remaining:
+                if not current.queue and current.pending.any():
                     await self._plan_for_open(job, current)
         job.counters["opens"] += 1
         job.counters["hits" if choice.hit else "misses"] += 1
@@ -277,61 +325,89 @@ class ViewJobs:
 
     async def _plan_for_open(self, job: ViewJob, current: _PoolPass) -> None:
         """Queue what the next opens of a pool get: cached items of the job's pass, or
-        where there are none, one miss. In coop mode, where the usable chunks (loaded or
-        loading) hold no item of the pool that the pass still needs, the job first waits
-        (at most CHUNK_WAIT) for the cycle to bring some: a miss then would be a bucket
-        read that no other job shares. A job that holds back the marked chunk never
-        waits: the cycle waits for its reads."""
-        group, ref, started = job.group, job.ref, trio.current_time()
+        where there are none, one miss. In coop mode, while the cycle moves and will
+        bring items of the pool the pass still needs, a job that finds none cached first
+        waits for it (at most CHUNK_WAIT): a miss then would be a bucket read that no
+        other job shares. A job that holds back the marked chunk never waits: the cycle
+        waits for its reads."""
+        started = trio.current_time()
         with trio.move_on_after(CHUNK_WAIT):
-            while group.mode is CacheMode.COOP and group.view is not None:
-                usable, marked = group.usable(ref), group.view.marked
-                if (any(len(current.sampler.pending_in(c)) for c in usable)
-                        or marked in usable and ref.remaining_chunks[marked] > 0):
-                    break
-                await group.changed.wait()
+            while not await self._plan(job, current, may_miss=not self._should_wait(
+                    job, current)):
+                await job.group.changed.wait()
         job.counters["chunk_wait_s"] += trio.current_time() - started
-        await self._plan(job, current)
+        if not current.queue and current.pending.any():
+            await self._plan(job, current, may_miss=True)
 
-    async def _plan(self, job: ViewJob, current: _PoolPass) -> None:
-        """Choose the next items of a pool pass: up to POOL_BATCH cached ones, from the
-        oldest usable chunk first; where none is cached, one miss (the chunks that come
-        soonest first: ``_ahead``)."""
-        group, ref, digest = job.group, job.ref, job.ds.digest
+    @staticmethod
+    def _should_wait(job: ViewJob, current: _PoolPass) -> bool:
+        """Whether a pass with nothing cached should wait for the cycle rather than
+        miss: the cycle moves (a chunk is marked or loading), the job does not hold it
+        back, and no item it still needs is in a resident chunk (loading, or culled)."""
+        group = job.group
+        view = group.view
+        return (group.mode is CacheMode.COOP and view is not None
+                and (view.marked is not None or bool(view.loading))
+                and not job.holds_marked()
+                and not np.isin(group.plan.chunk_of[current.pending_items()],
+                                view.resident).any())
 
-        async def is_cached(items: np.ndarray) -> np.ndarray:
-            # Any item the store holds is a hit, whichever chunk it is of: the open reads
-            # it now (a manifest's hits are read later, so the sampler takes them only
-            # from the chunks that stay resident until then).
-            return np.asarray(await self.bulk.held([digest.hash(int(i)) for i in items]))
-
-        ahead = self._ahead(group, ref)
-        steps = current.sampler.planning(lambda items: -ahead[group.plan.chunk_of[items]],
-                                         group.oldest_usable(ref), partial=True)
-        limiter = self.reader.limiter
-        items, batch = await trio.to_thread.run_sync(advance, steps, None, limiter=limiter)
-        while batch is None:
-            items, batch = await trio.to_thread.run_sync(advance, steps,
-                                                         await is_cached(items),
-                                                         limiter=limiter)
-        if group.take(ref, batch.items):
+    async def _plan(self, job: ViewJob, current: _PoolPass, may_miss: bool) -> bool:
+        """Choose the next items of a pool pass: up to POOL_BATCH cached ones (those
+        kept from evicted chunks first, then the resident chunks' from the oldest);
+        where none is cached and ``may_miss``, one miss (from the chunks the cycle
+        brings soonest: ``_ahead``). False where it chose nothing."""
+        group, digest = job.group, job.ds.digest
+        chunk_of = group.plan.chunk_of
+        view = group.view
+        pending = current.pending_items()
+        ahead = self._ahead(group, job.ref)
+        # The order to look items up in; items of chunks further than the horizon ahead
+        # are not cached (unless kept at an eviction) and are not looked up.
+        horizon = len(view.resident) if view is not None else 0
+        chunks = chunk_of[pending]
+        rank = ahead[chunks]
+        if view is not None and group.mode is CacheMode.COOP:
+            position = np.zeros(group.plan.n_chunks, dtype=np.int64)
+            position[list(view.resident)] = np.arange(len(view.resident)) - horizon
+            resident = np.isin(chunks, view.resident)
+            rank[resident] = position[chunks[resident]]  # the oldest resident first
+        rank[group.kept[pending]] = -horizon - 1
+        looked = np.argsort(rank, kind="stable")
+        candidates = pending[looked[rank[looked] <= horizon]]
+        hits: list[int] = []
+        for start in range(0, len(candidates), LOOKUP_BLOCK):
+            block = candidates[start:start + LOOKUP_BLOCK]
+            held = await self.bulk.held([digest.hash(int(i)) for i in block])
+            hits.extend(int(i) for i, h in zip(block, held) if h)
+            if len(hits) >= POOL_BATCH:
+                break
+        hits, fetch = hits[:POOL_BATCH], []
+        if not hits:
+            if not may_miss:
+                return False
+            fetch = [int(pending[np.argmin(ahead[chunk_of[pending]])])]
+        current.place(hits + fetch)
+        holder = job.holds_marked()
+        group.take(job.ref, hits + fetch)
+        if holder and not job.holds_marked():
             self.cluster.poke()  # this job released the marked chunk
-        horizon = len(group.view.resident) if group.view is not None else 0
 
         def choice(i: int, hit: bool) -> Choice:
             """How the item is read should it miss (a hit may be evicted first)."""
             if group.mode is not CacheMode.COOP:
                 return Choice(i, hit, FetchCause.COOP_MISS, group.mode is CacheMode.FULL)
-            if ahead[group.plan.chunk_of[i]] <= horizon:
+            if ahead[chunk_of[i]] <= horizon:
                 # the cycle loads it soon: kept, the other jobs hit it meanwhile, and the
                 # loader finds it held
                 return Choice(i, hit, FetchCause.COOP_MISS, True)
             # read once, not cached: it would push out what the cycle brought in
             return Choice(i, hit, FetchCause.STAGED_MISS, False)
 
-        current.queue.extend(choice(i, True) for i in batch.hits)
-        current.queue.extend(choice(i, False) for i in batch.fetch)
-        self.reader.staging.planned([digest.hash(i) for i in batch.hits])
+        current.queue.extend(choice(i, True) for i in hits)
+        current.queue.extend(choice(i, False) for i in fetch)
+        self.reader.staging.planned([digest.hash(i) for i in hits])
+        return True
 
     @staticmethod
     def _ahead(group: DatasetJobs, ref: EpochRef) -> np.ndarray:

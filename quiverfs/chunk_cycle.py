@@ -8,6 +8,11 @@ is marked for eviction: from then on it is usable only by job-epochs that starte
 before the mark. A marked chunk is evicted once no such job-epoch has items left in it,
 or by force ``force_after`` seconds after the first of them finished it; that frees
 room for the next load. Double buffering is the case K = 2.
+
+The cycle follows what the job-epochs still need: it loads next the first chunk in
+ring order that one of them has items left in, and it stops (marks nothing) while none
+of them needs a chunk that is not resident: a chunk loaded then would be evicted
+unread. It goes on when an epoch starts, with the resident chunks in place.
 """
 from __future__ import annotations
 
@@ -75,12 +80,28 @@ class ChunkCycle:
     def resident_count(self) -> int:
         return len(self.resident)
 
-    def start_loading(self) -> list[int]:
-        """Begin loading the next chunks while there is room; the chunks started."""
+    def _needed(self, refs: list[EpochRef]) -> list[int]:
+        """The chunks not resident that some job-epoch has items left in, in ring order
+        from the next one."""
+        import numpy as np  # here: the command line imports this module, and numpy is slow
+
+        if not refs:
+            return []
+        left = np.sum([r.remaining_chunks for r in refs], axis=0)
+        ring = [(self.next + k) % self.n_chunks for k in range(self.n_chunks)]
+        return [c for c in ring if left[c] and self.states[c] is ChunkState.EVICTED]
+
+    def start_loading(self, refs: list[EpochRef] | None = None) -> list[int]:
+        """Begin loading the next chunks while there is room; the chunks started. With
+        ``refs``, chunks no job-epoch needs are passed over while others are needed."""
         started = []
         while (len(self.resident) < min(self.capacity, self.n_chunks)
                and len(self.loading) < self.max_loading
                and self.states[self.next] is ChunkState.EVICTED):
+            if refs:
+                needed = self._needed(refs)
+                if needed:
+                    self.next = needed[0]
             chunk = self.next
             self.next = (self.next + 1) % self.n_chunks
             self.resident.append(chunk)
@@ -93,14 +114,17 @@ class ChunkCycle:
         if self.states[chunk] is ChunkState.LOADING:
             self._set(chunk, ChunkState.ACTIVE)
 
-    def mark(self) -> int | None:
+    def mark(self, refs: list[EpochRef] | None = None) -> int | None:
         """Mark the oldest loaded chunk for eviction when the cycle is full (or over its
         capacity) and no chunk is marked; the chunk marked, if any. The cycle keeps one
-        loaded chunk unmarked, and never marks when the whole dataset fits."""
+        loaded chunk unmarked, and never marks when the whole dataset fits, nor, with
+        ``refs``, while they need no chunk that is not resident."""
         active = self.active
         full = len(self.resident) >= min(self.capacity, self.n_chunks)
         if (self.marked is not None or len(active) < 2 or not full
                 or self.n_chunks <= self.capacity):
+            return None
+        if refs is not None and refs and not self._needed(refs):
             return None
         self.marked = active[0]
         self.generation += 1

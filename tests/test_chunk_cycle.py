@@ -82,6 +82,32 @@ def test_double_buffering_is_k_equal_two():
     assert cycle.resident == [1, 2] and cycle.loading == [2] and cycle.marked is None
 
 
+def test_the_cycle_loads_what_jobs_still_need_and_stops_while_they_need_nothing_else():
+    cycle = ChunkCycle(8, capacity=2)
+    left = np.zeros(8, dtype=np.int64)
+    left[[0, 1, 5]] = 3  # a job-epoch has items left in chunks 0, 1 and 5 only
+    job = EpochRef(cycle.generation, left)
+    cycle.start_loading([job])
+    assert cycle.resident == [0, 1]
+    for chunk in (0, 1):
+        cycle.loaded(chunk)
+    assert cycle.mark([job]) == 0  # chunk 5 is needed: the cycle goes on
+    job.started_generation = cycle.marked_generation - 1  # it began before the mark
+    job.remaining_chunks[0] = 0
+    assert cycle.evictable([job], now=0.0) == 0
+    cycle.evicted(0)
+    assert cycle.start_loading([job]) == [5]  # chunks 2 to 4 are passed over
+    cycle.loaded(5)
+    job.remaining_chunks[5] = 0
+    assert cycle.mark([job]) is None  # nothing needed outside the resident chunks
+    assert cycle.resident == [1, 5] and cycle.marked is None
+    job.remaining_chunks[:] = 1  # the next epoch began: the cycle goes on
+    assert cycle.mark([job]) == 1 and cycle.start_loading([job]) == []
+    cycle.evicted(1)
+    assert cycle.start_loading([job]) == [6]  # the ring from where it stood
+    assert cycle.start_loading() == []  # (full: ring order without jobs is as before)
+
+
 def test_a_dataset_that_fits_is_never_marked():
     cycle = ChunkCycle(3, capacity=5)
     for _ in range(4):

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 import wave
 
 import numpy as np
@@ -19,7 +20,8 @@ import torchvision
 from quiverfs import digest as digest_format
 from quiverfs.bench.processes import MountdProcess
 from quiverfs.errors import QuietError
-from mountd.view import ViewPools, identity_from
+from mountd.view import ViewJob, ViewPools, identity_from
+from quiverfs.chunk_plan import make_plan
 from quiverfs.torch import QuiverBatchSampler
 from tests.mountd_helpers import make_digest, mount, mountd_factory  # noqa: F401
 
@@ -273,3 +275,30 @@ def test_pools_are_a_folder_and_an_extension_and_unlabelled_items_stand_alone():
     groups = sorted(sorted(d.path(int(i)) for i in m) for m in pools.members)
     assert groups == [["README"], ["a/1.jpg", "a/2.JPG"], ["a/3.json"], ["b/1.jpg"],
                       ["b/sub/1.jpg", "b/sub/2.jpg"], ["top.jpg"]]
+
+
+def test_a_pass_hands_out_each_item_once_and_a_chunk_with_only_scraps_left_counts_as_done():
+    items = [digest_format.NewItem(f"{c}/{k}.jpg", hashlib.sha256(f"{c}{k}".encode()).digest(),
+                                   10)
+             for c in ("a", "b") for k in range(50)]
+    d = digest_format.decode(digest_format.encode("t", "file:///x", items))
+    plan = make_plan(d, 200)  # 5 chunks of 20 items
+    group = types.SimpleNamespace(plan=plan, view=None)
+    ds = types.SimpleNamespace(pools=ViewPools.of(d), name="t")
+    job = ViewJob("view:t:0:env:x", ds, 0, "env:x", group)
+    a = job.pass_of(0)
+    assert job.ref.remaining_chunks.sum() == 50 and not job.kept_for(np.arange(50, 100)).any()
+    served = []
+    while a.pending.any():
+        batch = [int(i) for i in a.pending_items()[:7]]
+        a.place(batch)
+        job.ref.remaining_chunks -= np.bincount(plan.chunk_of[batch], minlength=5)
+        served += batch
+        with pytest.raises(AssertionError):
+            a.place(batch[:1])  # never twice in a pass
+        left = job.ref.remaining_chunks
+        # a chunk counts as done for the cycle once at most a tenth of it is left
+        assert (job.left() == np.where(left <= 2, 0, left)).all()
+    assert sorted(served) == sorted(int(i) for i in ds.pools.members[0])
+    assert a.used_up and job.pass_of(0) is not a and job.pass_of(0).number == 1
+    assert job.kept_for(np.arange(0, 100)).sum() == 50  # the new pass needs all of pool a
