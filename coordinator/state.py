@@ -318,16 +318,21 @@ class CoordinatorState:
                 changed = True
         if not users:
             return changed
-        refs = [j.epoch_ref() for r in ds.reports.values() for j in r.jobs]
+        jobs = [j for r in ds.reports.values() for j in r.jobs]
+        refs = [j.epoch_ref() for j in jobs]
         victim = cycle.evictable(refs, now)
         if victim is not None:
             cycle.evicted(victim)
             changed = True
         if ds.mode is CacheMode.COOP:
-            for chunk in cycle.start_loading(refs):
+            # With a view's jobs, the cycle follows what the jobs need (a view's job
+            # releases chunks with scraps left, so the ring alone would outrun its
+            # passes); the sampler's jobs alone keep the ring order (docs/view.md).
+            needs = refs if any(j.view for j in jobs) else None
+            for chunk in cycle.start_loading(needs):
                 ds.loaders[chunk], ds.done[chunk] = users, set()
                 changed = True
-            changed |= cycle.mark(refs) is not None
+            changed |= cycle.mark(needs) is not None
         return changed
 
     def _ask_for_probe(self, ds: DatasetState, now: float) -> None:

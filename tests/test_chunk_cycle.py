@@ -206,3 +206,28 @@ def test_one_job_of_a_dataset_is_probed_at_a_time(tmp_path):
     assert probes(5.0, j0=(1, False), j1=(1, False)) == {"j0": 1, "j1": 1, "j2": 1}
     assert probes(6.0, j0=(1, False), j1=(1, False), j2=(1, False)) == {
         "j0": 1, "j1": 1, "j2": 1}  # each probed once until REPROBE_AFTER
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_with_a_views_job_the_coordinator_loads_only_chunks_jobs_still_need(tmp_path, view):
+    state = CoordinatorState(str(tmp_path), heartbeat_timeout=60.0, probe_batches=0)
+    remaining = (5,) * 6 + (0,) * 14  # the job needs chunks 0 to 5 only
+
+    def heartbeat(loaded: tuple[LoadedShare, ...], now: float):
+        job = JobReport(id="j0", gen=0, gpus=1, remaining=remaining, probe_seq=0,
+                        probeable=not view, view=view)
+        report = DatasetReport(name="ds", chunks=20, size=20_000, chunk_bytes=1000,
+                               loaded=loaded, jobs=(job,))
+        beat = Heartbeat("a", "127.0.0.1:1", 8000, {"ident": report})
+        return state.heartbeat(beat, now=now).cycles["ident"]
+
+    cycle = heartbeat((), 1.0)
+    loaded = tuple(cycle.loads)
+    for t in range(2, 12):
+        cycle = heartbeat(loaded, float(t))
+        loaded = loaded + cycle.loads
+    assert len(cycle.resident) == 6
+    if view:  # all it needs is resident: nothing is marked, the cycle waits
+        assert sorted(cycle.resident) == list(range(6)) and cycle.marked is None
+    else:  # the sampler's jobs alone: the ring order, as before
+        assert cycle.marked == cycle.resident[0]
