@@ -182,8 +182,7 @@ class EpochSampler:
         return hits
 
     def planning(self, prefer: Callable[[np.ndarray], np.ndarray] | None = None,
-                 first_chunk: int | None = None, probe: bool = False,
-                 partial: bool = False) -> Planning[Batch]:
+                 first_chunk: int | None = None, probe: bool = False) -> Planning[Batch]:
         """Plan the next batch, as a generator: it yields blocks of candidate items and
         is sent back which of them may be served as hits (cached, or held by their
         owner); it returns the Batch. The caller asks the store in between, so no
@@ -194,11 +193,7 @@ class EpochSampler:
         A ``probe`` batch takes no hits: its ``fetch`` items are pending items that are
         not cached, ``prefer`` ranks first (misses the cache needs anyway, which other
         jobs then hit), and only where too few of those turn up, its ``hits`` are other
-        pending items, cached or not looked up, to be read as misses all the same.
-
-        A ``partial`` batch is the hits found, however few, or where there are none, one
-        miss (the substitutable view plans for one open at a time: a miss it does not
-        need yet would be a bucket read the chunk cycle may spare it)."""
+        pending items, cached or not looked up, to be read as misses all the same."""
         if not self._remaining:
             raise IndexError("the epoch has no more batches")
         need = min(self.batch_size, self._remaining)
@@ -229,8 +224,6 @@ class EpochSampler:
             hits.extend(self.order[positions[hit_at]].tolist())
         if scanned:
             self._hit_rate = (1 - EWMA) * self._hit_rate + EWMA * (len(hits) / scanned)
-        if partial:
-            need = max(1, len(hits))
         fetch = self._choose_misses(need - len(hits), prefer)
         self.hits += len(hits)
         self.all_hits = not passed and not fetch
