@@ -18,7 +18,7 @@ def own_cpu_seconds() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
-def _busy_seconds() -> float:
+def machine_busy_seconds() -> float:
     """CPU seconds the whole machine has been busy (not idle or waiting for I/O)."""
     with open("/proc/stat", encoding="ascii") as f:
         fields = [int(x) for x in f.readline().split()[1:]]
@@ -33,10 +33,10 @@ class BackgroundCpu:
 
     def __enter__(self) -> BackgroundCpu:
         self.started = time.perf_counter()
-        self.busy0, self.own0 = _busy_seconds(), own_cpu_seconds()
+        self.busy0, self.own0 = machine_busy_seconds(), own_cpu_seconds()
         return self
 
     def __exit__(self, *exc: object) -> None:
         wall = time.perf_counter() - self.started
-        others = (_busy_seconds() - self.busy0) - (own_cpu_seconds() - self.own0)
+        others = (machine_busy_seconds() - self.busy0) - (own_cpu_seconds() - self.own0)
         self.cores = max(0.0, others / wall)

@@ -41,7 +41,21 @@ _LAUNCHER = """
 import sys
 from gcp_storage_emulator import __main__ as cli, storage
 storage.Storage._write_config_to_file = lambda self: None
-cli.main(sys.argv[1:])
+{concurrent}cli.main(sys.argv[1:])
+"""
+# The emulator serves one request at a time (http.server.HTTPServer, with a listen
+# backlog of 5) and closes the connection after each (HTTP/1.0), where a bucket serves
+# many at once over kept-alive connections: a benchmark of how fast requests can be made
+# asks for that, a thread per connection and a backlog that takes a burst of them.
+# (Without TCP_NODELAY, kept-alive responses would wait out the client's delayed ACK.)
+_CONCURRENT = """
+from http import server
+import gcp_storage_emulator.server as emulator_server
+class ThreadingServer(server.ThreadingHTTPServer):
+    request_queue_size = 256
+emulator_server.server.HTTPServer = ThreadingServer
+emulator_server.RequestHandler.protocol_version = "HTTP/1.1"
+emulator_server.RequestHandler.disable_nagle_algorithm = True
 """
 
 
@@ -96,12 +110,13 @@ def _stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
-def _start(log_file: int) -> Emulator | None:
+def _start(log_file: int, concurrent: bool, niceness: int) -> Emulator | None:
     """Start one emulator; None if it died or never answered (e.g. its port was taken)."""
     host = f"http://127.0.0.1:{_free_port()}"
     port = host.rsplit(":", 1)[1]
+    launcher = _LAUNCHER.format(concurrent=_CONCURRENT if concurrent else "")
     process = subprocess.Popen(
-        [sys.executable, "-c", _LAUNCHER, "start", "--host", "127.0.0.1", "--port", port,
+        ["nice", "-n", str(niceness), sys.executable, "-c", launcher, "start", "--host", "127.0.0.1", "--port", port,
          "--in-memory", "--quiet"],
         stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file)
     deadline = time.monotonic() + START_TIMEOUT
@@ -115,14 +130,16 @@ def _start(log_file: int) -> Emulator | None:
 
 
 @contextlib.contextmanager
-def running_emulator() -> Iterator[Emulator]:
-    """Start an in-memory GCS emulator, yield it, and always stop and reap it."""
+def running_emulator(concurrent: bool = False, niceness: int = 0) -> Iterator[Emulator]:
+    """Start an in-memory GCS emulator, yield it, and always stop and reap it;
+    ``concurrent``: one serving requests in parallel, as a bucket does; ``niceness``:
+    its scheduling priority (a bucket elsewhere takes no CPU from this machine)."""
     if not emulator_available():
         raise QuietError("gcp-storage-emulator is not installed: pip install "
                          "gcp-storage-emulator", ExitCode.NOT_FOUND)
     with tempfile.TemporaryFile(prefix="quiver-gcs-emulator-") as log_file:
         for _ in range(START_ATTEMPTS):
-            emulator = _start(log_file.fileno())
+            emulator = _start(log_file.fileno(), concurrent, niceness)
             if emulator is not None:
                 break
         else:
