@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 HIT_RECORD_INTERVAL = 1.0  # seconds between writes of LRU recency to the store
 READAHEAD_KB = 1024  # the kernel reads items up to this size in one FUSE READ
 MAX_BACKGROUND = 64  # readaheads the kernel keeps in flight to mountd
+FUSECTL = "/sys/fs/fuse/connections"  # the FUSE control filesystem
 
 
 @dataclasses.dataclass
@@ -211,7 +212,8 @@ class Mountd:
         device = mount_device(self.root)
         settings = {f"/sys/class/bdi/{device}/read_ahead_kb": READAHEAD_KB}
         if device is not None:
-            connection = f"/sys/fs/fuse/connections/{device.split(':')[1]}"
+            await trio.to_thread.run_sync(_mount_fusectl, limiter=self.limiter)
+            connection = f"{FUSECTL}/{device.split(':')[1]}"
             settings[f"{connection}/max_background"] = MAX_BACKGROUND
             settings[f"{connection}/congestion_threshold"] = MAX_BACKGROUND * 3 // 4
         for path, value in settings.items():
@@ -233,6 +235,17 @@ class Mountd:
                 log.info("%s: unmounting", signal.Signals(signum).name)
                 self._terminated = True
                 pyfuse3.terminate()
+
+
+def _mount_fusectl() -> None:
+    """Mount the FUSE control filesystem, which holds each connection's settings, where
+    nothing has (systemd does at boot; a container or a minimal VM may not)."""
+    if os.path.ismount(FUSECTL) or not os.path.isdir(FUSECTL):
+        return
+    done = subprocess.run(["mount", "-t", "fusectl", "fusectl", FUSECTL],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        log.info("cannot mount %s: %s", FUSECTL, done.stderr.strip() or done.returncode)
 
 
 def _write_text(path: str, text: str) -> None:
