@@ -242,8 +242,12 @@ def _mount_fusectl() -> None:
     nothing has (systemd does at boot; a container or a minimal VM may not)."""
     if os.path.ismount(FUSECTL) or not os.path.isdir(FUSECTL):
         return
-    done = subprocess.run(["mount", "-t", "fusectl", "fusectl", FUSECTL],
-                          capture_output=True, text=True, check=False)
+    try:
+        done = subprocess.run(["mount", "-t", "fusectl", "fusectl", FUSECTL],
+                              capture_output=True, text=True, check=False)
+    except OSError as exc:  # no mount(8) on this system
+        log.info("cannot mount %s: %s", FUSECTL, exc.strerror or exc)
+        return
     if done.returncode != 0:
         log.info("cannot mount %s: %s", FUSECTL, done.stderr.strip() or done.returncode)
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import os
+import subprocess
 import time
 
 import pytest
 
-from mountd.daemon import MAX_BACKGROUND, READAHEAD_KB
+from mountd.daemon import FUSECTL, MAX_BACKGROUND, READAHEAD_KB
 from quiverfs.mount_point import mount_device
 from tests.mountd_helpers import make_digest, mount, mountd_factory, tree_hashes  # noqa: F401
 
@@ -96,3 +97,27 @@ def test_a_hit_corrupted_on_disk_after_it_was_served_is_refetched(mountd_factory
     st = m.status()
     assert st["cache"]["corrupt_dropped"] == 1
     assert st["counters"]["bucket_fetches"] == len(rels) + 1
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting the FUSE control filesystem needs root")
+def test_mountd_mounts_the_fuse_control_filesystem_where_nothing_has(mountd_factory):
+    """max_background lives in /sys/fs/fuse/connections, which systemd mounts at boot; a
+    machine without it (a container, this CI's VM) would keep the kernel's 12."""
+    if os.path.ismount(FUSECTL):
+        subprocess.run(["umount", FUSECTL], check=True)
+    assert not os.path.ismount(FUSECTL)
+    m = mountd_factory()
+    setting = f"{FUSECTL}/{mount_device(m.root).split(':')[1]}/max_background"
+
+    def max_background() -> int | None:
+        try:
+            with open(setting, encoding="ascii") as f:
+                return int(f.read())
+        except FileNotFoundError:
+            return None
+
+    deadline = time.monotonic() + 10
+    while max_background() != MAX_BACKGROUND and time.monotonic() < deadline:
+        time.sleep(0.05)  # mountd tunes the connection once the kernel's INIT is answered
+    assert os.path.ismount(FUSECTL)
+    assert max_background() == MAX_BACKGROUND
