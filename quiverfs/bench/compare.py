@@ -530,8 +530,8 @@ def run_config(mode: str, fraction: float | None, jobs: list[JobChild], data: Da
                proxy: ThrottleProxy, size: Size, workdir: str) -> dict[str, Any]:
     """One configuration: ``mode`` with a cache of ``fraction`` of the dataset (None: no
     cache), read by every job in ``jobs``."""
-    # Rounded up: mountd sizes a lone node's chunks at cache / 2.5, and a budget a byte
-    # short of 10% would make 26 chunks instead of 25.
+    # Rounded up: mountd sizes a lone node's chunks at an eighth of its cache, and a
+    # budget a byte short of 10% would make 81 chunks instead of 80.
     cache_bytes = math.ceil(fraction * data.bytes) if fraction is not None else 0
     name = f"{mode}-{round(fraction * 100) if fraction else 0}pct-{len(jobs)}jobs"
     log.info("%s: cache %d bytes", name, cache_bytes)
