@@ -116,8 +116,8 @@ def _start(log_file: int, concurrent: bool, niceness: int) -> Emulator | None:
     port = host.rsplit(":", 1)[1]
     launcher = _LAUNCHER.format(concurrent=_CONCURRENT if concurrent else "")
     process = subprocess.Popen(
-        ["nice", "-n", str(niceness), sys.executable, "-c", launcher, "start", "--host", "127.0.0.1", "--port", port,
-         "--in-memory", "--quiet"],
+        ["nice", "-n", str(niceness), sys.executable, "-c", launcher, "start",
+         "--host", "127.0.0.1", "--port", port, "--in-memory", "--quiet"],
         stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file)
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline and process.poll() is None:
