@@ -188,8 +188,10 @@ def _load_chunks(m: MountdProcess, bucket: Bucket) -> dict[str, Any]:
         spent = _cpu(m, bucket)
     finally:
         job.close()
-    started, first = next((t, n) for t, n in samples if n > 0)
-    ended, fetched = samples[-1]
+    loading = [(t, n) for t, n in samples if n > 0]
+    if not loading:
+        raise RuntimeError("the job's chunks loaded nothing from the bucket")
+    (started, first), (ended, fetched) = loading[0], loading[-1]
     return {"chunk_load_objects": fetched,
             "loader_process_fetches": _counters(m, "loads")["loader_process_fetches"],
             "load_seconds": round(ended - started, 2),
@@ -219,8 +221,8 @@ def _latency(processes: int, bucket: Bucket, hits: Dataset, loads: Dataset, cach
         _mount(m, bucket, "loads", loads)
         paths = [os.path.join(m.root, "hits", p) for p in hits.paths]
         random.Random(0).shuffle(paths)
-        with _reader(paths, passes=1):
-            pass  # fills the store
+        for path in paths:
+            read_dropping_pages(path)  # fills the store
         with _reader(paths, passes=IDLE_PASSES) as idle:
             pass
         misses = _counters(m, "hits")["misses"]
