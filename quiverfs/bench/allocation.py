@@ -477,7 +477,7 @@ def measure(size: Size, workdir: str) -> dict[str, Any]:
     """Upload the datasets; for each workload run no cache, then LRU and Quiver at each of
     its budgets."""
     loads = workloads(size)
-    with running_emulator() as emulator:
+    with running_emulator(concurrent=True) as emulator:
         emulator.create_bucket(BUCKET)
         started = time.monotonic()
         data = _upload(emulator.host, size, workdir)

@@ -403,7 +403,7 @@ def _goals(summary: dict[str, Any]) -> dict[str, bool]:
 def measure(size: Size, workdir: str) -> Measurement:
     """Upload the dataset, run every mode, and summarize."""
     runs: dict[str, ModeRun] = {}
-    with running_emulator() as emulator:
+    with running_emulator(concurrent=True) as emulator:
         emulator.create_bucket(BUCKET)
         started = time.monotonic()
         data = upload_synthetic(emulator.host, BUCKET, DATASET, workdir, size.items,

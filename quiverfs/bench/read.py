@@ -135,7 +135,7 @@ def run(quick: bool, workdir: str) -> dict:
     for r in cold_rels:
         os.makedirs(os.path.dirname(os.path.join(cold_src, r)), exist_ok=True)
         shutil.copyfile(os.path.join(src, r), os.path.join(cold_src, r))
-    with running_emulator() as emu:
+    with running_emulator(concurrent=True) as emu:
         emu.create_bucket("bench")
         upload_tree(emu.host, "bench", "syn", cold_src)
         options = StorageOptions(emulator_host=emu.host)

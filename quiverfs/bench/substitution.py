@@ -569,7 +569,7 @@ def run(quick: bool, workdir: str, size: str | None = None) -> dict[str, Any]:
     """The benchmark; ``size`` ("full", "quick", "tiny") overrides ``quick``."""
     s = SIZES[size or ("quick" if quick else "full")]
     configs: dict[tuple[str, float, int], ConfigRun] = {}
-    with running_emulator() as emulator:
+    with running_emulator(concurrent=True) as emulator:
         emulator.create_bucket(BUCKET)
         data = upload_synthetic(emulator.host, BUCKET, DATASET, workdir, s.items, s.classes,
                                 seed=5)
