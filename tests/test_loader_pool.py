@@ -118,7 +118,7 @@ def test_a_loader_process_stores_only_what_hashes_to_its_digest(tmp_path):
     data = os.urandom(100_000)
     digest = hashlib.sha256(data).digest()
     with pytest.raises(IntegrityError):
-        writer.put(digest, data[:-1] + b"x")
+        writer.put(digest, data[:-1] + bytes([data[-1] ^ 1]))
     writer.put(digest, data)
     writer.release()
     store.stored_elsewhere(digest)
