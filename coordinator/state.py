@@ -318,21 +318,18 @@ class CoordinatorState:
                 changed = True
         if not users:
             return changed
-        jobs = [j for r in ds.reports.values() for j in r.jobs]
-        refs = [j.epoch_ref() for j in jobs]
+        refs = [j.epoch_ref() for r in ds.reports.values() for j in r.jobs]
         victim = cycle.evictable(refs, now)
         if victim is not None:
             cycle.evicted(victim)
             changed = True
         if ds.mode is CacheMode.COOP:
-            # With a view's jobs, the cycle follows what the jobs need (a view's job
-            # releases chunks with scraps left, so the ring alone would outrun its
-            # passes); the sampler's jobs alone keep the ring order (docs/view.md).
-            needs = refs if any(j.view for j in jobs) else None
-            for chunk in cycle.start_loading(needs):
+            # The cycle follows what the jobs still need: in ring order it would load
+            # chunks at an epoch's end that are evicted before anyone reads them.
+            for chunk in cycle.start_loading(refs):
                 ds.loaders[chunk], ds.done[chunk] = users, set()
                 changed = True
-            changed |= cycle.mark(needs) is not None
+            changed |= cycle.mark(refs) is not None
         return changed
 
     def _ask_for_probe(self, ds: DatasetState, now: float) -> None:

@@ -166,7 +166,7 @@ class ViewJob:
         reads are not timed per batch)."""
         return JobReport(id=self.id, gen=self.ref.started_generation, gpus=1,
                          remaining=tuple(int(n) for n in self.left()),
-                         probe_seq=0, probeable=False, view=True)
+                         probe_seq=0, probeable=False)
 
     def stats(self) -> dict[str, Any]:
         return {"job": self.id, "dataset": self.ds.name, "uid": self.uid,

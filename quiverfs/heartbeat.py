@@ -44,7 +44,6 @@ class JobReport:
     t_hit: float | None = None  # seconds per batch with them
     probing: bool = False
     probeable: bool = True  # False: the coordinator never asks to probe it (a view's job)
-    view: bool = False  # a substitutable view's job: the cycle follows what it needs
 
     @property
     def benefit(self) -> float | None:

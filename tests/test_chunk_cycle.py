@@ -208,14 +208,14 @@ def test_one_job_of_a_dataset_is_probed_at_a_time(tmp_path):
         "j0": 1, "j1": 1, "j2": 1}  # each probed once until REPROBE_AFTER
 
 
-@pytest.mark.parametrize("view", [False, True])
-def test_with_a_views_job_the_coordinator_loads_only_chunks_jobs_still_need(tmp_path, view):
+def test_the_coordinator_loads_only_chunks_jobs_still_need(tmp_path):
+    """Once all the jobs need is resident, nothing is marked and the cycle waits, instead of loading chunks that
+    would be evicted unread."""
     state = CoordinatorState(str(tmp_path), heartbeat_timeout=60.0, probe_batches=0)
     remaining = (5,) * 6 + (0,) * 14  # the job needs chunks 0 to 5 only
 
     def heartbeat(loaded: tuple[LoadedShare, ...], now: float):
-        job = JobReport(id="j0", gen=0, gpus=1, remaining=remaining, probe_seq=0,
-                        probeable=not view, view=view)
+        job = JobReport(id="j0", gen=0, gpus=1, remaining=remaining, probe_seq=0)
         report = DatasetReport(name="ds", chunks=20, size=20_000, chunk_bytes=1000,
                                loaded=loaded, jobs=(job,))
         beat = Heartbeat("a", "127.0.0.1:1", 8000, {"ident": report})
@@ -226,8 +226,4 @@ def test_with_a_views_job_the_coordinator_loads_only_chunks_jobs_still_need(tmp_
     for t in range(2, 12):
         cycle = heartbeat(loaded, float(t))
         loaded = loaded + cycle.loads
-    assert len(cycle.resident) == 6
-    if view:  # all it needs is resident: nothing is marked, the cycle waits
-        assert sorted(cycle.resident) == list(range(6)) and cycle.marked is None
-    else:  # the sampler's jobs alone: the ring order, as before
-        assert cycle.marked == cycle.resident[0]
+    assert sorted(cycle.resident) == list(range(6)) and cycle.marked is None
