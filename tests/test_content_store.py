@@ -149,6 +149,48 @@ def test_lru_keeps_recorded_hits(tmp_path):
         store.close()
 
 
+def test_a_store_as_large_as_its_items_holds_them_all(tmp_path):
+    """The bound counts the items' bytes, inline (under DISK_MIN_FILE_SIZE: SQLite's
+    pages hold them with some overhead) and in files alike, and an item that fills it
+    exactly is kept: a cache sized to a dataset holds the whole dataset."""
+    directory = str(tmp_path / "store")
+    items = [item(i, 27_000) for i in range(40)] + [item(i, 40_000) for i in range(40, 50)]
+    limit = sum(len(data) for _, data in items)
+    store = ContentStore(directory, limit)
+    try:
+        for digest, data in items:
+            store.put(digest, data)
+        assert store.volume() == limit and len(store) == len(items)
+        assert all(store.get(digest) == data for digest, data in items)
+        store.put(*item(100, 27_000))  # one more: the least recently used go
+        assert store.volume() <= limit and items[0][0] not in store
+        assert store.get(item(100, 27_000)[0]) is not None
+    finally:
+        store.close()
+    assert_consistent(directory)
+
+
+def test_a_store_that_counted_inline_items_as_nothing_counts_them_when_opened(tmp_path):
+    """Versions before the bound counted items' bytes gave items kept in SQLite the
+    size 0 (as diskcache does): opening such a store counts them, so it stays bounded."""
+    directory = str(tmp_path / "store")
+    items = [item(i, 1_000) for i in range(10)]
+    store = ContentStore(directory, 1 << 20)
+    for digest, data in items:
+        store.put(digest, data)
+    store.close()
+    with contextlib.closing(sqlite3.connect(os.path.join(directory, "cache.db"))) as con:
+        with con:
+            con.execute("UPDATE Cache SET size = 0 WHERE filename IS NULL")
+    store = ContentStore(directory, 1 << 20)
+    try:
+        assert store.volume() == sum(len(data) for _, data in items)
+        assert all(store.get(digest) == data for digest, data in items)
+    finally:
+        store.close()
+    assert_consistent(directory)
+
+
 # -- a full hash check on the first read after a start --------------------------------
 
 @pytest.mark.parametrize("size", [40_000, 1_000], ids=["value-file", "in-index"])
@@ -297,8 +339,9 @@ def test_an_index_that_cannot_be_read_fails_the_read(store, monkeypatch):
     def failing_get(*args: object, **kwargs: object) -> None:
         raise sqlite3.OperationalError("disk I/O error")
 
-    for name in ("get", "__contains__", "volume", "__len__"):
+    for name in ("get", "__contains__", "__len__"):
         monkeypatch.setattr(diskcache.Cache, name, failing_get)
+    monkeypatch.setattr(content_store._ContentBoundCache, "volume", failing_get)
     with pytest.raises(StoreError, match="disk I/O error"):
         store.get(digest)
     # lookups answer (nothing), not raise: status, metrics and statfs ask them
