@@ -282,6 +282,7 @@ class BatchPlanner:
         with trio.move_on_after(CHUNK_WAIT) as scope:
             while (group.mode is CacheMode.COOP and group.view is not None
                    and key != job.gave_up_on):
+                changed = group.changed  # before the look, which may await: see ViewJobs
                 usable = group.usable(job.ref)
                 marked = group.view.marked
                 supply = int(job.ref.remaining_chunks[usable].sum())
@@ -297,7 +298,7 @@ class BatchPlanner:
                         or marked in usable and job.ref.remaining_chunks[marked] > 0):
                     break  # enough to plan from, or the job holds back the marked chunk
                 with trio.move_on_after(WAIT_POLL if others is not None else math.inf):
-                    await group.changed.wait()
+                    await changed.wait()
                 key = group.cycle_key()
         if scope.cancelled_caught:
             job.gave_up_on = key

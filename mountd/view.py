@@ -332,9 +332,15 @@ class ViewJobs:
         waits for its reads."""
         started = trio.current_time()
         with trio.move_on_after(CHUNK_WAIT):
-            while not await self._plan(job, current, may_miss=not self._should_wait(
-                    job, current)):
-                await job.group.changed.wait()
+            while True:
+                # Taken before the look: a cycle that moves while _plan awaits the store
+                # sets this event, where waiting on the one after it would sleep through
+                # the move (this job may now hold the marked chunk that all wait for).
+                changed = job.group.changed
+                if await self._plan(job, current, may_miss=not self._should_wait(
+                        job, current)):
+                    break
+                await changed.wait()
         job.counters["chunk_wait_s"] += trio.current_time() - started
         if not current.queue and current.pending.any():
             await self._plan(job, current, may_miss=True)

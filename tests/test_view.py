@@ -16,11 +16,16 @@ import numpy as np
 import pytest
 import torch
 import torchvision
+import trio
+import trio.testing
 
 from quiverfs import digest as digest_format
 from quiverfs.bench.processes import MountdProcess
 from quiverfs.errors import QuietError
-from mountd.view import ViewJob, ViewPools, identity_from
+from mountd.dataset_jobs import DatasetJobs
+from mountd.view import ViewJob, ViewJobs, ViewPools, identity_from
+from quiverfs.chunk_cycle import ChunkState
+from quiverfs.heartbeat import CacheMode, CycleView, LoadedShare
 from quiverfs.chunk_plan import make_plan
 from quiverfs.torch import QuiverBatchSampler
 from tests.mountd_helpers import make_digest, mount, mountd_factory  # noqa: F401
@@ -302,3 +307,63 @@ def test_a_pass_hands_out_each_item_once_and_a_chunk_with_only_scraps_left_count
     assert sorted(served) == sorted(int(i) for i in ds.pools.members[0])
     assert a.used_up and job.pass_of(0) is not a and job.pass_of(0).number == 1
     assert job.kept_for(np.arange(0, 100)).sum() == 50  # the new pass needs all of pool a
+
+
+def test_a_job_that_comes_to_hold_the_marked_chunk_while_it_looks_misses_at_once():
+    """A coordinator reply may move the cycle while an open looks in the store. Where
+    the job thereby comes to hold the marked chunk that the other jobs wait on, it must
+    miss at once: waiting for the next move would wait for itself (until CHUNK_WAIT)."""
+    items = [digest_format.NewItem(f"{c}/{k}.jpg", hashlib.sha256(f"{c}{k}".encode()).digest(),
+                                   100) for c in ("a", "b") for k in range(10)]
+    d = digest_format.decode(digest_format.encode("t", "file:///x", items))
+    ds = types.SimpleNamespace(digest=d, pools=ViewPools.of(d), name="t")
+    group = DatasetJobs(ds, 100, None)  # a chunk per item
+    chunk = {d.path(i): int(group.plan.chunk_of[i]) for i in range(len(d))}
+    pool = {d.path(int(m[0])).split("/")[0]: p for p, m in enumerate(ds.pools.members)}
+    marked, other, loading = chunk["b/0.jpg"], chunk["b/1.jpg"], chunk["b/2.jpg"]
+
+    def cycle(marked_now: int | None, loads: tuple[int, ...], generation: int) -> CycleView:
+        states = [ChunkState.EVICTED] * group.plan.n_chunks
+        for c in (marked, other):
+            states[c] = ChunkState.ACTIVE
+        for c in loads:
+            states[c] = ChunkState.LOADING
+        if marked_now is not None:
+            states[marked_now] = ChunkState.MARKED
+        return CycleView(group.plan.n_chunks, tuple(states), (marked, other, *loads),
+                         marked_now, generation, generation, (loading + 1) % group.plan.n_chunks,
+                         3, 3, tuple(LoadedShare(c, ("node",)) for c in loads), ("node",),
+                         CacheMode.COOP, 0, {})
+
+    group.view = cycle(None, (loading,), 0)  # moving (a chunk loads), nothing marked
+    job = ViewJob("view:t:0:env:x", ds, 0, "env:x", group)
+    job.pass_of(pool["b"])  # b/0.jpg, in the chunk about to be marked, is still to come
+    wanted = job.pass_of(pool["a"])  # none of a's items is resident: the open may wait
+
+    class Store:
+        """Holds nothing; the coordinator's reply comes in while the first look runs."""
+
+        looks = 0
+
+        async def held(self, hashes: list[bytes]) -> list[bool]:
+            if not self.looks:
+                group.view = cycle(marked, (), 1)  # loaded; the job's chunk is marked
+                group.changed.set()
+                group.changed = trio.Event()
+            self.looks += 1
+            await trio.lowlevel.checkpoint()
+            return [False] * len(hashes)
+
+    store = Store()
+    reader = types.SimpleNamespace(staging=types.SimpleNamespace(planned=lambda hashes: None))
+    jobs = ViewJobs(None, reader, store, types.SimpleNamespace(poke=lambda: None))
+
+    async def open_one() -> float:
+        started = trio.current_time()
+        await jobs._plan_for_open(job, wanted)
+        return trio.current_time() - started
+
+    waited = trio.run(open_one, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert store.looks >= 1 and job.holds_marked()
+    assert [c.hit for c in wanted.queue] == [False]  # one miss, planned at once
+    assert waited < 1.0, f"the open waited {waited:.1f} s for a move only it could make"
