@@ -91,9 +91,10 @@ class ChunkCycle:
         ring = [(self.next + k) % self.n_chunks for k in range(self.n_chunks)]
         return [c for c in ring if left[c] and self.states[c] is ChunkState.EVICTED]
 
-    def start_loading(self, refs: list[EpochRef] | None = None) -> list[int]:
-        """Begin loading the next chunks while there is room; the chunks started. With
-        ``refs``, chunks no job-epoch needs are passed over while others are needed."""
+    def start_loading(self, refs: list[EpochRef]) -> list[int]:
+        """Begin loading the next chunks while there is room; the chunks started. Chunks
+        no job-epoch of ``refs`` needs are passed over while others are needed (with no
+        job-epoch, or none needing any, the ring order)."""
         started = []
         while (len(self.resident) < min(self.capacity, self.n_chunks)
                and len(self.loading) < self.max_loading
@@ -114,17 +115,17 @@ class ChunkCycle:
         if self.states[chunk] is ChunkState.LOADING:
             self._set(chunk, ChunkState.ACTIVE)
 
-    def mark(self, refs: list[EpochRef] | None = None) -> int | None:
+    def mark(self, refs: list[EpochRef]) -> int | None:
         """Mark the oldest loaded chunk for eviction when the cycle is full (or over its
         capacity) and no chunk is marked; the chunk marked, if any. The cycle keeps one
-        loaded chunk unmarked, and never marks when the whole dataset fits, nor, with
-        ``refs``, while they need no chunk that is not resident."""
+        loaded chunk unmarked, and never marks when the whole dataset fits, nor while
+        the job-epochs of ``refs`` (if any) need no chunk that is not resident."""
         active = self.active
         full = len(self.resident) >= min(self.capacity, self.n_chunks)
         if (self.marked is not None or len(active) < 2 or not full
                 or self.n_chunks <= self.capacity):
             return None
-        if refs is not None and refs and not self._needed(refs):
+        if refs and not self._needed(refs):
             return None
         self.marked = active[0]
         self.generation += 1

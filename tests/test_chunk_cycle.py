@@ -23,34 +23,34 @@ def step(cycle: ChunkCycle, refs: list[EpochRef]) -> None:
     victim = cycle.evictable(refs, now=0.0)
     if victim is not None:
         cycle.evicted(victim)
-    cycle.start_loading()
-    cycle.mark()
+    cycle.start_loading(refs)
+    cycle.mark(refs)
 
 
 def test_a_deep_cycle_keeps_k_resident_and_loads_ahead_in_ring_order():
     cycle = ChunkCycle(10, capacity=5)
-    assert cycle.start_loading() == [0, 1]  # MAX_LOADING at once
-    assert cycle.start_loading() == []
+    assert cycle.start_loading([]) == [0, 1]  # MAX_LOADING at once
+    assert cycle.start_loading([]) == []
     cycle.loaded(1)  # loads may finish out of order
-    assert cycle.start_loading() == [2] and cycle.loading == [0, 2]
+    assert cycle.start_loading([]) == [2] and cycle.loading == [0, 2]
     cycle.loaded(0)
     cycle.loaded(2)
-    assert cycle.start_loading() == [3, 4]
+    assert cycle.start_loading([]) == [3, 4]
     # full (loads count): the oldest is marked, so that its release makes room early
-    assert cycle.mark() == 0 and cycle.states[0] is ChunkState.MARKED
-    assert cycle.mark() is None  # one marked at a time
+    assert cycle.mark([]) == 0 and cycle.states[0] is ChunkState.MARKED
+    assert cycle.mark([]) is None  # one marked at a time
     for chunk in (3, 4):
         cycle.loaded(chunk)
-    assert cycle.resident == [0, 1, 2, 3, 4] and cycle.start_loading() == []
+    assert cycle.resident == [0, 1, 2, 3, 4] and cycle.start_loading([]) == []
     assert cycle.active == [1, 2, 3, 4]
     job = ref(cycle)
     assert cycle.evictable([job], now=0.0) == 0  # began after the mark: holds nothing
     cycle.evicted(0)
-    assert cycle.start_loading() == [5] and cycle.resident == [1, 2, 3, 4, 5]
+    assert cycle.start_loading([]) == [5] and cycle.resident == [1, 2, 3, 4, 5]
 
     seen = set()
-    for _ in range(40):  # around the ring, twice
-        step(cycle, [ref(cycle)])
+    for _ in range(40):  # around the ring, twice, for a job that needs every chunk
+        step(cycle, [ref(cycle, left=1)])
         assert len(cycle.resident) <= 5 and len(cycle.loading) <= MAX_LOADING
         assert cycle.resident == sorted(cycle.resident, key=lambda c: (c - cycle.resident[0]) % 10)
         seen.update(cycle.resident)
@@ -105,7 +105,7 @@ def test_the_cycle_loads_what_jobs_still_need_and_stops_while_they_need_nothing_
     assert cycle.mark([job]) == 1 and cycle.start_loading([job]) == []
     cycle.evicted(1)
     assert cycle.start_loading([job]) == [6]  # the ring from where it stood
-    assert cycle.start_loading() == []  # (full: ring order without jobs is as before)
+    assert cycle.start_loading([]) == []  # (full: ring order without jobs is as before)
 
 
 def test_a_dataset_that_fits_is_never_marked():
@@ -116,7 +116,7 @@ def test_a_dataset_that_fits_is_never_marked():
     single = ChunkCycle(1, capacity=2)
     step(single, [])
     step(single, [])
-    assert single.active == [0] and single.start_loading() == []
+    assert single.active == [0] and single.start_loading([]) == []
 
 
 def test_a_smaller_allotment_drains_the_cycle_a_chunk_at_a_time():
@@ -209,8 +209,8 @@ def test_one_job_of_a_dataset_is_probed_at_a_time(tmp_path):
 
 
 def test_the_coordinator_loads_only_chunks_jobs_still_need(tmp_path):
-    """Once all the jobs need is resident, nothing is marked and the cycle waits, instead of loading chunks that
-    would be evicted unread."""
+    """Once all the jobs need is resident, nothing is marked and the cycle waits,
+    instead of loading chunks that would be evicted unread."""
     state = CoordinatorState(str(tmp_path), heartbeat_timeout=60.0, probe_batches=0)
     remaining = (5,) * 6 + (0,) * 14  # the job needs chunks 0 to 5 only
 
