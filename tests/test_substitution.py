@@ -36,12 +36,27 @@ def test_chunk_plan_is_deterministic_uniform_and_complete():
     assert plan.n_chunks == 10
     assert sorted(np.concatenate(plan.members).tolist()) == list(range(5000))
     labels = np.array([d.label_index[i] for i in range(len(d))])
-    for members in plan.members:  # every chunk holds (nearly) every class
-        assert len(set(labels[members].tolist())) >= 48
+    for members in plan.members:  # every chunk holds its share of every class
+        assert set(np.bincount(labels[members], minlength=50).tolist()) == {10}
     again = make_plan(class_sorted_digest(5000, 50))
     assert all(np.array_equal(a, b) for a, b in zip(plan.members, again.members))
     uneven = make_plan(class_sorted_digest(1003, 10))  # leftovers spread over chunks
     assert sorted({len(m) for m in uneven.members}) == [100, 101]
+
+
+def test_small_chunks_spread_every_class_evenly_around_the_ring():
+    """With fewer items of a class than chunks, the class's items are spread evenly over
+    the ring in the cycle's order, not piled into the first chunks: after any c chunks, a
+    substitutable view has had each class's share of c chunks, to one item."""
+    d = class_sorted_digest(1250, 10)
+    plan = make_plan(d, 1049 * 1250 // 80)  # 80 chunks of 15 or 16 items
+    labels = np.array([d.label_index[i] for i in range(len(d))])
+    per_chunk = np.array([np.bincount(labels[m], minlength=10) for m in plan.members])
+    assert plan.n_chunks == 80 and set(per_chunk.ravel().tolist()) == {1, 2}
+    share = np.outer(np.arange(1, 81), np.bincount(labels) / 80)
+    assert np.abs(np.cumsum(per_chunk, axis=0) - share).max() <= 1
+    for members in plan.members:  # loaded in the permutation's order, not by class
+        assert not np.all(np.diff(labels[members]) >= 0)
 
 
 def test_chunk_plan_sort_key_gives_stripe_units_of_similar_size():
