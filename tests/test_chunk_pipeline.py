@@ -140,5 +140,7 @@ def test_probes_read_what_the_cache_needs_anyway(slow_jpegs, gcs_emulator, mount
     c = ds["counters"]
     assert probed(m.log_path)  # a probe measured its job
     # Probes forcing misses re-read every item of their batches (at least 3 * PROBE
-    # batches of 8); cooperative ones re-read only where they waited too long.
-    assert c.get("bucket_fetches_probe", 0) <= 0.5 * 3 * PROBE * 8, c
+    # batches of 8: 192); cooperative ones re-read only where they waited too long,
+    # which depends on how the three jobs' batches meet the cycle: from 57 to 132 such
+    # fetches in 16 counted runs; a bound of half the forced reads failed 6 of 35 runs.
+    assert c.get("bucket_fetches_probe", 0) < 3 * PROBE * 8, c
