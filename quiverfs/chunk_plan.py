@@ -94,10 +94,8 @@ def _by_label(digest: Digest, order: np.ndarray, k: int, sizes: np.ndarray) -> C
     first = np.repeat(np.cumsum(counts) - counts, counts)  # where each label starts
     place = np.empty(n)
     place[by_label] = (np.arange(n) - first + 0.5) / counts[labels[by_label]]
-    position = np.empty(n, dtype=np.int64)
-    position[order] = np.arange(n)
     chunk_of = np.empty(n, dtype=np.int32)
-    chunk_of[np.lexsort((position, place))] = np.arange(n) * k // max(n, 1)
+    chunk_of[order[np.argsort(place[order], kind="stable")]] = np.arange(n) * k // max(n, 1)
     in_order = order[np.argsort(chunk_of[order], kind="stable")].astype(np.int64)
     members = tuple(np.split(in_order, np.cumsum(np.bincount(chunk_of, minlength=k))[:-1]))
     return ChunkPlan(chunk_of, members, tuple(int(sizes[m].sum()) for m in members))
