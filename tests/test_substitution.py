@@ -60,6 +60,29 @@ def test_small_chunks_spread_every_class_evenly_around_the_ring():
         assert not np.all(np.diff(labels[members]) >= 0)
 
 
+def test_chunks_hold_equal_bytes_and_keep_every_class_share():
+    """Item sizes vary (log-normal, like the benches' JPEGs): chunks of equal counts differ
+    in bytes (at 16 items a chunk the largest is about 1.3x the mean), and the coordinator
+    sizes K by the largest. The plan evens their bytes out by swapping items of one class,
+    so every chunk keeps its share of every class."""
+    rng = np.random.default_rng(4)
+    sizes = np.clip(rng.lognormal(np.log(22_000), 0.45, 1250), 20_000, 300_000).astype(int)
+    items = [digest_format.NewItem(f"c{i * 10 // 1250:03d}/{i:06d}.jpg",
+                                   hashlib.sha256(str(i).encode()).digest(), int(sizes[i]))
+             for i in range(1250)]
+    d = digest_format.decode(digest_format.encode("t", "file:///x", items))
+    plan = make_plan(d, int(sizes.sum()) // 80 + 1)
+    assert sorted(np.concatenate(plan.members).tolist()) == list(range(1250))
+    chunk_bytes = np.array(plan.chunk_bytes)
+    assert chunk_bytes.sum() == sizes.sum()
+    assert chunk_bytes.max() <= 1.01 * chunk_bytes.mean()
+    labels = np.arange(1250) * 10 // 1250
+    per_chunk = np.array([np.bincount(labels[m], minlength=10) for m in plan.members])
+    assert set(per_chunk.ravel().tolist()) == {1, 2}
+    share = np.outer(np.arange(1, 81), np.bincount(labels) / 80)
+    assert np.abs(np.cumsum(per_chunk, axis=0) - share).max() <= 1
+
+
 def test_chunk_plan_sort_key_gives_stripe_units_of_similar_size():
     d = class_sorted_digest(5000, 50)
     sizes = np.frombuffer(d.sizes, dtype="<u8").astype(float)
