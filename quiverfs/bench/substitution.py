@@ -74,10 +74,6 @@ DIGITS = "digits"
 DIGITS_VIEW = "digits-view"  # a substitutable view of the digits, beside the exact mount
 ACCURACY_MODES = ("global", "sub", "view")
 BUCKET_RATE = 20e6  # bytes/s the proxy lets through from the bucket (all connections)
-# Chunks of 40% of the cache: two (double buffering) fit with room for cooperative
-# fetches. mountd's default, 10% of the dataset, does not fit twice in a 10% or 20%
-# cache, and the allocation then gives substitutable jobs no cache at all.
-CHUNK_OF_CACHE = 0.4
 # Benefit probing (paper §5.3) is off: it forces 100 batches of misses per job (more
 # than an epoch here) whose fetches flush the resident chunks from the store, and its
 # verdict can switch the dataset's cache off mid-run. Unprobed jobs count as benefiting.
@@ -125,9 +121,10 @@ SIZES = {
 
 
 # -- the parent: one configuration -----------------------------------------------------
-def mountd_args(chunk_bytes: int) -> tuple[str, ...]:
-    """mountd's options for a run: no probing, chunks of ``chunk_bytes`` item bytes."""
-    return ("--probe-batches", str(PROBE_BATCHES), "--chunk-size", str(chunk_bytes))
+def mountd_args() -> tuple[str, ...]:
+    """mountd's options for a run: no probing; chunks of mountd's default size (an
+    eighth of the cache on a lone node, so the cycle holds several)."""
+    return ("--probe-batches", str(PROBE_BATCHES))
 
 
 @dataclasses.dataclass
@@ -208,7 +205,7 @@ def run_config(mode: str, fraction: float, n_jobs: int, data: Dataset, proxy: Th
     (``view``: reading a substitutable view of the dataset)."""
     name = f"{mode}-{round(fraction * 100)}pct-{n_jobs}jobs"
     cache_bytes = int(fraction * data.bytes)
-    extra = mountd_args(int(CHUNK_OF_CACHE * cache_bytes))
+    extra = mountd_args()
     log.info("%s: cache %d bytes, mountd %s", name, cache_bytes, " ".join(extra))
     view = mode == "view"
     dataset = VIEW if view else DATASET
@@ -526,9 +523,8 @@ def accuracy(size: Size, workdir: str) -> dict[str, Any]:
     cache_bytes = int(size.configs[0][0] * stored)
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in ACCURACY_MODES}
     start = time.monotonic()
-    chunk_bytes = int(CHUNK_OF_CACHE * size.configs[0][0] * total)  # in item bytes
     with running_mountd(workdir, cache_size=str(cache_bytes), name="digits",
-                        extra_args=mountd_args(chunk_bytes)) as m:
+                        extra_args=mountd_args()) as m:
         m.call({"op": "mount", "name": DIGITS, "digest": digest, "emulator_host": None})
         m.call({"op": "mount", "name": DIGITS_VIEW, "digest": digest, "emulator_host": None,
                 "view": "substitutable"})
@@ -609,7 +605,7 @@ def run(quick: bool, workdir: str, size: str | None = None) -> dict[str, Any]:
                     "classes": len(set(data.labels))},
         "settings": {**dataclasses.asdict(s), "bucket_rate_bytes_s": BUCKET_RATE,
                      "readers_per_job": READERS, "prefetch_batches": PREFETCH_BATCHES,
-                     "chunk_of_cache": CHUNK_OF_CACHE, "probe_batches": PROBE_BATCHES,
+                     "probe_batches": PROBE_BATCHES,
                      "cached_cache": CACHED_CACHE,
                      "accuracy_step_s": ACCURACY_STEP_S, "accuracy_modes": ACCURACY_MODES,
                      "summary_config": {"jobs": key_jobs, "cache_fraction": key_fraction}},
