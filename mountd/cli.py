@@ -73,7 +73,8 @@ def add_parsers(sub: argparse._SubParsersAction,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     d.add_argument("--chunk-size", type=ByteSize("--chunk-size"),
                    help="chunk size for substitutable jobs, e.g. 15G "
-                   "(default: 10%% of a dataset or 15 GiB, the smaller)")
+                   "(default: the smallest of 10%% of a dataset, 15 GiB and, without "
+                   "--coordinator, an eighth of --cache-size)")
     add_cycle_options(d, applies=", without --coordinator")
     c = d.add_argument_group("cluster (without --coordinator, mountd is a single node)")
     c.add_argument("--coordinator", metavar="HOST:PORT", help="the coordinator to join")
