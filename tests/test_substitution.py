@@ -15,19 +15,34 @@ import torchvision
 
 from mountd.substitution import EpochSampler, epoch_shard
 from quiverfs import digest as digest_format
-from quiverfs.chunk_plan import make_plan
+from quiverfs.chunk_plan import ChunkPlan, make_plan
 from quiverfs.torch import QuiverBatchSampler
 from tests.mountd_helpers import make_digest, mount, mountd_factory  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
 
 
-def class_sorted_digest(n: int, classes: int) -> digest_format.Digest:
-    """A digest laid out like ImageFolder's: sorted by class, sizes rising within a class."""
+def class_sorted_digest(n: int, classes: int,
+                        sizes: np.ndarray | None = None) -> digest_format.Digest:
+    """A digest laid out like ImageFolder's: sorted by class, with ``sizes`` (default:
+    rising within a class)."""
     items = [digest_format.NewItem(f"c{i * classes // n:03d}/{i:06d}.jpg",
-                                   hashlib.sha256(str(i).encode()).digest(), 1000 + i % 97)
+                                   hashlib.sha256(str(i).encode()).digest(),
+                                   1000 + i % 97 if sizes is None else int(sizes[i]))
              for i in range(n)]
     return digest_format.decode(digest_format.encode("t", "file:///x", items))
+
+
+def assert_classes_spread_around_the_ring(plan: ChunkPlan, digest: digest_format.Digest,
+                                          classes: int) -> np.ndarray:
+    """Every chunk holds one or two items of each class, and after any c chunks each
+    class has had its share of c chunks, to one item; the labels, per item."""
+    labels = np.array([digest.label_index[i] for i in range(len(digest))])
+    per_chunk = np.array([np.bincount(labels[m], minlength=classes) for m in plan.members])
+    assert set(per_chunk.ravel().tolist()) == {1, 2}
+    share = np.outer(np.arange(1, plan.n_chunks + 1), np.bincount(labels) / plan.n_chunks)
+    assert np.abs(np.cumsum(per_chunk, axis=0) - share).max() <= 1
+    return labels
 
 
 def test_chunk_plan_is_deterministic_uniform_and_complete():
@@ -51,11 +66,8 @@ def test_small_chunks_spread_every_class_evenly_around_the_ring():
     d = class_sorted_digest(1250, 10)
     total = int(np.frombuffer(d.sizes, dtype="<u8").sum())
     plan = make_plan(d, total // 80 + 1)  # 80 chunks of 15 or 16 items
-    labels = np.array([d.label_index[i] for i in range(len(d))])
-    per_chunk = np.array([np.bincount(labels[m], minlength=10) for m in plan.members])
-    assert plan.n_chunks == 80 and set(per_chunk.ravel().tolist()) == {1, 2}
-    share = np.outer(np.arange(1, 81), np.bincount(labels) / 80)
-    assert np.abs(np.cumsum(per_chunk, axis=0) - share).max() <= 1
+    assert plan.n_chunks == 80
+    labels = assert_classes_spread_around_the_ring(plan, d, 10)
     for members in plan.members:  # loaded in the permutation's order, not by class
         assert not np.all(np.diff(labels[members]) >= 0)
 
@@ -67,20 +79,14 @@ def test_chunks_hold_equal_bytes_and_keep_every_class_share():
     so every chunk keeps its share of every class."""
     rng = np.random.default_rng(4)
     sizes = np.clip(rng.lognormal(np.log(22_000), 0.45, 1250), 20_000, 300_000).astype(int)
-    items = [digest_format.NewItem(f"c{i * 10 // 1250:03d}/{i:06d}.jpg",
-                                   hashlib.sha256(str(i).encode()).digest(), int(sizes[i]))
-             for i in range(1250)]
-    d = digest_format.decode(digest_format.encode("t", "file:///x", items))
+    d = class_sorted_digest(1250, 10, sizes)
     plan = make_plan(d, int(sizes.sum()) // 80 + 1)
+    assert plan.n_chunks == 80
     assert sorted(np.concatenate(plan.members).tolist()) == list(range(1250))
     chunk_bytes = np.array(plan.chunk_bytes)
     assert chunk_bytes.sum() == sizes.sum()
     assert chunk_bytes.max() <= 1.01 * chunk_bytes.mean()
-    labels = np.arange(1250) * 10 // 1250
-    per_chunk = np.array([np.bincount(labels[m], minlength=10) for m in plan.members])
-    assert set(per_chunk.ravel().tolist()) == {1, 2}
-    share = np.outer(np.arange(1, 81), np.bincount(labels) / 80)
-    assert np.abs(np.cumsum(per_chunk, axis=0) - share).max() <= 1
+    assert_classes_spread_around_the_ring(plan, d, 10)
 
 
 def test_chunk_plan_sort_key_gives_stripe_units_of_similar_size():
