@@ -7,6 +7,7 @@ import collections
 import dataclasses
 import logging
 
+import numpy as np
 import trio
 
 from mountd.bulk_fetch import BulkFetch
@@ -80,7 +81,8 @@ class ChunkLoader:
                     log.info("job %s: probe %d of %d batches", job.id, seq,
                              view.probe_batches)
             for load in view.loads:
-                group.kept[group.plan.members[load.chunk]] = False  # resident again
+                new = group.cached.hold(group.plan.members[load.chunk])
+                self.reader.store.wanted(group.ds.digest.hash(int(i)) for i in new)
                 if me in load.loaders and load not in group.loaded:
                     self._spawn(group, f"load {load.chunk}", load.chunk, load.loaders, load)
             if previous is not None:
@@ -137,12 +139,12 @@ class ChunkLoader:
         view, digest, store = group.view, group.ds.digest, self.reader.store
         members = group.plan.members[chunk]
         kept = members[group.kept_at_eviction(members)][:len(members) // 2]
-        group.kept[kept] = True
+        group.cached.forget(members[~np.isin(members, kept)])
 
         def drop() -> None:
             keep = {digest.hash(int(i)) for c in view.resident for i in group.plan.members[c]}
             keep.update(digest.hash(int(i)) for i in kept)
-            for h in (digest.hash(int(i)) for i in group.plan.members[chunk]):
+            for h in (digest.hash(int(i)) for i in members):
                 if h not in keep and not self.reader.staging.awaiting_read(h):
                     store.discard(h)
 

@@ -36,7 +36,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NoReturn
 
 import diskcache
@@ -187,6 +187,10 @@ class ContentStore:
         self._write_lock = threading.Lock()
         self._hits_lock = threading.Lock()
         self._hits: set[bytes] = set()
+        self._spent: set[bytes] = set()  # marked spent since the last record_hits
+        # Entries marked spent and not stored again since: their reads after the mark
+        # leave them the first to evict.
+        self._spent_marked: set[bytes] = set()
         # Where large values live, learnt on first read: later hits read the file
         # directly, without a query. A file evicted since is simply not found.
         self._files: dict[bytes, tuple[str, int]] = {}
@@ -394,6 +398,7 @@ class ContentStore:
         if len(self._verified) >= MAX_VERIFIED:
             self._verified.clear()
         self._verified.add(digest)
+        self._stored(digest)
         if self.write_error is not None and self._write_lock.acquire(blocking=False):
             try:
                 if self.write_error is not None and self._index is not None:
@@ -575,26 +580,55 @@ class ContentStore:
             if self.write_error is not None:
                 self._writable_again()
         self._verified.add(digest)
+        self._stored(digest)
         return True
 
     def record_hits(self) -> int:
-        """Write the recency of the hits since the last call, in one transaction; how
-        many (none while the store cannot write: those hits are forgotten)."""
+        """Write the recency of the hits since the last call, and make the entries
+        marked ``spent`` the first to evict, in one transaction; how many hits (none
+        while the store cannot write: those are forgotten)."""
         with self._hits_lock:
             hits, self._hits = self._hits, set()
-        if not hits:
+            spent, self._spent = self._spent, set()
+            if len(self._spent_marked) + len(spent) > MAX_VERIFIED:
+                self._spent_marked.clear()  # marks forgotten: left to plain LRU
+            self._spent_marked |= spent
+            spent |= hits & self._spent_marked
+        if not hits and not spent:
             return 0
-        return self._write(self._touch, hits, "record hits")
+        return self._write(self._touch, (hits - spent, spent), "record hits")
+
+    def spent(self, digests: Iterable[bytes]) -> None:
+        """Mark entries no reader here is known to need again as the least recently
+        used (from the next ``record_hits``, until ``wanted``): the store evicts them
+        first."""
+        with self._hits_lock:
+            self._spent.update(digests)
+
+    def _stored(self, digest: bytes) -> None:
+        """A put of a spent entry (a fetch begun before the mark) leaves it spent."""
+        with self._hits_lock:
+            if digest in self._spent_marked:
+                self._spent.add(digest)
+
+    def wanted(self, digests: Iterable[bytes]) -> None:
+        """Undo ``spent`` marks: a reader here needs these entries again."""
+        with self._hits_lock:
+            for digest in digests:
+                self._spent.discard(digest)
+                self._spent_marked.discard(digest)
 
     @staticmethod
-    def _touch(index: _Index, hits: set[bytes]) -> int:
+    def _touch(index: _Index, marks: tuple[set[bytes], set[bytes]]) -> int:
         # What diskcache's LRU get writes (``access_time``), without its read of each
-        # value: one statement for all the hits. Keys are bytes, so stored raw.
+        # value: one statement for all the hits. Keys are bytes, so stored raw. Spent
+        # entries get the oldest access time there is.
+        hits, spent = marks
         now = time.time()
         with index.cache.transact():
             index.cache._con.executemany(
                 "UPDATE Cache SET access_time = ? WHERE key = ? AND raw = 1",
-                ((now, digest) for digest in hits))
+                [(now, digest) for digest in hits] + [(0.0, digest) for digest in spent])
         return len(hits)
 
     def discard(self, digest: bytes) -> None:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import trio
 
+from mountd.cached_items import CachedItems
 from mountd.dataset import MountedDataset
 from quiverfs import ownership
 from quiverfs.chunk_cycle import ChunkState, EpochRef
@@ -33,9 +34,8 @@ class DatasetJobs:
         self.busy: set[str] = set()  # load tasks running, by key
         self.version = -1  # membership version of the last refill
         self.changed = trio.Event()  # set (and replaced) when the cycle moves
-        # items kept in the store when their chunk was evicted, for view jobs that had
-        # not been served them yet (until the chunk loads again)
-        self.kept = np.zeros(len(self.plan.chunk_of), dtype=bool)
+        self.sizes = np.asarray(ds.digest.sizes, dtype=np.int64)
+        self.cached = CachedItems(self.sizes)
         # (the loads it was computed for, others_loading's mask)
         self._others: tuple[tuple[LoadedShare, ...], np.ndarray] | None = None
 
@@ -69,6 +69,27 @@ class DatasetJobs:
         held_marked = marked is not None and ref.remaining_chunks[marked] > 0
         np.subtract.at(ref.remaining_chunks, self.plan.chunk_of[items], 1)
         return held_marked and not ref.remaining_chunks[marked]
+
+    def order_keys(self, items: np.ndarray) -> np.ndarray:
+        """The keys of ``items`` in the order every view job takes a pool's items in:
+        the resident chunks' first, then the others' as the cycle's ring brings them; by
+        index within a chunk. Without a cycle, by index."""
+        view, chunk_of = self.view, self.plan.chunk_of
+        if view is None or self.mode is not CacheMode.COOP:
+            return items
+        n = self.plan.n_chunks
+        ahead = (np.arange(n) - view.next) % n + 1
+        ahead[list(view.resident)] = 0
+        return ahead[chunk_of[items]] * len(chunk_of) + items
+
+    def allotment(self) -> int:
+        """Bytes the coordinator allots the dataset: its K chunks in coop mode."""
+        mode = self.mode
+        if self.view is None or mode is CacheMode.NONE:
+            return 0
+        if mode is CacheMode.FULL:
+            return self.ds.digest.total_bytes
+        return self.view.capacity * int(max(self.plan.chunk_bytes))
 
     def kept_at_eviction(self, items: np.ndarray) -> np.ndarray:
         """Which of an evicted chunk's ``items`` a job here wants kept: a view job's

@@ -20,12 +20,13 @@ class FetchCause(enum.StrEnum):
     under one (``bucket_fetches_CAUSE`` and ``bucket_bytes_CAUSE``)."""
 
     CHUNK_LOAD = "chunk_load"  # this node's share of a loading chunk
-    COOP_MISS = "coop_miss"  # a substitutable job's miss within the resident chunks
+    COOP_MISS = "coop_miss"  # a sampler job's miss within the resident chunks; a view's miss
     STAGED_MISS = "staged_miss"  # its miss outside them, staged for one read
     EXACT = "exact"  # an exact read that missed every cache tier
     PROBE = "probe"  # a probed job's forced miss
     REFILL = "refill"  # refilling the active chunk after a membership change
     PREFETCH = "prefetch"  # `quiver prefetch`
+    VIEW_AHEAD = "view_ahead"  # the substitutable view's readahead
 
 
 class ReadStats:

@@ -3,11 +3,19 @@ readers that do not use the sampler (paper §4.7, in the filesystem itself).
 
 In a view, opening ``CLASS/x.jpg`` serves an item of the same *pool* (the same
 directory and file extension, so of the same label) that the opening job has not yet
-received in its current pass over that pool: cached items first (from the oldest usable
-chunk), else a miss, from the chunk that loads next first. A pass ends when the job has
-received every item of the pool once; the next open of the pool starts the next one. A
-plain ``DataLoader(shuffle=True)`` reads every path once per epoch, so each epoch is
-one pass per pool, and the job gets every item exactly once per epoch.
+received in its current pass over that pool. A pass ends when the job has received
+every item of the pool once; the next open of the pool starts the next one. A plain
+``DataLoader(shuffle=True)`` reads every path once per epoch, so each epoch is one pass
+per pool, and the job gets every item exactly once per epoch.
+
+Every job takes a pool's items in one common order (the chunk cycle's: resident chunks
+first, then as the ring brings them): cached ones first, else a miss of the first. So
+what one job fetches is what the others want next; it stays cached until every view job
+here has had it, and is then the store's first to evict (``spent``). The readahead
+(mountd.view_readahead) fetches the next items in that order, within the dataset's
+allotment, for the pools where some job has the fewest cached items left. The view's
+jobs do not drive the chunk cycle: each pool's demand runs at its own random rate, and
+the slowest pool of the slowest job would hold every chunk back.
 
 A job is recognised by who opens (the rule, in order; docs/view.md):
 1. ``QUIVER_JOB=NAME`` in the reader's environment (as it was when the process started);
@@ -39,7 +47,7 @@ from mountd.dataset_jobs import DatasetJobs
 from mountd.item_reader import ItemReader
 from mountd.job_registry import JobRegistry
 from mountd.read_stats import FetchCause
-from quiverfs.chunk_cycle import EpochRef
+from mountd.view_readahead import ViewReadahead
 from quiverfs.digest import Digest
 from quiverfs.heartbeat import CacheMode, JobReport, to_wire
 
@@ -47,21 +55,12 @@ log = logging.getLogger(__name__)
 
 VIEWS = ("exact", "substitutable")
 POOL_BATCH = 8  # hits of one pool planned at once (one store look-up for up to 8 opens)
-# Seconds an open waits for the chunk cycle to bring items of its pool, when the resident
-# chunks hold none the job still needs: a miss then would be a bucket read no other job
-# shares. As long as the sampler's jobs wait (mountd.batch_planner.CHUNK_WAIT).
-CHUNK_WAIT = 20.0
 MAX_JOBS_PER_USER = 64  # view jobs a uid holds at once; its least recently used goes first
 JOB_IDLE = 3600.0  # seconds without an open after which a job is forgotten
 SWEEP_EVERY = 5.0  # seconds between looks for jobs whose processes are gone
 MAX_IDENTITIES = 4096  # reader pids whose job identity is remembered
 MAX_PGIDS = 64  # process groups remembered per job (it ends when all of them are gone)
 JOB_ENV = "QUIVER_JOB"
-# A job counts as done with a chunk once at most this share of the chunk's items is left
-# for it there. Its pools are read at random rates, so waiting for the last items of
-# its slowest pool would hold back the cycle for all; what is left is served from the
-# items kept when the chunk is evicted, or read as misses.
-SCRAPS = 0.1
 LOOKUP_BLOCK = 4 * POOL_BATCH  # pending items of a pool looked up in the store at once
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
@@ -72,6 +71,7 @@ class ViewPools:
 
     pool_of: np.ndarray  # int32 per item
     members: tuple[np.ndarray, ...]  # item indices per pool
+    shared: np.ndarray  # bool per item: its pool has others (it may be substituted)
 
     @classmethod
     def of(cls, digest: Digest) -> ViewPools:
@@ -91,7 +91,7 @@ class ViewPools:
         bounds = np.searchsorted(pool_of[order], np.arange(len(keys) + 1))
         members = tuple(order[bounds[p]:bounds[p + 1]].astype(np.int64)
                         for p in range(len(keys)))
-        return cls(pool_of, members)
+        return cls(pool_of, members, np.diff(bounds)[pool_of] > 1)
 
 
 def has_labels(digest: Digest) -> bool:
@@ -152,27 +152,25 @@ class ViewJob:
         self.identity = identity
         self.group = group
         self.seed = int.from_bytes(hashlib.sha256(job_id.encode()).digest()[:8], "little")
-        generation = group.view.generation if group.view is not None else 0
-        self.ref = EpochRef(generation, np.zeros(group.plan.n_chunks, dtype=np.int64))
-        sizes = np.bincount(group.plan.chunk_of, minlength=group.plan.n_chunks)
-        self.scraps = np.floor(SCRAPS * sizes).astype(np.int64)  # per chunk
         self.pools: dict[int, _PoolPass] = {}
+        # per item: whether the job is yet to be served it (in the current pass over its
+        # pool, or a first one); False for items that are always served exactly
+        self.need = ds.pools.shared.copy()
         self.pgids: set[int] = set()  # process groups seen opening for it
         self.counters: collections.Counter[str] = collections.Counter()
         self.last_used = time.monotonic()
 
     def report(self) -> JobReport:
-        """What the coordinator needs: its passes stand for an epoch; never probed (its
-        reads are not timed per batch)."""
-        return JobReport(id=self.id, gen=self.ref.started_generation, gpus=1,
-                         remaining=tuple(int(n) for n in self.left()),
+        """What the coordinator needs: no chunk (the view does not drive the cycle), and
+        never probed (its reads are not timed per batch)."""
+        return JobReport(id=self.id, gen=0, gpus=1,
+                         remaining=(0,) * self.group.plan.n_chunks,
                          probe_seq=0, probeable=False)
 
     def stats(self) -> dict[str, Any]:
         return {"job": self.id, "dataset": self.ds.name, "uid": self.uid,
                 "identity": self.identity, "counters": dict(self.counters),
-                "pools_in_pass": len(self.pools),
-                "remaining": int(self.ref.remaining_chunks.sum())}
+                "pools_in_pass": len(self.pools), "remaining": int(self.need.sum())}
 
     def pass_of(self, pool: int) -> _PoolPass:
         """The job's current pass over ``pool``; a new one where the last is used up."""
@@ -182,40 +180,19 @@ class ViewJob:
         number = 0 if current is None else current.number + 1
         members = self.ds.pools.members[pool]
         rng = np.random.default_rng([self.seed, pool, number])
-        plan = self.group.plan
-        self.ref.remaining_chunks += np.bincount(plan.chunk_of[members],
-                                                 minlength=plan.n_chunks)
-        if self.group.view is not None:
-            self.ref.started_generation = self.group.view.generation
+        self.need[members] = True
         self.counters["passes"] += 1
         self.pools[pool] = made = _PoolPass(number, members, rng)
         return made
 
-    def left(self) -> np.ndarray:
-        """Per chunk, the items the job still needs there as the cycle counts them: none
-        where only its scraps are left (SCRAPS)."""
-        left = self.ref.remaining_chunks.copy()
-        left[left <= self.scraps] = 0
-        return left
-
-    def holds_marked(self) -> bool:
-        """Whether the job holds back the marked chunk's eviction."""
-        view = self.group.view
-        return (view is not None and view.marked is not None
-                and self.ref.started_generation < view.marked_generation
-                and bool(self.left()[view.marked]))
+    def place(self, current: _PoolPass, items: list[int]) -> None:
+        """Hand out ``items`` in the pass ``current``: each at most once per pass."""
+        current.place(items)
+        self.need[items] = False
 
     def kept_for(self, items: np.ndarray) -> np.ndarray:
-        """Which of an evicted chunk's ``items`` the job has not been served in its
-        current passes (it released the chunk with them left: SCRAPS)."""
-        out = np.zeros(len(items), dtype=bool)
-        pools = self.ds.pools.pool_of[items]
-        for pool in np.unique(pools):
-            current = self.pools.get(int(pool))
-            if current is not None and not current.used_up:
-                mine = pools == pool
-                out[mine] = current.needs(items[mine])
-        return out
+        """Which of an evicted chunk's ``items`` the job is yet to be served."""
+        return self.need[items]
 
 
 class ViewJobs:
@@ -230,6 +207,7 @@ class ViewJobs:
         self.jobs: dict[tuple[str, int, str], ViewJob] = {}
         self._identities: collections.OrderedDict[int, tuple[int, str]] = (
             collections.OrderedDict())  # pid -> (its pgid then, job identity)
+        self.readahead = ViewReadahead(bulk, self._needs)
 
     # -- which job ----------------------------------------------------------------------
     async def _identity(self, pid: int) -> tuple[str, int | None]:
@@ -287,8 +265,14 @@ class ViewJobs:
             self._drop(key)
 
     async def run(self) -> None:
-        """Forget jobs whose processes are all gone (they would hold chunks back from
-        eviction), and jobs idle for JOB_IDLE."""
+        """The readahead, and the sweep of ended jobs."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.readahead.run)
+            nursery.start_soon(self._sweep)
+
+    async def _sweep(self) -> None:
+        """Forget jobs whose processes are all gone (their needs would keep items
+        cached, and draw the readahead), and jobs idle for JOB_IDLE."""
         while True:
             await trio.sleep(SWEEP_EVERY)
             now = time.monotonic()
@@ -297,6 +281,13 @@ class ViewJobs:
                         _group_alive(g) for g in job.pgids)):
                     log.info("view %s: job %s ended", key[0], key[2])
                     self._drop(key)
+
+    def _needs(self) -> list[tuple[DatasetJobs, list[np.ndarray]]]:
+        """Each dataset with view jobs here, and what each of them is yet to be served."""
+        by_group: dict[int, tuple[DatasetJobs, list[np.ndarray]]] = {}
+        for job in self.jobs.values():
+            by_group.setdefault(id(job.group), (job.group, []))[1].append(job.need)
+        return list(by_group.values())
 
     def status(self, uid: int) -> list[dict[str, Any]]:
         return [{**job.stats(),
@@ -317,116 +308,58 @@ class ViewJobs:
                 break
             async with current.lock:
                 if not current.queue and current.pending.any():
-                    await self._plan_for_open(job, current)
+                    await self._plan(job, current)
         job.counters["opens"] += 1
         job.counters["hits" if choice.hit else "misses"] += 1
         self.reader.stats.count(ds, "view_hits" if choice.hit else "view_misses")
         return choice
 
-    async def _plan_for_open(self, job: ViewJob, current: _PoolPass) -> None:
-        """Queue what the next opens of a pool get: cached items of the job's pass, or
-        where there are none, one miss. In coop mode, while the cycle moves and will
-        bring items of the pool the pass still needs, a job that finds none cached first
-        waits for it (at most CHUNK_WAIT): a miss then would be a bucket read that no
-        other job shares. A job that holds back the marked chunk never waits: the cycle
-        waits for its reads."""
-        started = trio.current_time()
-        with trio.move_on_after(CHUNK_WAIT):
-            while True:
-                # Taken before the look: a cycle that moves while _plan awaits the store
-                # sets this event, where waiting on the one after it would sleep through
-                # the move (this job may now hold the marked chunk that all wait for).
-                changed = job.group.changed
-                if await self._plan(job, current, may_miss=not self._should_wait(
-                        job, current)):
-                    break
-                await changed.wait()
-        job.counters["chunk_wait_s"] += trio.current_time() - started
-        if not current.queue and current.pending.any():
-            await self._plan(job, current, may_miss=True)
-
-    @staticmethod
-    def _should_wait(job: ViewJob, current: _PoolPass) -> bool:
-        """Whether a pass with nothing cached should wait for the cycle rather than
-        miss: the cycle moves (a chunk is marked or loading), the job does not hold it
-        back, and no item it still needs is in a resident chunk (loading, or culled)."""
-        group = job.group
-        view = group.view
-        return (group.mode is CacheMode.COOP and view is not None
-                and (view.marked is not None or bool(view.loading))
-                and not job.holds_marked()
-                and not np.isin(group.plan.chunk_of[current.pending_items()],
-                                view.resident).any())
-
-    async def _plan(self, job: ViewJob, current: _PoolPass, may_miss: bool) -> bool:
-        """Choose the next items of a pool pass: up to POOL_BATCH cached ones (those
-        kept from evicted chunks first, then the resident chunks' from the oldest);
-        where none is cached and ``may_miss``, one miss (from the chunks the cycle
-        brings soonest: ``_ahead``). False where it chose nothing."""
+    async def _plan(self, job: ViewJob, current: _PoolPass) -> None:
+        """Choose the next items of a pool pass, in the common order: up to POOL_BATCH
+        cached ones, or where none is, a miss of the first item the job still needs."""
         group, digest = job.group, job.ds.digest
-        chunk_of = group.plan.chunk_of
-        view = group.view
         pending = current.pending_items()
-        ahead = self._ahead(group, job.ref)
-        # The order to look items up in; items of chunks further than the horizon ahead
-        # are not cached (unless kept at an eviction) and are not looked up.
-        horizon = len(view.resident) if view is not None else 0
-        chunks = chunk_of[pending]
-        rank = ahead[chunks]
-        if view is not None and group.mode is CacheMode.COOP:
-            position = np.zeros(group.plan.n_chunks, dtype=np.int64)
-            position[list(view.resident)] = np.arange(len(view.resident)) - horizon
-            resident = np.isin(chunks, view.resident)
-            rank[resident] = position[chunks[resident]]  # the oldest resident first
-        rank[group.kept[pending]] = -horizon - 1
-        looked = np.argsort(rank, kind="stable")
-        candidates = pending[looked[rank[looked] <= horizon]]
+        order = pending[np.argsort(group.order_keys(pending), kind="stable")]
+        candidates = order[group.cached.findable(order)]
         hits: list[int] = []
         for start in range(0, len(candidates), LOOKUP_BLOCK):
-            block = candidates[start:start + LOOKUP_BLOCK]
-            held = await self.bulk.held([digest.hash(int(i)) for i in block])
-            hits.extend(int(i) for i, h in zip(block, held) if h)
+            block = [int(i) for i in candidates[start:start + LOOKUP_BLOCK]]
+            held = await self.bulk.held([digest.hash(i) for i in block])
+            group.cached.seen(block, held)
+            hits.extend(i for i, h in zip(block, held) if h)
             if len(hits) >= POOL_BATCH:
                 break
-        hits, fetch = hits[:POOL_BATCH], []
-        if not hits:
-            if not may_miss:
-                return False
-            fetch = [int(pending[np.argmin(ahead[chunk_of[pending]])])]
-        current.place(hits + fetch)
-        holder = job.holds_marked()
-        group.take(job.ref, hits + fetch)
-        if holder and not job.holds_marked():
-            self.cluster.poke()  # this job released the marked chunk
-
-        def choice(i: int, hit: bool) -> Choice:
-            """How the item is read should it miss (a hit may be evicted first)."""
-            if group.mode is not CacheMode.COOP:
-                return Choice(i, hit, FetchCause.COOP_MISS, group.mode is CacheMode.FULL)
-            if ahead[chunk_of[i]] <= horizon:
-                # the cycle loads it soon: kept, the other jobs hit it meanwhile, and the
-                # loader finds it held
-                return Choice(i, hit, FetchCause.COOP_MISS, True)
-            # read once, not cached: it would push out what the cycle brought in
-            return Choice(i, hit, FetchCause.STAGED_MISS, False)
-
-        current.queue.extend(choice(i, True) for i in hits)
-        current.queue.extend(choice(i, False) for i in fetch)
+        hits = hits[:POOL_BATCH]
+        fetch = [] if hits else [int(order[0])]
+        job.place(current, hits + fetch)
+        spent = set(self._spent(job, hits + fetch))
+        if spent:
+            group.cached.spend(list(spent))
+            self.reader.store.spent(digest.hash(i) for i in spent)
+        self.reader.store.wanted(digest.hash(i) for i in hits + fetch if i not in spent)
+        kept = [i for i in fetch if i not in spent and group.mode is not CacheMode.NONE]
+        if kept:
+            group.cached.hold(kept)
+        current.queue.extend(Choice(i, True, FetchCause.COOP_MISS, i not in spent)
+                             for i in hits)
+        current.queue.extend(Choice(i, False, FetchCause.COOP_MISS, i not in spent)
+                             for i in fetch)
         self.reader.staging.planned([digest.hash(i) for i in hits])
-        return True
+        self.readahead.wake()
 
-    @staticmethod
-    def _ahead(group: DatasetJobs, ref: EpochRef) -> np.ndarray:
-        """Per chunk, how soon the cycle brings it in: 0 for the chunks the job may use
-        (resident), then 1, 2, ... in the order the cycle loads the others (all 0 where
-        there is no cycle: everything may stay cached)."""
-        n, view = group.plan.n_chunks, group.view
-        ahead = np.zeros(n, dtype=np.int64)
-        if view is None or group.mode is not CacheMode.COOP:
-            return ahead
-        ahead[:] = (np.arange(n) - view.next) % n + 1
-        ahead[group.usable(ref)] = 0
-        return ahead
+    def _spent(self, job: ViewJob, items: list[int]) -> list[int]:
+        """Which of ``items``, just placed for ``job``, no other job here needs in its
+        current passes: on a lone node with view jobs only (elsewhere, other jobs and
+        nodes may still read them)."""
+        if len(self.cluster.live()) > 1:
+            return []
+        needed = np.zeros(len(items), dtype=bool)
+        for other in job.group.jobs.values():
+            if not isinstance(other, ViewJob):
+                return []
+            if other is not job:
+                needed |= other.need[items]
+        return [i for i, n in zip(items, needed) if not n]
 
 
 def _environment(pid: int) -> dict[bytes, bytes]:

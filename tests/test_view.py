@@ -24,9 +24,9 @@ from quiverfs.bench.processes import MountdProcess
 from quiverfs.errors import QuietError
 from mountd.dataset_jobs import DatasetJobs
 from mountd.view import ViewJob, ViewJobs, ViewPools, identity_from
+from mountd.view_readahead import EVICTION_PAUSE, next_items
 from quiverfs.chunk_cycle import ChunkState
-from quiverfs.heartbeat import CacheMode, CycleView, LoadedShare
-from quiverfs.chunk_plan import make_plan
+from quiverfs.heartbeat import CacheMode, CycleView
 from quiverfs.torch import QuiverBatchSampler
 from tests.mountd_helpers import make_digest, mount, mountd_factory  # noqa: F401
 
@@ -282,88 +282,125 @@ def test_pools_are_a_folder_and_an_extension_and_unlabelled_items_stand_alone():
                       ["b/sub/1.jpg", "b/sub/2.jpg"], ["top.jpg"]]
 
 
-def test_a_pass_hands_out_each_item_once_and_a_chunk_with_only_scraps_left_counts_as_done():
+def _two_class_digest(per_class: int, size: int) -> digest_format.Digest:
     items = [digest_format.NewItem(f"{c}/{k}.jpg", hashlib.sha256(f"{c}{k}".encode()).digest(),
-                                   10)
-             for c in ("a", "b") for k in range(50)]
-    d = digest_format.decode(digest_format.encode("t", "file:///x", items))
-    plan = make_plan(d, 200)  # 5 chunks of 20 items
-    group = types.SimpleNamespace(plan=plan, view=None)
-    ds = types.SimpleNamespace(pools=ViewPools.of(d), name="t")
-    job = ViewJob("view:t:0:env:x", ds, 0, "env:x", group)
+                                   size)
+             for c in ("a", "b") for k in range(per_class)]
+    return digest_format.decode(digest_format.encode("t", "file:///x", items))
+
+
+def _cycle(n_chunks: int, resident: tuple[int, ...], capacity: int) -> CycleView:
+    states = [ChunkState.ACTIVE if c in resident else ChunkState.EVICTED
+              for c in range(n_chunks)]
+    return CycleView(n_chunks, tuple(states), resident, None, 0, 0,
+                     (max(resident) + 1) % n_chunks, capacity, capacity, (), ("node",),
+                     CacheMode.COOP, 0, {})
+
+
+def test_a_pass_hands_out_each_item_once_and_the_jobs_needs_follow_it():
+    d = _two_class_digest(50, 10)
+    ds = types.SimpleNamespace(digest=d, pools=ViewPools.of(d), name="t")
+    job = ViewJob("view:t:0:env:x", ds, 0, "env:x", DatasetJobs(ds, 200, None))
+    assert job.need.all() and job.report().remaining == (0,) * job.group.plan.n_chunks
     a = job.pass_of(0)
-    assert job.ref.remaining_chunks.sum() == 50 and not job.kept_for(np.arange(50, 100)).any()
     served = []
     while a.pending.any():
         batch = [int(i) for i in a.pending_items()[:7]]
-        a.place(batch)
-        job.ref.remaining_chunks -= np.bincount(plan.chunk_of[batch], minlength=5)
+        job.place(a, batch)
         served += batch
         with pytest.raises(AssertionError):
-            a.place(batch[:1])  # never twice in a pass
-        left = job.ref.remaining_chunks
-        # a chunk counts as done for the cycle once at most a tenth of it is left
-        assert (job.left() == np.where(left <= 2, 0, left)).all()
-    assert sorted(served) == sorted(int(i) for i in ds.pools.members[0])
+            job.place(a, batch[:1])  # never twice in a pass
+        assert not job.need[batch].any()
+    members = ds.pools.members[0]
+    assert sorted(served) == sorted(int(i) for i in members)
+    assert not job.kept_for(members).any() and job.kept_for(ds.pools.members[1]).all()
     assert a.used_up and job.pass_of(0) is not a and job.pass_of(0).number == 1
-    assert job.kept_for(np.arange(0, 100)).sum() == 50  # the new pass needs all of pool a
+    assert job.need[members].all()  # the next pass needs all of pool a again
 
 
-def test_a_job_that_comes_to_hold_the_marked_chunk_while_it_looks_misses_at_once():
-    """A coordinator reply may move the cycle while an open looks in the store. Where
-    the job thereby comes to hold the marked chunk that the other jobs wait on, it must
-    miss at once: waiting for the next move would wait for itself (until CHUNK_WAIT)."""
-    items = [digest_format.NewItem(f"{c}/{k}.jpg", hashlib.sha256(f"{c}{k}".encode()).digest(),
-                                   100) for c in ("a", "b") for k in range(10)]
-    d = digest_format.decode(digest_format.encode("t", "file:///x", items))
+class _Store:
+    """The store as the view sees it: what is held, and the marks it was given."""
+
+    def __init__(self, digest: digest_format.Digest) -> None:
+        self.digest = digest
+        self.held_items: set[int] = set()
+        self.spent_items: set[int] = set()
+
+    async def held(self, hashes: list[bytes]) -> list[bool]:
+        await trio.lowlevel.checkpoint()
+        return [any(self.digest.hash(i) == h for i in self.held_items) for h in hashes]
+
+    def _items(self, hashes) -> set[int]:
+        hashes = set(hashes)
+        return {i for i in range(len(self.digest)) if self.digest.hash(i) in hashes}
+
+    def spent(self, hashes) -> None:
+        self.spent_items |= self._items(hashes)
+
+    def wanted(self, hashes) -> None:
+        self.spent_items -= self._items(hashes)
+
+
+def test_jobs_take_a_pool_in_one_order_so_that_one_jobs_miss_is_the_others_hit():
+    d = _two_class_digest(8, 100)
     ds = types.SimpleNamespace(digest=d, pools=ViewPools.of(d), name="t")
-    group = DatasetJobs(ds, 100, None)  # a chunk per item
-    chunk = {d.path(i): int(group.plan.chunk_of[i]) for i in range(len(d))}
-    pool = {d.path(int(m[0])).split("/")[0]: p for p, m in enumerate(ds.pools.members)}
-    marked, other, loading = chunk["b/0.jpg"], chunk["b/1.jpg"], chunk["b/2.jpg"]
+    group = DatasetJobs(ds, 400, None)  # 4 chunks of 4 items, 2 of each class
+    group.view = _cycle(group.plan.n_chunks, (2,), 2)  # chunk 2 resident, 3 next
+    store = _Store(d)
+    reader = types.SimpleNamespace(store=store,
+                                   staging=types.SimpleNamespace(planned=lambda hashes: None))
+    jobs = ViewJobs(None, reader, store, types.SimpleNamespace(live=lambda: ["node"]))
+    first, second = (ViewJob(f"view:t:0:env:{n}", ds, 0, f"env:{n}", group) for n in "xy")
+    group.jobs = {first.id: first, second.id: second}
+    pool = int(ds.pools.pool_of[0])
+    members = ds.pools.members[pool]
+    order = members[np.lexsort((members, (group.plan.chunk_of[members] - 2) % 4))]
+    assert group.plan.chunk_of[order[0]] == 2  # the resident chunk's first
 
-    def cycle(marked_now: int | None, loads: tuple[int, ...], generation: int) -> CycleView:
-        states = [ChunkState.EVICTED] * group.plan.n_chunks
-        for c in (marked, other):
-            states[c] = ChunkState.ACTIVE
-        for c in loads:
-            states[c] = ChunkState.LOADING
-        if marked_now is not None:
-            states[marked_now] = ChunkState.MARKED
-        return CycleView(group.plan.n_chunks, tuple(states), (marked, other, *loads),
-                         marked_now, generation, generation, (loading + 1) % group.plan.n_chunks,
-                         3, 3, tuple(LoadedShare(c, ("node",)) for c in loads), ("node",),
-                         CacheMode.COOP, 0, {})
+    async def plan(job: ViewJob) -> list:
+        current = job.pass_of(pool)
+        await jobs._plan(job, current)
+        out = list(current.queue)
+        current.queue.clear()
+        return out
 
-    group.view = cycle(None, (loading,), 0)  # moving (a chunk loads), nothing marked
+    (miss,) = trio.run(plan, first)
+    assert (miss.index, miss.hit, miss.keep) == (order[0], False, True)
+    assert group.cached.cached[miss.index]  # taken to be cached: the other job needs it
+    store.held_items.add(miss.index)  # its read stored it
+    (hit,) = trio.run(plan, second)
+    assert (hit.index, hit.hit) == (order[0], True)
+    # both jobs have had it: the store's first to evict, no longer counted
+    assert store.spent_items == {order[0]} and not group.cached.cached[order[0]]
+    assert group.cached.bytes == 0
+    # a miss that the other job has had already is read once, not kept
+    store.held_items.clear()
+    (own,) = trio.run(plan, second)
+    assert (own.index, own.keep) == (order[1], True)
+    (last,) = trio.run(plan, first)
+    assert (last.index, last.hit, last.keep) == (order[1], False, False)
+
+
+def test_the_readahead_fills_the_pools_with_the_fewest_cached_items_within_the_allotment():
+    d = _two_class_digest(8, 100)
+    ds = types.SimpleNamespace(digest=d, pools=ViewPools.of(d), name="t")
+    group = DatasetJobs(ds, 400, None)
+    group.view = _cycle(group.plan.n_chunks, (0,), 1)  # allotted one chunk: 400 bytes
+    a, b = (ds.pools.members[int(ds.pools.pool_of[i])] for i in (0, 8))
+    assert group.allotment() == 400 and d.path(int(a[0])).startswith("a/")
     job = ViewJob("view:t:0:env:x", ds, 0, "env:x", group)
-    job.pass_of(pool["b"])  # b/0.jpg, in the chunk about to be marked, is still to come
-    wanted = job.pass_of(pool["a"])  # none of a's items is resident: the open may wait
+    group.cached.hold(a[:2])  # two of a's items come
 
-    class Store:
-        """Holds nothing; the coordinator's reply comes in while the first look runs."""
+    def next_up() -> list[int]:
+        return next_items(group, [job.need], ds.pools.pool_of, ds.pools.members, 16)
 
-        looks = 0
-
-        async def held(self, hashes: list[bytes]) -> list[bool]:
-            if not self.looks:
-                group.view = cycle(marked, (), 1)  # loaded; the job's chunk is marked
-                group.changed.set()
-                group.changed = trio.Event()
-            self.looks += 1
-            await trio.lowlevel.checkpoint()
-            return [False] * len(hashes)
-
-    store = Store()
-    reader = types.SimpleNamespace(staging=types.SimpleNamespace(planned=lambda hashes: None))
-    jobs = ViewJobs(None, reader, store, types.SimpleNamespace(poke=lambda: None))
-
-    async def open_one() -> float:
-        started = trio.current_time()
-        await jobs._plan_for_open(job, wanted)
-        return trio.current_time() - started
-
-    waited = trio.run(open_one, clock=trio.testing.MockClock(autojump_threshold=0))
-    assert store.looks >= 1 and job.holds_marked()
-    assert [c.hit for c in wanted.queue] == [False]  # one miss, planned at once
-    assert waited < 1.0, f"the open waited {waited:.1f} s for a move only it could make"
+    ahead = next_up()  # b has none cached: its first items in the common order first
+    assert ahead[:2] == sorted(int(i) for i in b if group.plan.chunk_of[i] == 0)
+    assert len(ahead) == 2  # 200 bytes of room
+    group.cached.hold(ahead)
+    assert group.cached.bytes == 400 and next_up() == []
+    group.cached.seen([int(a[0])], [True])  # it came
+    group.cached.seen([int(a[0])], [False])  # found evicted: forgotten, and the room is
+    assert group.cached.bytes == 300 and next_up() == []  # not used while evictions go on
+    group.cached.evicted_at -= EVICTION_PAUSE
+    assert len(next_up()) == 1
