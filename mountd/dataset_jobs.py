@@ -70,17 +70,19 @@ class DatasetJobs:
         np.subtract.at(ref.remaining_chunks, self.plan.chunk_of[items], 1)
         return held_marked and not ref.remaining_chunks[marked]
 
-    def order_keys(self, items: np.ndarray) -> np.ndarray:
-        """The keys of ``items`` in the order every view job takes a pool's items in:
-        the resident chunks' first, then the others' as the cycle's ring brings them; by
-        index within a chunk. Without a cycle, by index."""
-        view, chunk_of = self.view, self.plan.chunk_of
+    def in_order(self, items: np.ndarray, pass_number: int) -> np.ndarray:
+        """``items`` in the order every view job takes a pool's items in, in its pass
+        ``pass_number``: the resident chunks' first, then the others' as the cycle's
+        ring brings them; within a chunk, shuffled anew for each pass, alike for all
+        jobs (without a cycle, all shuffled so)."""
+        shuffled = _mixed(items, pass_number)
+        view = self.view
         if view is None or self.mode is not CacheMode.COOP:
-            return items
+            return items[np.argsort(shuffled)]
         n = self.plan.n_chunks
         ahead = (np.arange(n) - view.next) % n + 1
         ahead[list(view.resident)] = 0
-        return ahead[chunk_of[items]] * len(chunk_of) + items
+        return items[np.lexsort((shuffled, ahead[self.plan.chunk_of[items]]))]
 
     def allotment(self) -> int:
         """Bytes the coordinator allots the dataset: its K chunks in coop mode."""
@@ -135,3 +137,11 @@ class DatasetJobs:
             name=self.ds.name, chunks=self.plan.n_chunks, size=self.ds.digest.total_bytes,
             chunk_bytes=int(max(self.plan.chunk_bytes)), loaded=tuple(self.loaded),
             jobs=tuple(r for r in (j.report() for j in self.jobs.values()) if r is not None))
+
+
+def _mixed(items: np.ndarray, salt: int) -> np.ndarray:
+    """A pseudo-random uint64 per item for ``salt`` (splitmix64's finaliser)."""
+    z = items.astype(np.uint64) + np.uint64((salt + 1) * 0x9E3779B97F4A7C15 % 2**64)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))

@@ -9,7 +9,7 @@ every item of the pool once; the next open of the pool starts the next one. A pl
 per pool, and the job gets every item exactly once per epoch.
 
 Every job takes a pool's items in one common order (the chunk cycle's: resident chunks
-first, then as the ring brings them): cached ones first, else a miss of the first. So
+first, then as the ring brings them; shuffled anew each pass): cached ones first, else a miss of the first. So
 what one job fetches is what the others want next; it stays cached until every view job
 here has had it, and is then the store's first to evict (``spent``). The readahead
 (mountd.view_readahead) fetches the next items in that order, within the dataset's
@@ -47,7 +47,7 @@ from mountd.dataset_jobs import DatasetJobs
 from mountd.item_reader import ItemReader
 from mountd.job_registry import JobRegistry
 from mountd.read_stats import FetchCause
-from mountd.view_readahead import ViewReadahead
+from mountd.view_readahead import JobNeeds, ViewReadahead
 from quiverfs.digest import Digest
 from quiverfs.heartbeat import CacheMode, JobReport, to_wire
 
@@ -156,6 +156,7 @@ class ViewJob:
         # per item: whether the job is yet to be served it (in the current pass over its
         # pool, or a first one); False for items that are always served exactly
         self.need = ds.pools.shared.copy()
+        self.pass_numbers = np.zeros(len(ds.pools.members), dtype=np.int64)  # per pool
         self.pgids: set[int] = set()  # process groups seen opening for it
         self.counters: collections.Counter[str] = collections.Counter()
         self.last_used = time.monotonic()
@@ -181,6 +182,7 @@ class ViewJob:
         members = self.ds.pools.members[pool]
         rng = np.random.default_rng([self.seed, pool, number])
         self.need[members] = True
+        self.pass_numbers[pool] = number
         self.counters["passes"] += 1
         self.pools[pool] = made = _PoolPass(number, members, rng)
         return made
@@ -282,11 +284,13 @@ class ViewJobs:
                     log.info("view %s: job %s ended", key[0], key[2])
                     self._drop(key)
 
-    def _needs(self) -> list[tuple[DatasetJobs, list[np.ndarray]]]:
-        """Each dataset with view jobs here, and what each of them is yet to be served."""
-        by_group: dict[int, tuple[DatasetJobs, list[np.ndarray]]] = {}
+    def _needs(self) -> list[tuple[DatasetJobs, list[JobNeeds]]]:
+        """Each dataset with view jobs here, and what each of them is yet to be served
+        (and in which pass of each pool)."""
+        by_group: dict[int, tuple[DatasetJobs, list[JobNeeds]]] = {}
         for job in self.jobs.values():
-            by_group.setdefault(id(job.group), (job.group, []))[1].append(job.need)
+            by_group.setdefault(id(job.group), (job.group, []))[1].append(
+                (job.need, job.pass_numbers))
         return list(by_group.values())
 
     def status(self, uid: int) -> list[dict[str, Any]]:
@@ -319,7 +323,7 @@ class ViewJobs:
         cached ones, or where none is, a miss of the first item the job still needs."""
         group, digest = job.group, job.ds.digest
         pending = current.pending_items()
-        order = pending[np.argsort(group.order_keys(pending), kind="stable")]
+        order = group.in_order(pending, current.number)
         candidates = order[group.cached.findable(order)]
         hits: list[int] = []
         for start in range(0, len(candidates), LOOKUP_BLOCK):

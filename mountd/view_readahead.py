@@ -1,12 +1,13 @@
 """The substitutable view's readahead: fetches, ahead of the view's jobs, the next items
-of their common order (DatasetJobs.order_keys) into the store, so that the first job to
+of their common order (DatasetJobs.in_order) into the store, so that the first job to
 want an item finds it cached too.
 
 Each round looks, per pool, for the job with the fewest cached items it still needs
 there (the pool's margin), and fetches the next items in the common order that this job
 needs and that are not cached, for the pools of the smallest margins first: the jobs
 read their pools at random rates, and the pools they are about to run out of get the
-room. Rounds go on while the dataset's cached bytes are under its allotment. They rest
+room. Rounds go on while the dataset's cached bytes are under a share of its allotment
+(the rest is left to the jobs' own misses), and up to a depth per pool. They rest
 while the store evicts items the jobs still need: the jobs' own spread (what the first
 job has had and the last has not) then fills the cache, and fetching ahead would only
 evict more of it, each eviction a second fetch.
@@ -29,39 +30,44 @@ from quiverfs.heartbeat import CacheMode
 log = logging.getLogger(__name__)
 
 ROUND_ITEMS = 16  # items fetched per round at most: a bounded number in flight
+ALLOTMENT_SHARE = 0.8  # of the dataset's allotment the readahead fills at most
+MAX_AHEAD = 16  # cached items a pool's neediest job may have left before none are fetched
 ITEMS_PER_POOL = 2  # items a round takes for one pool at most, so that many pools share it
 EVICTION_PAUSE = 2.0  # seconds of rest after a look found a needed item evicted
-LOOK_GAP = 0.05  # seconds between looks at least (a look costs O(items x jobs))
+LOOK_GAP = 0.05  # seconds between looks at least
 IDLE_LOOK = 1.0  # seconds between looks when nothing wakes the readahead
 
 
-def next_items(group: DatasetJobs, needs: list[np.ndarray], pool_of: np.ndarray,
+JobNeeds = tuple[np.ndarray, np.ndarray]  # a view job's need per item, pass number per pool
+
+
+def next_items(group: DatasetJobs, needs: list[JobNeeds], pool_of: np.ndarray,
                members: tuple[np.ndarray, ...], limit: int) -> list[int]:
-    """Up to ``limit`` items to fetch next for the view jobs with per-item ``needs``
-    (what each is yet to be served), within the room the allotment leaves."""
+    """Up to ``limit`` items to fetch next for the view jobs with ``needs`` (per item,
+    whether each is yet to be served it), within the room the allotment leaves."""
     if time.monotonic() - group.cached.evicted_at < EVICTION_PAUSE:
         return []  # the store evicts items the jobs still need: no room for more
-    room = group.allotment() - group.cached.bytes
+    room = int(ALLOTMENT_SHARE * group.allotment()) - group.cached.bytes
     if room <= 0 or not needs:
         return []
     n_pools = len(members)
     margin = np.full(n_pools, np.iinfo(np.int64).max)
     whose = np.zeros(n_pools, dtype=np.int64)
-    for k, need in enumerate(needs):
+    for k, (need, _) in enumerate(needs):
         wants = np.bincount(pool_of[need], minlength=n_pools) > 0
         ahead = np.bincount(pool_of[need & group.cached.cached], minlength=n_pools)
         fewer = wants & (ahead < margin)
         margin[fewer], whose[fewer] = ahead[fewer], k
     out: list[int] = []
     for pool in np.argsort(margin, kind="stable"):
-        if margin[pool] == np.iinfo(np.int64).max or len(out) >= limit:
+        if margin[pool] >= MAX_AHEAD or len(out) >= limit:
             break
         pool_members = members[pool]
-        need = needs[whose[pool]]
+        need, passes = needs[whose[pool]]
         wanted = pool_members[need[pool_members] & ~group.cached.cached[pool_members]]
         # the common order's first: what the jobs' next misses would fetch
-        wanted = wanted[np.argsort(group.order_keys(wanted), kind="stable")]
-        for i in wanted[:min(ITEMS_PER_POOL, limit - len(out))]:
+        wanted = group.in_order(wanted, int(passes[pool]))
+        for i in wanted[:min(ITEMS_PER_POOL, limit - len(out), MAX_AHEAD - margin[pool])]:
             size = int(group.sizes[i])
             if size > room:
                 return out
@@ -74,7 +80,7 @@ class ViewReadahead:
     """Runs the readahead rounds of every dataset with view jobs on this node."""
 
     def __init__(self, bulk: BulkFetch,
-                 groups: Callable[[], Iterable[tuple[DatasetJobs, list[np.ndarray]]]]) -> None:
+                 groups: Callable[[], Iterable[tuple[DatasetJobs, list[JobNeeds]]]]) -> None:
         self.bulk = bulk
         self.groups = groups  # each dataset with view jobs, and those jobs' needs
         self._wake = trio.Event()
@@ -92,6 +98,7 @@ class ViewReadahead:
                 with trio.move_on_after(IDLE_LOOK):
                     await self._wake.wait()
                 self._wake = trio.Event()
+                started = time.perf_counter()
                 for group, needs in self.groups():
                     ds = group.ds
                     if ds.name in self._busy or group.mode is CacheMode.NONE:
@@ -102,7 +109,8 @@ class ViewReadahead:
                         group.cached.hold(items)
                         self._busy.add(ds.name)
                         nursery.start_soon(self._round, group, items)
-                await trio.sleep(LOOK_GAP)
+                # a look costs O(items x jobs): at most a twentieth of the loop's time
+                await trio.sleep(max(LOOK_GAP, 20 * (time.perf_counter() - started)))
 
     async def _round(self, group: DatasetJobs, items: list[int]) -> None:
         self.bulk.reader.store.wanted(group.ds.digest.hash(i) for i in items)

@@ -354,8 +354,11 @@ def test_jobs_take_a_pool_in_one_order_so_that_one_jobs_miss_is_the_others_hit()
     group.jobs = {first.id: first, second.id: second}
     pool = int(ds.pools.pool_of[0])
     members = ds.pools.members[pool]
-    order = members[np.lexsort((members, (group.plan.chunk_of[members] - 2) % 4))]
-    assert group.plan.chunk_of[order[0]] == 2  # the resident chunk's first
+    order = group.in_order(members, 0)
+    chunks = group.plan.chunk_of[order]
+    assert list(chunks) == sorted(chunks, key=lambda c: (c - 2) % 4)  # resident first
+    again = group.in_order(members, 1)  # the next pass: each chunk's items shuffled anew
+    assert list(group.plan.chunk_of[again]) == list(chunks) and list(again) != list(order)
 
     async def plan(job: ViewJob) -> list:
         current = job.pass_of(pool)
@@ -388,19 +391,20 @@ def test_the_readahead_fills_the_pools_with_the_fewest_cached_items_within_the_a
     group.view = _cycle(group.plan.n_chunks, (0,), 1)  # allotted one chunk: 400 bytes
     a, b = (ds.pools.members[int(ds.pools.pool_of[i])] for i in (0, 8))
     assert group.allotment() == 400 and d.path(int(a[0])).startswith("a/")
+    a = group.in_order(a, 0)
     job = ViewJob("view:t:0:env:x", ds, 0, "env:x", group)
     group.cached.hold(a[:2])  # two of a's items come
 
     def next_up() -> list[int]:
-        return next_items(group, [job.need], ds.pools.pool_of, ds.pools.members, 16)
+        return next_items(group, [(job.need, job.pass_numbers)], ds.pools.pool_of,
+                          ds.pools.members, 16)
 
-    ahead = next_up()  # b has none cached: its first items in the common order first
-    assert ahead[:2] == sorted(int(i) for i in b if group.plan.chunk_of[i] == 0)
-    assert len(ahead) == 2  # 200 bytes of room
+    ahead = next_up()  # b has none cached: the first item of its common order
+    assert ahead == [int(group.in_order(b, 0)[0])]  # 320 bytes to fill, 200 cached
     group.cached.hold(ahead)
-    assert group.cached.bytes == 400 and next_up() == []
+    assert group.cached.bytes == 300 and next_up() == []
     group.cached.seen([int(a[0])], [True])  # it came
     group.cached.seen([int(a[0])], [False])  # found evicted: forgotten, and the room is
-    assert group.cached.bytes == 300 and next_up() == []  # not used while evictions go on
+    assert group.cached.bytes == 200 and next_up() == []  # not used while evictions go on
     group.cached.evicted_at -= EVICTION_PAUSE
-    assert len(next_up()) == 1
+    assert next_up() == [int(group.in_order(a, 0)[0])]
