@@ -131,49 +131,49 @@ def test_an_entry_evicted_behind_the_store_is_a_miss(store, tmp_path):
     assert store.get(digest) is None
 
 
-def test_lru_keeps_recorded_hits(tmp_path):
-    limit = 1_500_000  # room for about 30 items
-    store = ContentStore(str(tmp_path / "lru"), limit)
-    try:
-        items = [item(i) for i in range(25)]
-        for digest, data in items:
-            store.put(digest, data)
-        assert store.get(items[0][0]) == items[0][1]  # item 0 is now the most recent
-        assert store.record_hits() == 1
-        for n in range(100, 120):  # push the older items out
-            store.put(*item(n))
-            assert store.volume() <= limit
-        assert items[0][0] in store
-        assert items[1][0] not in store
-    finally:
-        store.close()
+LRU_LIMIT = 1_500_000  # room for about 30 items
 
 
-def test_spent_entries_are_evicted_first_even_when_read_or_stored_after_the_mark(tmp_path):
-    limit = 1_500_000  # room for about 30 items
-    store = ContentStore(str(tmp_path / "lru"), limit)
-    try:
-        items = [item(i) for i in range(25)]
-        for digest, data in items:
-            store.put(digest, data)
-        spent, rewritten, wanted_again = items[20], items[21], items[22]
-        store.spent([spent[0], rewritten[0], wanted_again[0]])
-        store.record_hits()
-        assert store.get(spent[0]) == spent[1]  # its last reader reads it after the mark
-        store.put(*rewritten)  # a fetch begun before the mark stores it again
-        store.wanted([wanted_again[0]])  # a job's next pass needs it
-        assert store.get(wanted_again[0]) == wanted_again[1]
-        store.record_hits()
-        n = 100
-        while len(store) == 25 + n - 100:  # until the first eviction (of CULL_LIMIT)
-            store.put(*item(n))
-            n += 1
-        assert spent[0] not in store and rewritten[0] not in store
-        assert wanted_again[0] in store
-        # the rest of the eviction went to the least recently used
-        assert items[0][0] not in store and all(d in store for d, _ in items[10:20])
-    finally:
-        store.close()
+@pytest.fixture
+def lru_store(tmp_path):
+    """A store with room for about 30 items, holding items 0-24 stored in order."""
+    store = ContentStore(str(tmp_path / "lru"), LRU_LIMIT)
+    items = [item(i) for i in range(25)]
+    for digest, data in items:
+        store.put(digest, data)
+    yield store, items
+    store.close()
+
+
+def test_lru_keeps_recorded_hits(lru_store):
+    store, items = lru_store
+    assert store.get(items[0][0]) == items[0][1]  # item 0 is now the most recent
+    assert store.record_hits() == 1
+    for n in range(100, 120):  # push the older items out
+        store.put(*item(n))
+        assert store.volume() <= LRU_LIMIT
+    assert items[0][0] in store
+    assert items[1][0] not in store
+
+
+def test_spent_entries_are_evicted_first_even_when_read_or_stored_after_the_mark(lru_store):
+    store, items = lru_store
+    spent, rewritten, wanted_again = items[20], items[21], items[22]
+    store.spent([spent[0], rewritten[0], wanted_again[0]])
+    store.record_hits()
+    assert store.get(spent[0]) == spent[1]  # its last reader reads it after the mark
+    store.put(*rewritten)  # a fetch begun before the mark stores it again
+    store.wanted([wanted_again[0]])  # a job's next pass needs it
+    assert store.get(wanted_again[0]) == wanted_again[1]
+    store.record_hits()
+    n = 100
+    while len(store) == 25 + n - 100:  # until the first eviction (of CULL_LIMIT)
+        store.put(*item(n))
+        n += 1
+    assert spent[0] not in store and rewritten[0] not in store
+    assert wanted_again[0] in store
+    # the rest of the eviction went to the least recently used
+    assert items[0][0] not in store and all(d in store for d, _ in items[10:20])
 
 
 def test_a_store_as_large_as_its_items_holds_them_all(tmp_path):
