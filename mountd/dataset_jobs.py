@@ -94,8 +94,8 @@ class DatasetJobs:
         return self.view.capacity * int(max(self.plan.chunk_bytes))
 
     def kept_at_eviction(self, items: np.ndarray) -> np.ndarray:
-        """Which of an evicted chunk's ``items`` a job here wants kept: a view job's
-        items it has not been served in its current pass."""
+        """Which of an evicted chunk's ``items`` a job here wants kept: those a view job
+        is yet to be served."""
         kept = np.zeros(len(items), dtype=bool)
         for job in self.jobs.values():
             kept |= job.kept_for(items)

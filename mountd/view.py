@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import logging
 import os
 import re
@@ -112,21 +111,16 @@ class _PoolPass:
     """A job's current pass over one pool: which of its items the job has not been
     served yet, and items chosen not yet served."""
 
-    def __init__(self, number: int, members: np.ndarray, rng: np.random.Generator) -> None:
+    def __init__(self, number: int, members: np.ndarray) -> None:
         self.number = number
         self.members = members  # the pool's items, ascending
-        self.visit = rng.permutation(len(members))  # this pass's random order (positions)
         self.pending = np.ones(len(members), dtype=bool)
         self.queue: collections.deque[Choice] = collections.deque()
         self.lock = trio.Lock()  # one planning at a time
 
     def pending_items(self) -> np.ndarray:
-        """The items not yet served in this pass, in its random order."""
-        return self.members[self.visit[self.pending[self.visit]]]
-
-    def needs(self, items: np.ndarray) -> np.ndarray:
-        """Which of ``items`` (all of this pool) are not yet served in this pass."""
-        return self.pending[np.searchsorted(self.members, items)]
+        """The items not yet served in this pass."""
+        return self.members[self.pending]
 
     def place(self, items: list[int]) -> None:
         """Hand out ``items``: each at most once per pass."""
@@ -151,12 +145,10 @@ class ViewJob:
         self.uid = uid
         self.identity = identity
         self.group = group
-        self.seed = int.from_bytes(hashlib.sha256(job_id.encode()).digest()[:8], "little")
         self.pools: dict[int, _PoolPass] = {}
         # per item: whether the job is yet to be served it (in the current pass over its
         # pool, or a first one); False for items that are always served exactly
         self.need = ds.pools.shared.copy()
-        self.pass_numbers = np.zeros(len(ds.pools.members), dtype=np.int64)  # per pool
         self.pgids: set[int] = set()  # process groups seen opening for it
         self.counters: collections.Counter[str] = collections.Counter()
         self.last_used = time.monotonic()
@@ -180,12 +172,15 @@ class ViewJob:
             return current
         number = 0 if current is None else current.number + 1
         members = self.ds.pools.members[pool]
-        rng = np.random.default_rng([self.seed, pool, number])
         self.need[members] = True
-        self.pass_numbers[pool] = number
         self.counters["passes"] += 1
-        self.pools[pool] = made = _PoolPass(number, members, rng)
+        self.pools[pool] = made = _PoolPass(number, members)
         return made
+
+    def pass_number(self, pool: int) -> int:
+        """The number of the job's current (or first) pass over ``pool``."""
+        current = self.pools.get(pool)
+        return 0 if current is None else current.number
 
     def place(self, current: _PoolPass, items: list[int]) -> None:
         """Hand out ``items`` in the pass ``current``: each at most once per pass."""
@@ -290,7 +285,7 @@ class ViewJobs:
         by_group: dict[int, tuple[DatasetJobs, list[JobNeeds]]] = {}
         for job in self.jobs.values():
             by_group.setdefault(id(job.group), (job.group, []))[1].append(
-                (job.need, job.pass_numbers))
+                (job.need, job.pass_number))
         return list(by_group.values())
 
     def status(self, uid: int) -> list[dict[str, Any]]:

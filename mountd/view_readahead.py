@@ -15,7 +15,6 @@ evict more of it, each eviction a second fetch.
 from __future__ import annotations
 
 import collections
-import logging
 import time
 from collections.abc import Callable, Iterable
 
@@ -27,8 +26,6 @@ from mountd.dataset_jobs import DatasetJobs
 from mountd.read_stats import FetchCause
 from quiverfs.heartbeat import CacheMode
 
-log = logging.getLogger(__name__)
-
 ROUND_ITEMS = 16  # items fetched per round at most: a bounded number in flight
 ALLOTMENT_SHARE = 0.8  # of the dataset's allotment the readahead fills at most
 MAX_AHEAD = 16  # cached items a pool's neediest job may have left before none are fetched
@@ -38,11 +35,11 @@ LOOK_GAP = 0.05  # seconds between looks at least
 IDLE_LOOK = 1.0  # seconds between looks when nothing wakes the readahead
 
 
-JobNeeds = tuple[np.ndarray, np.ndarray]  # a view job's need per item, pass number per pool
+# a view job's need per item, and its pass number over a pool
+JobNeeds = tuple[np.ndarray, Callable[[int], int]]
 
 
-def next_items(group: DatasetJobs, needs: list[JobNeeds], pool_of: np.ndarray,
-               members: tuple[np.ndarray, ...], limit: int) -> list[int]:
+def next_items(group: DatasetJobs, needs: list[JobNeeds], limit: int) -> list[int]:
     """Up to ``limit`` items to fetch next for the view jobs with ``needs`` (per item,
     whether each is yet to be served it), within the room the allotment leaves."""
     if time.monotonic() - group.cached.evicted_at < EVICTION_PAUSE:
@@ -50,6 +47,7 @@ def next_items(group: DatasetJobs, needs: list[JobNeeds], pool_of: np.ndarray,
     room = int(ALLOTMENT_SHARE * group.allotment()) - group.cached.bytes
     if room <= 0 or not needs:
         return []
+    pool_of, members = group.ds.pools.pool_of, group.ds.pools.members
     n_pools = len(members)
     margin = np.full(n_pools, np.iinfo(np.int64).max)
     whose = np.zeros(n_pools, dtype=np.int64)
@@ -63,10 +61,10 @@ def next_items(group: DatasetJobs, needs: list[JobNeeds], pool_of: np.ndarray,
         if margin[pool] >= MAX_AHEAD or len(out) >= limit:
             break
         pool_members = members[pool]
-        need, passes = needs[whose[pool]]
+        need, pass_number = needs[whose[pool]]
         wanted = pool_members[need[pool_members] & ~group.cached.cached[pool_members]]
         # the common order's first: what the jobs' next misses would fetch
-        wanted = group.in_order(wanted, int(passes[pool]))
+        wanted = group.in_order(wanted, pass_number(int(pool)))
         for i in wanted[:min(ITEMS_PER_POOL, limit - len(out), MAX_AHEAD - margin[pool])]:
             size = int(group.sizes[i])
             if size > room:
@@ -103,8 +101,7 @@ class ViewReadahead:
                     ds = group.ds
                     if ds.name in self._busy or group.mode is CacheMode.NONE:
                         continue
-                    items = next_items(group, needs, ds.pools.pool_of, ds.pools.members,
-                                       ROUND_ITEMS)
+                    items = next_items(group, needs, ROUND_ITEMS)
                     if items:
                         group.cached.hold(items)
                         self._busy.add(ds.name)

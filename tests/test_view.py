@@ -396,8 +396,7 @@ def test_the_readahead_fills_the_pools_with_the_fewest_cached_items_within_the_a
     group.cached.hold(a[:2])  # two of a's items come
 
     def next_up() -> list[int]:
-        return next_items(group, [(job.need, job.pass_numbers)], ds.pools.pool_of,
-                          ds.pools.members, 16)
+        return next_items(group, [(job.need, job.pass_number)], 16)
 
     ahead = next_up()  # b has none cached: the first item of its common order
     assert ahead == [int(group.in_order(b, 0)[0])]  # 320 bytes to fill, 200 cached
