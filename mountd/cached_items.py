@@ -25,6 +25,7 @@ class CachedItems:
         self.spent = np.zeros(len(sizes), dtype=bool)
         self.bytes = 0  # of the cached items
         self.evicted_at = -float("inf")  # time.monotonic() a look last found one evicted
+        self.evicted_bytes = 0  # the cached bytes then
 
     def _set(self, items: np.ndarray, cached: bool) -> np.ndarray:
         """Set items' cached flag; the items whose flag changed."""
@@ -50,7 +51,7 @@ class CachedItems:
         gone = items_[~found & ~self.coming[items_]]
         self.spent[items_] = False
         if len(self._set(gone, False)):
-            self.evicted_at = time.monotonic()
+            self.evicted_at, self.evicted_bytes = time.monotonic(), self.bytes
 
     def spend(self, items: list[int]) -> None:
         """Items every job here has had: no longer counted, but may still be found."""

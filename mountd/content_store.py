@@ -605,6 +605,10 @@ class ContentStore:
         with self._hits_lock:
             self._spent.update(digests)
 
+    def spent_pending(self) -> bool:
+        """Whether entries were marked spent since the last ``record_hits``."""
+        return bool(self._spent)
+
     def _stored(self, digest: bytes) -> None:
         """A put of a spent entry (a fetch begun before the mark) leaves it spent."""
         with self._hits_lock:

@@ -187,6 +187,13 @@ class ViewJob:
         current.place(items)
         self.need[items] = False
 
+    def queued(self, pool: int, items: list[int]) -> np.ndarray:
+        """Which of ``items`` of ``pool`` the job has chosen and not opened yet."""
+        current = self.pools.get(pool)
+        if current is None or not current.queue:
+            return np.zeros(len(items), dtype=bool)
+        return np.isin(items, [c.index for c in current.queue])
+
     def kept_for(self, items: np.ndarray) -> np.ndarray:
         """Which of an evicted chunk's ``items`` the job is yet to be served."""
         return self.need[items]
@@ -303,17 +310,17 @@ class ViewJobs:
         while True:
             current = job.pass_of(pool)
             if current.queue:
-                choice = current.queue.popleft()
+                choice = self._taken(job, pool, current.queue.popleft())
                 break
             async with current.lock:
                 if not current.queue and current.pending.any():
-                    await self._plan(job, current)
+                    await self._plan(job, pool, current)
         job.counters["opens"] += 1
         job.counters["hits" if choice.hit else "misses"] += 1
         self.reader.stats.count(ds, "view_hits" if choice.hit else "view_misses")
         return choice
 
-    async def _plan(self, job: ViewJob, current: _PoolPass) -> None:
+    async def _plan(self, job: ViewJob, pool: int, current: _PoolPass) -> None:
         """Choose the next items of a pool pass, in the common order: up to POOL_BATCH
         cached ones, or where none is, a miss of the first item the job still needs."""
         group, digest = job.group, job.ds.digest
@@ -331,33 +338,45 @@ class ViewJobs:
         hits = hits[:POOL_BATCH]
         fetch = [] if hits else [int(order[0])]
         job.place(current, hits + fetch)
-        spent = set(self._spent(job, hits + fetch))
-        if spent:
-            group.cached.spend(list(spent))
-            self.reader.store.spent(digest.hash(i) for i in spent)
+        # a miss no other job needs is read and not kept; hits are spent when opened
+        spent = set(self._spent(job, pool, fetch))
+        self._spend(group, list(spent))
         self.reader.store.wanted(digest.hash(i) for i in hits + fetch if i not in spent)
         kept = [i for i in fetch if i not in spent and group.mode is not CacheMode.NONE]
         if kept:
             group.cached.hold(kept)
-        current.queue.extend(Choice(i, True, FetchCause.COOP_MISS, i not in spent)
-                             for i in hits)
+        current.queue.extend(Choice(i, True, FetchCause.COOP_MISS, True) for i in hits)
         current.queue.extend(Choice(i, False, FetchCause.COOP_MISS, i not in spent)
                              for i in fetch)
         self.reader.staging.planned([digest.hash(i) for i in hits])
         self.readahead.wake()
 
-    def _spent(self, job: ViewJob, items: list[int]) -> list[int]:
-        """Which of ``items``, just placed for ``job``, no other job here needs in its
-        current passes: on a lone node with view jobs only (elsewhere, other jobs and
-        nodes may still read them)."""
-        if len(self.cluster.live()) > 1:
+    def _taken(self, job: ViewJob, pool: int, choice: Choice) -> Choice:
+        """``choice``, as an open of ``job``'s takes it from its queue: a hit that no
+        other job needs any more is spent now, not when planned (the job opens its
+        planned hits over a while, and the store evicts spent items first)."""
+        if choice.hit and self._spent(job, pool, [choice.index]):
+            self._spend(job.group, [choice.index])
+            return dataclasses.replace(choice, keep=False)
+        return choice
+
+    def _spend(self, group: DatasetJobs, items: list[int]) -> None:
+        if items:
+            group.cached.spend(items)
+            self.reader.store.spent(group.ds.digest.hash(i) for i in items)
+
+    def _spent(self, job: ViewJob, pool: int, items: list[int]) -> list[int]:
+        """Which of ``items`` of ``pool``, placed for ``job``, no other job here needs in
+        its current pass or has chosen and not opened yet: on a lone node with view jobs
+        only (elsewhere, other jobs and nodes may still read them)."""
+        if not items or len(self.cluster.live()) > 1:
             return []
         needed = np.zeros(len(items), dtype=bool)
         for other in job.group.jobs.values():
             if not isinstance(other, ViewJob):
                 return []
             if other is not job:
-                needed |= other.need[items]
+                needed |= other.need[items] | other.queued(pool, items)
         return [i for i, n in zip(items, needed) if not n]
 
 

@@ -6,11 +6,13 @@ Each round looks, per pool, for the job with the fewest cached items it still ne
 there (the pool's margin), and fetches the next items in the common order that this job
 needs and that are not cached, for the pools of the smallest margins first: the jobs
 read their pools at random rates, and the pools they are about to run out of get the
-room. Rounds go on while the dataset's cached bytes are under a share of its allotment
-(the rest is left to the jobs' own misses), and up to a depth per pool. They rest
-while the store evicts items the jobs still need: the jobs' own spread (what the first
-job has had and the last has not) then fills the cache, and fetching ahead would only
-evict more of it, each eviction a second fetch.
+room. Rounds overlap, up to a bound on the items in flight, so that the readahead keeps
+up with a fast job; they go on while the dataset's cached bytes are under a share of its
+allotment (the rest is left to the jobs' own misses), and up to a depth per pool. While
+the store evicts items the jobs still need, they fill no more than a share of what was
+cached then: the jobs' own spread (what the first job has had and the last has not)
+fills the cache, and fetching ahead of it would only evict more of it, each eviction a
+second fetch.
 """
 from __future__ import annotations
 
@@ -26,12 +28,14 @@ from mountd.dataset_jobs import DatasetJobs
 from mountd.read_stats import FetchCause
 from quiverfs.heartbeat import CacheMode
 
-ROUND_ITEMS = 16  # items fetched per round at most: a bounded number in flight
+ROUND_ITEMS = 16  # items a look starts fetching at most
+IN_FLIGHT = 64  # items being fetched per dataset at most, over rounds that overlap
 ALLOTMENT_SHARE = 0.8  # of the dataset's allotment the readahead fills at most
 MAX_AHEAD = 16  # cached items a pool's neediest job may have left before none are fetched
 ITEMS_PER_POOL = 2  # items a round takes for one pool at most, so that many pools share it
-EVICTION_PAUSE = 2.0  # seconds of rest after a look found a needed item evicted
-LOOK_GAP = 0.05  # seconds between looks at least
+EVICTION_PAUSE = 2.0  # seconds after a look found a needed item evicted, in which
+EVICTED_SHARE = 0.9  # the readahead fills at most this share of the cached bytes then
+LOOK_GAP = 0.01  # seconds between looks at least
 IDLE_LOOK = 1.0  # seconds between looks when nothing wakes the readahead
 
 
@@ -42,9 +46,11 @@ JobNeeds = tuple[np.ndarray, Callable[[int], int]]
 def next_items(group: DatasetJobs, needs: list[JobNeeds], limit: int) -> list[int]:
     """Up to ``limit`` items to fetch next for the view jobs with ``needs`` (per item,
     whether each is yet to be served it), within the room the allotment leaves."""
+    ceiling = ALLOTMENT_SHARE * group.allotment()
     if time.monotonic() - group.cached.evicted_at < EVICTION_PAUSE:
-        return []  # the store evicts items the jobs still need: no room for more
-    room = int(ALLOTMENT_SHARE * group.allotment()) - group.cached.bytes
+        # the store evicts items the jobs still need: no room for more than then
+        ceiling = min(ceiling, EVICTED_SHARE * group.cached.evicted_bytes)
+    room = int(ceiling) - group.cached.bytes
     if room <= 0 or not needs:
         return []
     pool_of, members = group.ds.pools.pool_of, group.ds.pools.members
@@ -82,7 +88,7 @@ class ViewReadahead:
         self.bulk = bulk
         self.groups = groups  # each dataset with view jobs, and those jobs' needs
         self._wake = trio.Event()
-        self._busy: set[str] = set()  # datasets with a round in flight
+        self._in_flight: collections.Counter[str] = collections.Counter()  # items, by dataset
         self._counters: collections.Counter[str] = collections.Counter()  # fetch errors
 
     def wake(self) -> None:
@@ -90,7 +96,7 @@ class ViewReadahead:
 
     async def run(self) -> None:
         """Look for items to fetch whenever woken (at most every LOOK_GAP), or every
-        IDLE_LOOK; one round in flight per dataset."""
+        IDLE_LOOK; up to IN_FLIGHT items in flight per dataset, in rounds."""
         async with trio.open_nursery() as nursery:
             while True:
                 with trio.move_on_after(IDLE_LOOK):
@@ -99,12 +105,13 @@ class ViewReadahead:
                 started = time.perf_counter()
                 for group, needs in self.groups():
                     ds = group.ds
-                    if ds.name in self._busy or group.mode is CacheMode.NONE:
+                    room = IN_FLIGHT - self._in_flight[ds.name]
+                    if room <= 0 or group.mode is CacheMode.NONE:
                         continue
-                    items = next_items(group, needs, ROUND_ITEMS)
+                    items = next_items(group, needs, min(ROUND_ITEMS, room))
                     if items:
                         group.cached.hold(items)
-                        self._busy.add(ds.name)
+                        self._in_flight[ds.name] += len(items)
                         nursery.start_soon(self._round, group, items)
                 # a look costs O(items x jobs): at most a twentieth of the loop's time
                 await trio.sleep(max(LOOK_GAP, 20 * (time.perf_counter() - started)))
@@ -114,5 +121,7 @@ class ViewReadahead:
         try:
             await self.bulk.load(group.ds, items, self._counters, FetchCause.VIEW_AHEAD)
         finally:
-            self._busy.discard(group.ds.name)
+            self._in_flight[group.ds.name] -= len(items)
+            if not self._in_flight[group.ds.name]:
+                del self._in_flight[group.ds.name]
             self.wake()

@@ -159,8 +159,11 @@ def test_lru_keeps_recorded_hits(lru_store):
 def test_spent_entries_are_evicted_first_even_when_read_or_stored_after_the_mark(lru_store):
     store, items = lru_store
     spent, rewritten, wanted_again = items[20], items[21], items[22]
+    assert not store.spent_pending()
     store.spent([spent[0], rewritten[0], wanted_again[0]])
+    assert store.spent_pending()  # mountd writes the marks soon (SPENT_RECORD_INTERVAL)
     store.record_hits()
+    assert not store.spent_pending()
     assert store.get(spent[0]) == spent[1]  # its last reader reads it after the mark
     store.put(*rewritten)  # a fetch begun before the mark stores it again
     store.wanted([wanted_again[0]])  # a job's next pass needs it

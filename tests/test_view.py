@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import io
 import json
@@ -24,7 +25,8 @@ from quiverfs.bench.processes import MountdProcess
 from quiverfs.errors import QuietError
 from mountd.dataset_jobs import DatasetJobs
 from mountd.view import ViewJob, ViewJobs, ViewPools, identity_from
-from mountd.view_readahead import EVICTION_PAUSE, next_items
+from mountd.view_readahead import (EVICTION_PAUSE, IN_FLIGHT, MAX_AHEAD, ROUND_ITEMS,
+                                   ViewReadahead, next_items)
 from quiverfs.chunk_cycle import ChunkState
 from quiverfs.heartbeat import CacheMode, CycleView
 from quiverfs.torch import QuiverBatchSampler
@@ -282,10 +284,11 @@ def test_pools_are_a_folder_and_an_extension_and_unlabelled_items_stand_alone():
                       ["b/sub/1.jpg", "b/sub/2.jpg"], ["top.jpg"]]
 
 
-def _two_class_digest(per_class: int, size: int) -> digest_format.Digest:
+def _two_class_digest(per_class: int, size: int, classes: str = "ab"
+                      ) -> digest_format.Digest:
     items = [digest_format.NewItem(f"{c}/{k}.jpg", hashlib.sha256(f"{c}{k}".encode()).digest(),
                                    size)
-             for c in ("a", "b") for k in range(per_class)]
+             for c in classes for k in range(per_class)]
     return digest_format.decode(digest_format.encode("t", "file:///x", items))
 
 
@@ -360,11 +363,12 @@ def test_jobs_take_a_pool_in_one_order_so_that_one_jobs_miss_is_the_others_hit()
     again = group.in_order(members, 1)  # the next pass: each chunk's items shuffled anew
     assert list(group.plan.chunk_of[again]) == list(chunks) and list(again) != list(order)
 
-    async def plan(job: ViewJob) -> list:
+    async def plan(job: ViewJob) -> list:  # what the job's next opens take
         current = job.pass_of(pool)
-        await jobs._plan(job, current)
-        out = list(current.queue)
-        current.queue.clear()
+        await jobs._plan(job, pool, current)
+        out = []
+        while current.queue:
+            out.append(jobs._taken(job, pool, current.queue.popleft()))
         return out
 
     (miss,) = trio.run(plan, first)
@@ -382,6 +386,31 @@ def test_jobs_take_a_pool_in_one_order_so_that_one_jobs_miss_is_the_others_hit()
     assert (own.index, own.keep) == (order[1], True)
     (last,) = trio.run(plan, first)
     assert (last.index, last.hit, last.keep) == (order[1], False, False)
+
+
+def test_a_planned_hit_is_spent_when_the_last_job_opens_it_not_when_planned():
+    d = _two_class_digest(8, 100)
+    ds = types.SimpleNamespace(digest=d, pools=ViewPools.of(d), name="t")
+    group = DatasetJobs(ds, 400, None)
+    group.view = _cycle(group.plan.n_chunks, (2,), 2)
+    store = _Store(d)
+    reader = types.SimpleNamespace(store=store,
+                                   staging=types.SimpleNamespace(planned=lambda hashes: None))
+    jobs = ViewJobs(None, reader, store, types.SimpleNamespace(live=lambda: ["node"]))
+    first, second = (ViewJob(f"view:t:0:env:{n}", ds, 0, f"env:{n}", group) for n in "xy")
+    group.jobs = {first.id: first, second.id: second}
+    pool = int(ds.pools.pool_of[0])
+    order = group.in_order(ds.pools.members[pool], 0)
+    group.cached.hold(order[:2])
+    store.held_items |= {int(i) for i in order[:2]}
+    for job in (first, second):  # each plans both cached items as hits
+        trio.run(jobs._plan, job, pool, job.pass_of(pool))
+        assert [c.index for c in job.pass_of(pool).queue] == list(order[:2])
+    taken = jobs._taken(second, pool, second.pass_of(pool).queue.popleft())
+    assert taken.keep and not store.spent_items  # the first job has yet to open it
+    taken = jobs._taken(first, pool, first.pass_of(pool).queue.popleft())
+    assert not taken.keep and store.spent_items == {order[0]}
+    assert group.cached.cached[order[1]] and not group.cached.cached[order[0]]
 
 
 def test_the_readahead_fills_the_pools_with_the_fewest_cached_items_within_the_allotment():
@@ -403,7 +432,45 @@ def test_the_readahead_fills_the_pools_with_the_fewest_cached_items_within_the_a
     group.cached.hold(ahead)
     assert group.cached.bytes == 300 and next_up() == []
     group.cached.seen([int(a[0])], [True])  # it came
-    group.cached.seen([int(a[0])], [False])  # found evicted: forgotten, and the room is
-    assert group.cached.bytes == 200 and next_up() == []  # not used while evictions go on
-    group.cached.evicted_at -= EVICTION_PAUSE
-    assert next_up() == [int(group.in_order(a, 0)[0])]
+    group.cached.seen([int(a[0])], [False])  # found evicted: forgotten, and while
+    assert group.cached.bytes == 200 and next_up() == []  # evictions go on, the readahead
+    group.cached.forget(a[1:2])  # fills at most 0.9 of the 200 bytes cached then
+    assert group.cached.bytes == 100 and next_up() == []  # 80 bytes of room: not an item
+    group.cached.forget(np.asarray(ahead))
+    assert next_up() == [int(a[0])]  # 180 bytes of room: one item
+    group.cached.evicted_at -= EVICTION_PAUSE  # then the allotment's share again: 320
+    assert next_up() == [int(a[0]), int(a[1]), int(group.in_order(b, 0)[0])]
+
+
+def test_the_readahead_keeps_several_rounds_in_flight_up_to_its_bound():
+    d = _two_class_digest(30, 10, "abcdefgh")  # 8 classes: 128 items MAX_AHEAD
+    ds = types.SimpleNamespace(digest=d, pools=ViewPools.of(d), name="t")
+    group = DatasetJobs(ds, 10 * len(d), None)
+    group.view = _cycle(group.plan.n_chunks, (0,), 1)  # the whole dataset allotted
+    group.view = dataclasses.replace(group.view, mode=CacheMode.FULL)
+    job = ViewJob("view:t:0:env:x", ds, 0, "env:x", group)
+    rounds: list[list[int]] = []
+    done = trio.Event()
+
+    class Bulk:
+        reader = types.SimpleNamespace(store=types.SimpleNamespace(wanted=lambda hashes: None))
+
+        async def load(self, ds, items, counters, cause) -> None:
+            rounds.append(items)
+            await done.wait()  # every round stays in flight until released
+
+    async def main() -> None:
+        readahead = ViewReadahead(Bulk(), lambda: [(group, [(job.need, job.pass_number)])])
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(readahead.run)
+            await trio.sleep(5)
+            assert sum(map(len, rounds)) == IN_FLIGHT  # no more while all are in flight
+            assert len(rounds) > 1 and all(len(r) <= ROUND_ITEMS for r in rounds)
+            done.set()
+            await trio.sleep(5)  # released: the next rounds, up to MAX_AHEAD a class
+            assert sum(map(len, rounds)) == 8 * MAX_AHEAD
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    fetched = [i for r in rounds for i in r]
+    assert len(set(fetched)) == len(fetched)  # each item once
