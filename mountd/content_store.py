@@ -191,6 +191,7 @@ class ContentStore:
         # Entries marked spent and not stored again since: their reads after the mark
         # leave them the first to evict.
         self._spent_marked: set[bytes] = set()
+        self._unspent: set[bytes] = set()  # marked entries wanted since the last record_hits
         # Where large values live, learnt on first read: later hits read the file
         # directly, without a query. A file evicted since is simply not found.
         self._files: dict[bytes, tuple[str, int]] = {}
@@ -588,8 +589,8 @@ class ContentStore:
         marked ``spent`` the first to evict, in one transaction; how many hits (none
         while the store cannot write: those are forgotten)."""
         with self._hits_lock:
-            hits, self._hits = self._hits, set()
-            spent, self._spent = self._spent, set()
+            hits, self._hits = self._hits | self._unspent, set()
+            spent, self._spent, self._unspent = self._spent, set(), set()
             if len(self._spent_marked) + len(spent) > MAX_VERIFIED:
                 self._spent_marked.clear()  # marks forgotten: left to plain LRU
             self._spent_marked |= spent
@@ -605,9 +606,10 @@ class ContentStore:
         with self._hits_lock:
             self._spent.update(digests)
 
-    def spent_pending(self) -> bool:
-        """Whether entries were marked spent since the last ``record_hits``."""
-        return bool(self._spent)
+    def marks_pending(self) -> bool:
+        """Whether entries were marked spent, or wanted again after their mark was
+        written, since the last ``record_hits``."""
+        return bool(self._spent or self._unspent)
 
     def _stored(self, digest: bytes) -> None:
         """A put of a spent entry (a fetch begun before the mark) leaves it spent."""
@@ -616,11 +618,15 @@ class ContentStore:
                 self._spent.add(digest)
 
     def wanted(self, digests: Iterable[bytes]) -> None:
-        """Undo ``spent`` marks: a reader here needs these entries again."""
+        """Undo ``spent`` marks: a reader here needs these entries again. Those whose
+        mark was written get the current access time at the next ``record_hits``, as a
+        hit would (else the store would still evict them first)."""
         with self._hits_lock:
             for digest in digests:
                 self._spent.discard(digest)
-                self._spent_marked.discard(digest)
+                if digest in self._spent_marked:
+                    self._spent_marked.discard(digest)
+                    self._unspent.add(digest)
 
     @staticmethod
     def _touch(index: _Index, marks: tuple[set[bytes], set[bytes]]) -> int:

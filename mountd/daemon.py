@@ -43,8 +43,9 @@ from quiverfs.errors import ExitCode, QuietError
 log = logging.getLogger(__name__)
 
 HIT_RECORD_INTERVAL = 1.0  # seconds between writes of LRU recency to the store
-# seconds between writes of spent marks: a fast job spends items at hundreds a second,
-# and until they are written the store evicts items that are still needed instead
+# seconds between writes of spent marks (and of their undoing): a fast job spends items
+# at hundreds a second, and until they are written the store evicts items that are still
+# needed instead
 SPENT_RECORD_INTERVAL = 0.1
 READAHEAD_KB = 1024  # the kernel reads items up to this size in one FUSE READ
 MAX_BACKGROUND = 64  # readaheads the kernel keeps in flight to mountd
@@ -229,7 +230,7 @@ class Mountd:
         recorded = trio.current_time()
         while True:
             await trio.sleep(SPENT_RECORD_INTERVAL)
-            if (self.store.spent_pending()
+            if (self.store.marks_pending()
                     or trio.current_time() - recorded >= HIT_RECORD_INTERVAL):
                 recorded = trio.current_time()
                 await trio.to_thread.run_sync(self.store.record_hits, limiter=self.limiter)

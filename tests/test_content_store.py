@@ -158,23 +158,25 @@ def test_lru_keeps_recorded_hits(lru_store):
 
 def test_spent_entries_are_evicted_first_even_when_read_or_stored_after_the_mark(lru_store):
     store, items = lru_store
-    spent, rewritten, wanted_again = items[20], items[21], items[22]
-    assert not store.spent_pending()
-    store.spent([spent[0], rewritten[0], wanted_again[0]])
-    assert store.spent_pending()  # mountd writes the marks soon (SPENT_RECORD_INTERVAL)
+    spent, rewritten, wanted_again, revived = items[20], items[21], items[22], items[23]
+    assert not store.marks_pending()
+    store.spent([spent[0], rewritten[0], wanted_again[0], revived[0]])
+    assert store.marks_pending()  # mountd writes the marks soon (SPENT_RECORD_INTERVAL)
     store.record_hits()
-    assert not store.spent_pending()
+    assert not store.marks_pending()
     assert store.get(spent[0]) == spent[1]  # its last reader reads it after the mark
     store.put(*rewritten)  # a fetch begun before the mark stores it again
     store.wanted([wanted_again[0]])  # a job's next pass needs it
     assert store.get(wanted_again[0]) == wanted_again[1]
+    store.wanted([revived[0]])  # needed again, and not read (yet): no longer evicted first
+    assert store.marks_pending()
     store.record_hits()
     n = 100
     while len(store) == 25 + n - 100:  # until the first eviction (of CULL_LIMIT)
         store.put(*item(n))
         n += 1
     assert spent[0] not in store and rewritten[0] not in store
-    assert wanted_again[0] in store
+    assert wanted_again[0] in store and revived[0] in store
     # the rest of the eviction went to the least recently used
     assert items[0][0] not in store and all(d in store for d, _ in items[10:20])
 
