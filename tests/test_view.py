@@ -344,18 +344,25 @@ class _Store:
         self.spent_items -= self._items(hashes)
 
 
-def test_jobs_take_a_pool_in_one_order_so_that_one_jobs_miss_is_the_others_hit():
+def _two_view_jobs() -> tuple:
+    """Two view jobs on one lone node's dataset of 4 chunks of 4 items (2 of each
+    class), chunk 2 resident and 3 next, with a fake store: (ds, group, store, jobs,
+    the two jobs, the pool of item 0)."""
     d = _two_class_digest(8, 100)
     ds = types.SimpleNamespace(digest=d, pools=ViewPools.of(d), name="t")
-    group = DatasetJobs(ds, 400, None)  # 4 chunks of 4 items, 2 of each class
-    group.view = _cycle(group.plan.n_chunks, (2,), 2)  # chunk 2 resident, 3 next
+    group = DatasetJobs(ds, 400, None)
+    group.view = _cycle(group.plan.n_chunks, (2,), 2)
     store = _Store(d)
     reader = types.SimpleNamespace(store=store,
                                    staging=types.SimpleNamespace(planned=lambda hashes: None))
     jobs = ViewJobs(None, reader, store, types.SimpleNamespace(live=lambda: ["node"]))
     first, second = (ViewJob(f"view:t:0:env:{n}", ds, 0, f"env:{n}", group) for n in "xy")
     group.jobs = {first.id: first, second.id: second}
-    pool = int(ds.pools.pool_of[0])
+    return ds, group, store, jobs, (first, second), int(ds.pools.pool_of[0])
+
+
+def test_jobs_take_a_pool_in_one_order_so_that_one_jobs_miss_is_the_others_hit():
+    ds, group, store, jobs, (first, second), pool = _two_view_jobs()
     members = ds.pools.members[pool]
     order = group.in_order(members, 0)
     chunks = group.plan.chunk_of[order]
@@ -389,17 +396,7 @@ def test_jobs_take_a_pool_in_one_order_so_that_one_jobs_miss_is_the_others_hit()
 
 
 def test_a_planned_hit_is_spent_when_the_last_job_opens_it_not_when_planned():
-    d = _two_class_digest(8, 100)
-    ds = types.SimpleNamespace(digest=d, pools=ViewPools.of(d), name="t")
-    group = DatasetJobs(ds, 400, None)
-    group.view = _cycle(group.plan.n_chunks, (2,), 2)
-    store = _Store(d)
-    reader = types.SimpleNamespace(store=store,
-                                   staging=types.SimpleNamespace(planned=lambda hashes: None))
-    jobs = ViewJobs(None, reader, store, types.SimpleNamespace(live=lambda: ["node"]))
-    first, second = (ViewJob(f"view:t:0:env:{n}", ds, 0, f"env:{n}", group) for n in "xy")
-    group.jobs = {first.id: first, second.id: second}
-    pool = int(ds.pools.pool_of[0])
+    ds, group, store, jobs, (first, second), pool = _two_view_jobs()
     order = group.in_order(ds.pools.members[pool], 0)
     group.cached.hold(order[:2])
     store.held_items |= {int(i) for i in order[:2]}
