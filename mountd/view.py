@@ -9,9 +9,10 @@ every item of the pool once; the next open of the pool starts the next one. A pl
 per pool, and the job gets every item exactly once per epoch.
 
 Every job takes a pool's items in one common order (the chunk cycle's: resident chunks
-first, then as the ring brings them; shuffled anew each pass): cached ones first, else a miss of the first. So
-what one job fetches is what the others want next; it stays cached until every view job
-here has had it, and is then the store's first to evict (``spent``). The readahead
+first, then as the ring brings them; shuffled anew each pass): cached ones first, else a
+miss of the first. So what one job fetches is what the others want next; it stays cached
+until every view job here has opened it, and is then the store's first to evict
+(``spent``). The readahead
 (mountd.view_readahead) fetches the next items in that order, within the dataset's
 allotment, for the pools where some job has the fewest cached items left. The view's
 jobs do not drive the chunk cycle: each pool's demand runs at its own random rate, and
@@ -187,12 +188,10 @@ class ViewJob:
         current.place(items)
         self.need[items] = False
 
-    def queued(self, pool: int, items: list[int]) -> np.ndarray:
-        """Which of ``items`` of ``pool`` the job has chosen and not opened yet."""
+    def queued(self, pool: int, item: int) -> bool:
+        """Whether the job has chosen ``item`` of ``pool`` and not opened it yet."""
         current = self.pools.get(pool)
-        if current is None or not current.queue:
-            return np.zeros(len(items), dtype=bool)
-        return np.isin(items, [c.index for c in current.queue])
+        return current is not None and any(c.index == item for c in current.queue)
 
     def kept_for(self, items: np.ndarray) -> np.ndarray:
         """Which of an evicted chunk's ``items`` the job is yet to be served."""
@@ -339,8 +338,8 @@ class ViewJobs:
         fetch = [] if hits else [int(order[0])]
         job.place(current, hits + fetch)
         # a miss no other job needs is read and not kept; hits are spent when opened
-        spent = set(self._spent(job, pool, fetch))
-        self._spend(group, list(spent))
+        spent = [i for i in fetch if self._spent(job, pool, i)]
+        self._spend(group, spent)
         self.reader.store.wanted(digest.hash(i) for i in hits + fetch if i not in spent)
         kept = [i for i in fetch if i not in spent and group.mode is not CacheMode.NONE]
         if kept:
@@ -355,7 +354,7 @@ class ViewJobs:
         """``choice``, as an open of ``job``'s takes it from its queue: a hit that no
         other job needs any more is spent now, not when planned (the job opens its
         planned hits over a while, and the store evicts spent items first)."""
-        if choice.hit and self._spent(job, pool, [choice.index]):
+        if choice.hit and self._spent(job, pool, choice.index):
             self._spend(job.group, [choice.index])
             return dataclasses.replace(choice, keep=False)
         return choice
@@ -365,19 +364,18 @@ class ViewJobs:
             group.cached.spend(items)
             self.reader.store.spent(group.ds.digest.hash(i) for i in items)
 
-    def _spent(self, job: ViewJob, pool: int, items: list[int]) -> list[int]:
-        """Which of ``items`` of ``pool``, placed for ``job``, no other job here needs in
-        its current pass or has chosen and not opened yet: on a lone node with view jobs
-        only (elsewhere, other jobs and nodes may still read them)."""
-        if not items or len(self.cluster.live()) > 1:
-            return []
-        needed = np.zeros(len(items), dtype=bool)
+    def _spent(self, job: ViewJob, pool: int, item: int) -> bool:
+        """Whether no other job here needs ``item`` of ``pool`` (placed for ``job``) in
+        its current pass, nor has chosen it and not opened it yet: on a lone node with
+        view jobs only (elsewhere, other jobs and nodes may still read it)."""
+        if len(self.cluster.live()) > 1:
+            return False
         for other in job.group.jobs.values():
             if not isinstance(other, ViewJob):
-                return []
-            if other is not job:
-                needed |= other.need[items] | other.queued(pool, items)
-        return [i for i, n in zip(items, needed) if not n]
+                return False
+            if other is not job and (other.need[item] or other.queued(pool, item)):
+                return False
+        return True
 
 
 def _environment(pid: int) -> dict[bytes, bytes]:

@@ -284,8 +284,7 @@ def test_pools_are_a_folder_and_an_extension_and_unlabelled_items_stand_alone():
                       ["b/sub/1.jpg", "b/sub/2.jpg"], ["top.jpg"]]
 
 
-def _two_class_digest(per_class: int, size: int, classes: str = "ab"
-                      ) -> digest_format.Digest:
+def _classes_digest(per_class: int, size: int, classes: str = "ab") -> digest_format.Digest:
     items = [digest_format.NewItem(f"{c}/{k}.jpg", hashlib.sha256(f"{c}{k}".encode()).digest(),
                                    size)
              for c in classes for k in range(per_class)]
@@ -301,7 +300,7 @@ def _cycle(n_chunks: int, resident: tuple[int, ...], capacity: int) -> CycleView
 
 
 def test_a_pass_hands_out_each_item_once_and_the_jobs_needs_follow_it():
-    d = _two_class_digest(50, 10)
+    d = _classes_digest(50, 10)
     ds = types.SimpleNamespace(digest=d, pools=ViewPools.of(d), name="t")
     job = ViewJob("view:t:0:env:x", ds, 0, "env:x", DatasetJobs(ds, 200, None))
     assert job.need.all() and job.report().remaining == (0,) * job.group.plan.n_chunks
@@ -348,7 +347,7 @@ def _two_view_jobs() -> tuple:
     """Two view jobs on one lone node's dataset of 4 chunks of 4 items (2 of each
     class), chunk 2 resident and 3 next, with a fake store: (ds, group, store, jobs,
     the two jobs, the pool of item 0)."""
-    d = _two_class_digest(8, 100)
+    d = _classes_digest(8, 100)
     ds = types.SimpleNamespace(digest=d, pools=ViewPools.of(d), name="t")
     group = DatasetJobs(ds, 400, None)
     group.view = _cycle(group.plan.n_chunks, (2,), 2)
@@ -411,7 +410,7 @@ def test_a_planned_hit_is_spent_when_the_last_job_opens_it_not_when_planned():
 
 
 def test_the_readahead_fills_the_pools_with_the_fewest_cached_items_within_the_allotment():
-    d = _two_class_digest(8, 100)
+    d = _classes_digest(8, 100)
     ds = types.SimpleNamespace(digest=d, pools=ViewPools.of(d), name="t")
     group = DatasetJobs(ds, 400, None)
     group.view = _cycle(group.plan.n_chunks, (0,), 1)  # allotted one chunk: 400 bytes
@@ -440,11 +439,11 @@ def test_the_readahead_fills_the_pools_with_the_fewest_cached_items_within_the_a
 
 
 def test_the_readahead_keeps_several_rounds_in_flight_up_to_its_bound():
-    d = _two_class_digest(30, 10, "abcdefgh")  # 8 classes: 128 items MAX_AHEAD
+    d = _classes_digest(30, 10, "abcdefgh")  # 8 classes: 128 items MAX_AHEAD
     ds = types.SimpleNamespace(digest=d, pools=ViewPools.of(d), name="t")
     group = DatasetJobs(ds, 10 * len(d), None)
-    group.view = _cycle(group.plan.n_chunks, (0,), 1)  # the whole dataset allotted
-    group.view = dataclasses.replace(group.view, mode=CacheMode.FULL)
+    group.view = dataclasses.replace(_cycle(group.plan.n_chunks, (0,), 1),
+                                     mode=CacheMode.FULL)  # the whole dataset allotted
     job = ViewJob("view:t:0:env:x", ds, 0, "env:x", group)
     rounds: list[list[int]] = []
     done = trio.Event()
