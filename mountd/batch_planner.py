@@ -177,10 +177,15 @@ class BatchPlanner:
                                  group.mode is not CacheMode.NONE, cooperative)
 
         async def is_cached(items: np.ndarray) -> np.ndarray:
+            # Hits come from the usable chunks. A probe's misses must be real ones: it
+            # looks up every item, and takes one that a fetch has in hand as held.
             held = np.zeros(len(items), dtype=bool)
-            usable = np.isin(chunk_of[items], group.usable(ref))
-            if usable.any():
-                held[usable] = await self.bulk.held([digest.hash(int(i)) for i in items[usable]])
+            asked = (np.ones(len(items), dtype=bool) if probing
+                     else np.isin(chunk_of[items], group.usable(ref)))
+            if asked.any():
+                held[asked] = await self.bulk.held([digest.hash(int(i)) for i in items[asked]])
+            if probing:
+                held |= [self.reader.fetching(digest.hash(int(i))) for i in items]
             return held
 
         if not probing:
@@ -192,14 +197,16 @@ class BatchPlanner:
         def prefer(items: np.ndarray) -> np.ndarray:
             # Misses in the resident chunks first: this node's share of the loading
             # chunks, and items of loaded chunks that were culled (refilling them lets
-            # those chunks be consumed, released and replaced). A probe takes the loading
-            # chunks' items before those. Then the chunk that loads next: its loader will
-            # find them held, and other jobs will hit them. Then other nodes' shares of
-            # the loading chunks.
+            # those chunks be consumed, released and replaced). Then the chunk that loads
+            # next: its loader will find them held, and other jobs will hit them. Then
+            # other nodes' shares of the loading chunks. A probe takes the chunk that
+            # loads next first, then the loading chunks: its loader leaves what a probe
+            # planned to the job's read, a real miss, whereas a loading chunk's loader
+            # may have the item in hand already and make the miss look cheap.
             chunks = chunk_of[items]
             rank = 3 * np.isin(chunks, group.usable(ref)) + 2 * (chunks == upcoming)
             if probing:
-                rank += 3 * np.isin(chunks, loading)
+                rank += 3 * np.isin(chunks, loading) + 5 * (chunks == upcoming)
             if others is not None:
                 rank[others[items]] = 1
             return rank

@@ -95,8 +95,12 @@ class BulkFetch:
                    counters: collections.Counter[str], cause: FetchCause) -> None:
         """Fetch those of a chunk load's items their owners do not hold into their
         stores, for ``cause``: those this node owns from a GCS bucket in the loader
-        processes (while the store can write), the others as ``fetch_all`` does."""
-        items = await self._not_held(ds, items)
+        processes (while the store can write), the others as ``fetch_all`` does. Items a
+        probed job is about to read are left to its read, a real miss (and the only
+        fetch of it): when the load begins, and again as each item's fetch starts."""
+        pending = self.reader.probe_pending
+        items = [i for i in await self._not_held(ds, items)
+                 if not pending(ds.digest.hash(i))]
         source = None if self.pool is None else load_source(ds.backend)
         if (self.pool is None or source is None or ds.cache_mode is CacheMode.NONE
                 or not self.reader.store.writable()):
@@ -136,6 +140,8 @@ class BulkFetch:
             return got
 
         try:
+            if self.reader.probe_pending(ds.digest.hash(index)):
+                return  # left to the probed job's read (checked as the fetch begins)
             try:
                 await self.reader.fetch_stored(ds, index, cause, in_pool)
             except LoaderUnavailable as exc:

@@ -118,10 +118,7 @@ class ChunkLoader:
             counters: collections.Counter[str] = collections.Counter()
             cause = FetchCause.REFILL if share is None else FetchCause.CHUNK_LOAD
             for start in range(0, len(mine), CHECK_BLOCK):
-                # items a probed job is about to read are left to its read: a real miss
-                block = [i for i in mine[start:start + CHECK_BLOCK]
-                         if not self.reader.probe_pending(digest.hash(i))]
-                await self.bulk.load(group.ds, block, counters, cause)
+                await self.bulk.load(group.ds, mine[start:start + CHECK_BLOCK], counters, cause)
             if share is not None:
                 group.loaded.append(share)
                 del group.loaded[:-4 * MAX_LOADING]  # the coordinator asks about current ones

@@ -103,19 +103,36 @@ class ItemReader:
         it to that read, whose miss is then a real one (and the only fetch of it)."""
         return digest in self._probed
 
+    def fetching(self, digest: bytes) -> bool:
+        """Whether a fetch of ``digest`` is under way (a read of it would join it)."""
+        return digest in self._inflight
+
     async def read(self, ds: MountedDataset, index: int, cause: FetchCause = FetchCause.EXACT,
                    keep: bool = True) -> bytes:
         """The verified content of entry ``index`` of ``ds``; a miss is fetched for
         ``cause``, and cached where ``keep``."""
         digest = ds.digest.hash(index)
+        probed = self._probed.pop(digest, None)
+        if probed is not None:
+            cause, keep = probed
+            if cause is FetchCause.PROBE:
+                self.stats.count(ds, "probe_misses")
+                return await self.fetch(ds, index, cause, keep=keep)
+        data = await self._cached(ds, index, digest)
+        if data is None:
+            self.stats.count(ds, "misses")
+            return await self.fetch(ds, index, cause, keep=keep)
+        if probed is not None:  # a probe planned a miss that was none: it measures less
+            self.stats.count(ds, "probe_hits")
+        return data
+
+    async def _cached(self, ds: MountedDataset, index: int, digest: bytes) -> bytes | None:
+        """Entry ``index`` (``digest``) staged, from the local store or from its owning
+        peer; None if none of them has it."""
         staged = self.staging.take(digest)
         if staged is not None:
             self.stats.count(ds, "staged_hits")
             return staged
-        cause, keep = self._probed.pop(digest, (cause, keep))
-        if cause is FetchCause.PROBE:
-            self.stats.count(ds, "probe_misses")
-            return await self.fetch(ds, index, cause, keep=keep)
         started = time.perf_counter()
         data = self.store.get_nowait(digest, ds.digest.sizes[index])
         try:
@@ -145,8 +162,7 @@ class ItemReader:
                 self.stats.count(ds, "peer_bytes", len(data))
                 return data
             self.stats.count(ds, "peer_misses")
-        self.stats.count(ds, "misses")
-        return await self.fetch(ds, index, cause, keep=keep)
+        return None
 
     async def fetch(self, ds: MountedDataset, index: int, cause: FetchCause,
                     keep: bool = True) -> bytes:

@@ -11,16 +11,17 @@ filling) and the turn from probe to cache are never measured. This assumes the l
 asks for at most N/2 batches ahead, which the default N = 100 leaves room for.
 
 A probe plans batches without cache hits until N/2 miss intervals are measured. Its
-misses are items that are not cached, from the chunks that load now or next where there
-are enough (so other jobs hit them afterwards): while there are not, it waits, planning
-batches with the cache, for up to PROBE_LIMIT * N batches, and only then reads what the
-cache holds or cannot keep. It ends
-unmeasured after N + 1 batches if the job reported nothing (it reads manifests without
-the helper's loop), after PROBE_LIMIT * N batches in any case, and at once in epochs of
-N/2 batches or fewer. Then t_hit is the mean of N/2 hit intervals from the job's next
-epoch on, or from N batches after the probe in a long epoch: right after it the cache
-is still warming (and, with two chunks, the probe's random reads left the job's items
-spread over the chunk cycle). The pair is kept until the next probe measures a new one.
+misses are items that are not cached and no fetch has in hand, from the chunk that loads
+next, then those loading now, where there are enough (so other jobs hit them afterwards;
+the chunk loader leaves them to the probed job's read, so each is a real miss): while
+there are not, it waits, planning batches with the cache, for up to PROBE_LIMIT * N
+batches, and only then reads what the cache holds or cannot keep. It ends unmeasured
+after N + 1 batches if the job reported nothing (it reads manifests without the helper's
+loop), after PROBE_LIMIT * N batches in any case, and at once in epochs of N/2 batches
+or fewer. Then t_hit is the mean of N/2 hit intervals from the job's next epoch on, or
+from N batches after the probe in a long epoch: right after it the cache is still
+warming (and, with two chunks, the probe's random reads left the job's items spread over
+the chunk cycle). The pair is kept until the next probe measures a new one.
 """
 from __future__ import annotations
 
