@@ -97,7 +97,8 @@ class BulkFetch:
         stores, for ``cause``: those this node owns from a GCS bucket in the loader
         processes (while the store can write), the others as ``fetch_all`` does. Items a
         probed job is about to read are left to its read, a real miss (and the only
-        fetch of it): when the load begins, and again as each item's fetch starts."""
+        fetch of it): when the load begins, and again as a loader process's fetch of it
+        starts (the planning of a probe batch may mark it in between)."""
         pending = self.reader.probe_pending
         items = [i for i in await self._not_held(ds, items)
                  if not pending(ds.digest.hash(i))]
