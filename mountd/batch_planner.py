@@ -191,6 +191,7 @@ class BatchPlanner:
         if not probing:
             await self._wait_for_chunks(job, group, need)
         upcoming = group.upcoming()
+        ahead = group.probe_ahead() if probing else []
         others = await self._others_loading(group)
         loading = group.view.loading if group.view is not None else ()
 
@@ -200,13 +201,14 @@ class BatchPlanner:
             # those chunks be consumed, released and replaced). Then the chunk that loads
             # next: its loader will find them held, and other jobs will hit them. Then
             # other nodes' shares of the loading chunks. A probe takes the chunk that
-            # loads next first, then the loading chunks: its loader leaves what a probe
-            # planned to the job's read, a real miss, whereas a loading chunk's loader
-            # may have the item in hand already and make the miss look cheap.
+            # loads next first, then the loading chunks, then the chunk after the next:
+            # their loaders leave what a probe planned to the job's read, a real miss,
+            # whereas a loading chunk's loader may have the item in hand already and
+            # make the miss look cheap.
             chunks = chunk_of[items]
             rank = 3 * np.isin(chunks, group.usable(ref)) + 2 * (chunks == upcoming)
             if probing:
-                rank += 3 * np.isin(chunks, loading) + 5 * (chunks == upcoming)
+                rank += 3 * np.isin(chunks, loading) + 5 * np.isin(chunks, ahead)
             if others is not None:
                 rank[others[items]] = 1
             return rank
@@ -219,7 +221,7 @@ class BatchPlanner:
             items, batch = await trio.to_thread.run_sync(advance, steps,
                                                          await is_cached(items),
                                                          limiter=self.reader.limiter)
-        resident = {*group.usable(ref), upcoming}
+        resident = {*group.usable(ref), upcoming, *ahead}
         if probing:
             await self.reader.probe_reads(group.ds, batch.hits, batch.fetch, [
                 group.mode is not CacheMode.NONE and int(chunk_of[i]) in resident
@@ -258,18 +260,19 @@ class BatchPlanner:
                 "hashes": [digest.hash(i).hex() for i in items]}
 
     async def _uncached_ahead(self, job: Job, group: DatasetJobs, need: int) -> int:
-        """How many of the job's pending items in the loading chunks, and the one that
-        loads next, are not cached (up to ``need``): a probe batch of those reads what the
-        cycle brings in anyway."""
+        """How many of the job's pending items in the loading chunks, and the two that
+        load next, are neither cached nor in a fetch's hands (up to ``need``): a probe
+        batch of those reads what the cycle brings in anyway. (Its planning takes items
+        in hand as held, as it must, and would look further afield for its misses: reads
+        that nobody shares.)"""
         view, found = group.view, 0
         if view is None:
             return 0
-        for chunk in (*view.loading, group.upcoming()):
-            if chunk is None:
-                continue
-            pending = job.sampler.pending_in(chunk)[:PROBE_LOOKUPS]
-            held = await self.bulk.held([group.ds.digest.hash(int(i)) for i in pending])
-            found += len(held) - sum(held)
+        for chunk in (*view.loading, *group.probe_ahead()):
+            hashes = [group.ds.digest.hash(int(i))
+                      for i in job.sampler.pending_in(chunk)[:PROBE_LOOKUPS]]
+            held = await self.bulk.held(hashes)
+            found += sum(not h and not self.reader.fetching(d) for h, d in zip(held, hashes))
             if found >= need:
                 break
         return found
@@ -283,13 +286,18 @@ class BatchPlanner:
         of the job's pending items: cached, or for this node to load. Until then its
         batch would be filled with misses that no other job shares now (or that another
         node is loading), so the bucket's bandwidth is better left to the loaders. A
-        job with items left in the marked chunk never waits: its batches release it."""
+        job with items left in the marked chunk never waits: its batches release it.
+        Before the coordinator's first view, every job waits for it: batches planned
+        then would all be misses, read again when their chunks load."""
         started = trio.current_time()
         key = group.cycle_key()
         with trio.move_on_after(CHUNK_WAIT) as scope:
-            while (group.mode is CacheMode.COOP and group.view is not None
-                   and key != job.gave_up_on):
+            while group.mode is CacheMode.COOP and key != job.gave_up_on:
                 changed = group.changed  # before the look, which may await: see ViewJobs
+                if group.view is None:
+                    await changed.wait()
+                    key = group.cycle_key()
+                    continue
                 usable = group.usable(job.ref)
                 marked = group.view.marked
                 supply = int(job.ref.remaining_chunks[usable].sum())

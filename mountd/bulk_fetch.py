@@ -107,9 +107,12 @@ class BulkFetch:
                 or not self.reader.store.writable()):
             await self._fetch_missing(ds, items, counters, cause)
             return
-        mine, theirs = [], []
+        mine, theirs = [], []  # theirs: fetched in mountd, as are misses' bytes kept for it
+        kept = self.reader.staging.kept_for_load
         for i in items:
-            (mine if self.reader.owner(ds.digest.hash(i)) is None else theirs).append(i)
+            digest = ds.digest.hash(i)
+            (mine if self.reader.owner(digest) is None and not kept(digest)
+             else theirs).append(i)
         slots = trio.Semaphore(self.pool.capacity)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._fetch_missing, ds, theirs, counters, cause)

@@ -14,6 +14,8 @@ from quiverfs.chunk_cycle import ChunkState, EpochRef
 from quiverfs.chunk_plan import default_chunk_bytes, make_plan
 from quiverfs.heartbeat import CacheMode, CycleView, DatasetReport, LoadedShare
 
+PROBE_AHEAD = 2  # chunks that load next where a probe takes its misses
+
 if TYPE_CHECKING:
     from mountd.job_registry import Job
     from mountd.view import ViewJob
@@ -39,8 +41,8 @@ class DatasetJobs:
         # (the loads it was computed for, others_loading's mask)
         self._others: tuple[tuple[LoadedShare, ...], np.ndarray] | None = None
 
-    def cycle_key(self) -> tuple[Any, ...] | None:
-        return None if self.view is None else self.view.key()
+    def cycle_key(self) -> tuple[Any, ...]:
+        return () if self.view is None else self.view.key()
 
     def usable(self, ref: EpochRef) -> list[int]:
         if self.view is None:
@@ -126,6 +128,16 @@ class DatasetJobs:
                 or view.states[view.next] is not ChunkState.EVICTED):
             return None
         return view.next
+
+    def probe_ahead(self) -> list[int]:
+        """Where a probe takes its misses (items the cycle reads anyway): the chunks
+        that load next, in ring order, two of them, so that chunks smaller than a batch
+        still give a probe batch its misses."""
+        view = self.view
+        if view is None or self.mode is not CacheMode.COOP:
+            return []
+        ring = ((view.next + k) % view.chunks for k in range(view.chunks))
+        return [c for c in ring if view.states[c] is ChunkState.EVICTED][:PROBE_AHEAD]
 
     @property
     def mode(self) -> CacheMode:

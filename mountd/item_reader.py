@@ -33,6 +33,11 @@ from quiverfs.rpc import Unavailable
 
 log = logging.getLogger(__name__)
 
+# Fetches planned from a look-up that may be a while old (a chunk load's items wait for
+# a slot; jobs plan misses side by side): each looks in the store once more, in its
+# worker, so that an item another fetch brought in meanwhile is not read again.
+RECHECKED = frozenset({FetchCause.COOP_MISS, FetchCause.CHUNK_LOAD})
+
 
 class ReadFailed(Exception):
     """An item could not be served (storage error or integrity failure); maps to EIO."""
@@ -175,13 +180,20 @@ class ItemReader:
             if data is not None:
                 return data
         flight = self._inflight[digest] = _Flight()
+        kept = self.staging.take_for_load(digest) if keep else None
         started = time.perf_counter()
         with self._flying(ds, digest, flight):
-            data = await trio.to_thread.run_sync(self._fetch_blocking, ds, index, keep,
-                                                 limiter=self.limiter)
-        self.stats.observe("bucket", time.perf_counter() - started)
-        self.stats.fetched(ds, cause, len(data))
+            data, fetched = await trio.to_thread.run_sync(
+                self._fetch_blocking, ds, index, keep, kept, cause in RECHECKED,
+                limiter=self.limiter)
+        if fetched:
+            self.stats.observe("bucket", time.perf_counter() - started)
+            self.stats.fetched(ds, cause, len(data))
+        else:
+            self.stats.count(ds, "refetches_saved")
         flight.data = data
+        if not keep and ds.cache_mode is CacheMode.COOP:
+            self.staging.keep_for_load(digest, data)  # its chunk's load stores these
         return data
 
     async def fetch_stored(self, ds: MountedDataset, index: int, cause: FetchCause,
@@ -237,19 +249,28 @@ class ItemReader:
         except StoreError as exc:
             raise ReadFailed(f"local store: {exc}") from None
 
-    def _fetch_blocking(self, ds: MountedDataset, index: int, keep: bool) -> bytes:
-        """Read from storage and check the hash; keep it here if this node owns it,
-        else hand it to its owner (in the background)."""
-        loc = ds.digest.location(index)
-        try:
-            data = ds.backend.read(ds.digest.key(index), loc.offset, loc.length)
-        except (QuietError, OSError) as exc:
-            message = exc.message if isinstance(exc, QuietError) else exc.strerror or str(exc)
-            log.error("dataset %s: cannot fetch %s from %s: %s", ds.name,
-                      ds.digest.path(index), loc.uri, message)
-            raise ReadFailed(message) from None
+    def _fetch_blocking(self, ds: MountedDataset, index: int, keep: bool,
+                        data: bytes | None, recheck: bool) -> tuple[bytes, bool]:
+        """Read from storage (unless ``data``, a miss's bytes kept, is given) and check
+        the hash; keep it here if this node owns it, else hand it to its owner (in the
+        background). With ``recheck``, an item this node's store took since the caller
+        looked is read from there instead. Returns the bytes, and whether they were
+        read from storage."""
         digest = ds.digest.hash(index)
         owner = self.owner(digest)
+        if recheck and owner is None and (stored := self.store.get(digest)) is not None:
+            return stored, False
+        fetched = data is None
+        loc = ds.digest.location(index)
+        if data is None:
+            try:
+                data = ds.backend.read(ds.digest.key(index), loc.offset, loc.length)
+            except (QuietError, OSError) as exc:
+                message = (exc.message if isinstance(exc, QuietError)
+                           else exc.strerror or str(exc))
+                log.error("dataset %s: cannot fetch %s from %s: %s", ds.name,
+                          ds.digest.path(index), loc.uri, message)
+                raise ReadFailed(message) from None
         try:
             keep = keep and ds.cache_mode is not CacheMode.NONE  # allotted no cache: keep none
             if keep and owner is None:
@@ -264,7 +285,7 @@ class ItemReader:
                       "hash %s: not cached, not served", ds.name, ds.digest.path(index),
                       loc.uri, loc.offset, loc.length, ds.digest.hash(index).hex())
             raise IntegrityFailed("content does not match the digest") from None
-        return data
+        return data, fetched
 
 
 def _invalidate(inodes: list[int]) -> None:

@@ -84,11 +84,16 @@ def start_job(m: MountdProcess, name: str) -> QuiverBatchSampler:
 
 
 def settled(m: MountdProcess, name: str) -> dict:
-    """The dataset's counters once its job's chunks are loaded (none loading)."""
+    """The dataset's counters once its job's chunks are loaded: as many resident as the
+    cycle keeps, none loading."""
     def done() -> dict | None:
         jobs = [j for j in m.status()["jobs"] if j["dataset"] == name]
-        states = jobs[0]["chunks"]["states"] if jobs and jobs[0]["chunks"] else []
-        if "active" in states and "loading" not in states:
+        chunks = jobs[0]["chunks"] if jobs else None
+        if not chunks:
+            return None
+        states = [chunks["states"][c] for c in chunks["resident"]]
+        full = len(states) == min(chunks["capacity"], len(chunks["states"]))
+        if full and "loading" not in states:
             return dataset_counters(m, name)
         return None
     return wait_for("the chunk loads", done)

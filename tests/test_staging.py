@@ -1,0 +1,33 @@
+"""Staging's bounds: bytes held for one read, and misses' bytes kept for their chunk's
+load, each dropped oldest first past its limit."""
+from __future__ import annotations
+
+import hashlib
+
+from mountd import staging
+from mountd.staging import Staging
+
+
+def item(n: int, size: int = 1000) -> tuple[bytes, bytes]:
+    data = bytes([n % 256]) * size
+    return hashlib.sha256(data).digest(), data
+
+
+def test_bytes_kept_for_a_load_are_given_up_once():
+    s = Staging()
+    digest, data = item(1)
+    s.keep_for_load(digest, data)
+    assert s.kept_for_load(digest) and digest not in s  # not staged for a read
+    assert s.take_for_load(digest) == data
+    assert not s.kept_for_load(digest) and s.take_for_load(digest) is None
+
+
+def test_bytes_kept_for_loads_drop_the_oldest_past_their_bound(monkeypatch):
+    monkeypatch.setattr(staging, "MAX_FOR_LOAD", 2500)
+    s = Staging()
+    items = [item(n) for n in range(4)]
+    for digest, data in items:
+        s.keep_for_load(digest, data)
+    assert [s.kept_for_load(d) for d, _ in items] == [False, False, True, True]
+    s.keep(*items[0])  # the read's staging is bounded on its own
+    assert items[0][0] in s and s.kept_for_load(items[3][0])
