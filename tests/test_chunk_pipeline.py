@@ -182,7 +182,7 @@ def test_four_jobs_read_a_cold_dataset_about_once_in_epoch_0(slow_jpegs, gcs_emu
     """Four jobs start together on a cold cache a quarter of the dataset, with probing
     on: epoch 0 reads at most 1.1x the dataset from the bucket (bytes at the proxy, HTTP
     headers included), and each job reads every item once. 1.01-1.04x (200-205 fetches
-    of the 200 items) in 6 runs. Read twice before, in 24 runs of 1.03-1.105x (two over
+    of the 200 items) in 6 runs. Read twice before, in 17 runs of 1.03-1.105x (two over
     the bound): misses fetched uncached (staged, or a probe's) and read again when their
     chunks loaded, and items a chunk load or a job's miss fetched after another fetch
     had stored them since its look-up. Earlier still, batches planned before the
