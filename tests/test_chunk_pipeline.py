@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 
 import pytest
 import torchvision
@@ -34,7 +35,6 @@ def test_jobs_share_a_deep_cycle_within_the_budget(mountd_factory, digits_tree):
     expected = everything(digits_tree.root)
     seen: dict[int, list[list[str]]] = {0: [], 1: []}
     peak = {"store": 0, "resident": 0, "capacity": 0}
-    errors: list[BaseException] = []
 
     def job(k: int) -> None:
         sampler = QuiverBatchSampler(root, 16, seed=k)
@@ -56,16 +56,10 @@ def test_jobs_share_a_deep_cycle_within_the_budget(mountd_factory, digits_tree):
                                                        len(j["chunks"]["resident"]))
                                 peak["capacity"] = j["chunks"]["capacity"]
                 seen[k].append(sorted(paths))
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-            errors.append(exc)
         finally:
             sampler.close()
 
-    threads = [threading.Thread(target=job, args=(k,)) for k in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_jobs(2, job)
     assert not errors, errors
     for k in (0, 1):
         assert seen[k] == [expected, expected]  # each item exactly once per epoch
@@ -84,6 +78,37 @@ def probed(log_path: str) -> bool:
     """Whether mountd logged a probe's measurement (t_miss and t_hit) yet."""
     with open(log_path, encoding="utf-8") as f:
         return ": t_miss " in f.read()
+
+
+def read_epoch(sampler: QuiverBatchSampler, dataset: torchvision.datasets.ImageFolder,
+               root: str) -> list[str]:
+    """Read every file of the sampler's batches in turn (it reports the time between
+    batches, like a DataLoader); the paths read, relative to ``root``, sorted."""
+    paths = []
+    for indices in sampler:
+        for path in (dataset.samples[i][0] for i in indices):
+            with open(path, "rb") as f:
+                f.read()
+            paths.append(os.path.relpath(path, root))
+    return sorted(paths)
+
+
+def run_jobs(n: int, job: Callable[[int], None]) -> list[BaseException]:
+    """Run ``job(k)`` for k < n in threads at once; what they raised."""
+    errors: list[BaseException] = []
+
+    def guarded(k: int) -> None:
+        try:
+            job(k)
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
 
 
 @pytest.fixture
@@ -107,7 +132,6 @@ def test_probes_read_what_the_cache_needs_anyway(slow_jpegs, gcs_emulator, mount
     root = os.path.join(m.root, "jpegs")
     expected = everything(tree.root)
     seen: list[list[str]] = []
-    errors: list[BaseException] = []
 
     def job(k: int) -> None:
         dataset = torchvision.datasets.ImageFolder(root)
@@ -117,23 +141,11 @@ def test_probes_read_what_the_cache_needs_anyway(slow_jpegs, gcs_emulator, mount
                 if epoch >= EPOCHS and probed(m.log_path):
                     break
                 sampler.set_epoch(epoch)
-                paths = []
-                for indices in sampler:  # reports the time between batches, like a DataLoader
-                    for path in (dataset.samples[i][0] for i in indices):
-                        with open(path, "rb") as f:
-                            f.read()
-                        paths.append(os.path.relpath(path, root))
-                seen.append(sorted(paths))
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-            errors.append(exc)
+                seen.append(read_epoch(sampler, dataset, root))
         finally:
             sampler.close()
 
-    threads = [threading.Thread(target=job, args=(k,)) for k in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_jobs(3, job)
     assert not errors, errors
     assert len(seen) >= 3 * EPOCHS and all(paths == expected for paths in seen)
     ds = next(d for d in m.status()["datasets"] if d["name"] == "jpegs")
@@ -165,10 +177,7 @@ def test_a_lone_jobs_probe_misses_are_real_misses(slow_jpegs, gcs_emulator, moun
             if epoch >= 2 and probed(m.log_path):
                 break
             sampler.set_epoch(epoch)
-            for indices in sampler:
-                for path in (dataset.samples[i][0] for i in indices):
-                    with open(path, "rb") as f:
-                        f.read()
+            read_epoch(sampler, dataset, root)
     finally:
         sampler.close()
     assert probed(m.log_path)
@@ -196,7 +205,6 @@ def test_four_jobs_read_a_cold_dataset_about_once_in_epoch_0(slow_jpegs, gcs_emu
     root = os.path.join(m.root, "jpegs")
     expected = everything(tree.root)
     seen: list[list[str]] = []
-    errors: list[BaseException] = []
     start = threading.Barrier(4)
     before = proxy.bytes_down
 
@@ -206,23 +214,11 @@ def test_four_jobs_read_a_cold_dataset_about_once_in_epoch_0(slow_jpegs, gcs_emu
         try:
             sampler.set_epoch(0)
             start.wait(timeout=120)
-            paths = []
-            for indices in sampler:
-                for path in (dataset.samples[i][0] for i in indices):
-                    with open(path, "rb") as f:
-                        f.read()
-                    paths.append(os.path.relpath(path, root))
-            seen.append(sorted(paths))
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-            errors.append(exc)
+            seen.append(read_epoch(sampler, dataset, root))
         finally:
             sampler.close()
 
-    threads = [threading.Thread(target=job, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_jobs(4, job)
     assert not errors, errors
     assert seen == [expected] * 4
     c = next(d for d in m.status()["datasets"] if d["name"] == "jpegs")["counters"]
