@@ -9,8 +9,9 @@ from collections.abc import Callable
 import pytest
 import torchvision
 
-from quiverfs.bench.data import write_synthetic_tree
-from quiverfs.bench.throttle_proxy import throttled
+from quiverfs.bench.data import Tree, write_synthetic_tree
+from quiverfs.bench.processes import MountdProcess
+from quiverfs.bench.throttle_proxy import ThrottleProxy, throttled
 from quiverfs.torch import QuiverBatchSampler
 from tests.mountd_helpers import make_digest, mount, mountd_factory  # noqa: F401
 
@@ -122,15 +123,22 @@ def slow_jpegs(gcs_emulator, upload, tmp_path):
         yield tree, uri, proxy
 
 
-def test_probes_read_what_the_cache_needs_anyway(slow_jpegs, gcs_emulator, mountd_factory):
-    """Three jobs read a cold dataset from a slow bucket, each probed in turn: a probe's
-    misses are items the cycle loads anyway, so probing reads little twice."""
+def mount_slow_jpegs(slow_jpegs: tuple[Tree, str, ThrottleProxy], emulator_host: str,
+                     mountd_factory: Callable[..., MountdProcess]) -> tuple[MountdProcess, str]:
+    """A mountd with a cache a quarter of the slow JPEGs and probes of PROBE batches,
+    the JPEGs mounted through the proxy: (it, the dataset's directory)."""
     tree, uri, proxy = slow_jpegs
     m = mountd_factory(cache_size=str(tree.bytes // 4),
                        extra_args=("--probe-batches", str(PROBE)))
-    mount(m, make_digest(uri, "jpegs", gcs_emulator.host), "jpegs", proxy.url)
-    root = os.path.join(m.root, "jpegs")
-    expected = everything(tree.root)
+    mount(m, make_digest(uri, "jpegs", emulator_host), "jpegs", proxy.url)
+    return m, os.path.join(m.root, "jpegs")
+
+
+def test_probes_read_what_the_cache_needs_anyway(slow_jpegs, gcs_emulator, mountd_factory):
+    """Three jobs read a cold dataset from a slow bucket, each probed in turn: a probe's
+    misses are items the cycle loads anyway, so probing reads little twice."""
+    m, root = mount_slow_jpegs(slow_jpegs, gcs_emulator.host, mountd_factory)
+    expected = everything(slow_jpegs[0].root)
     seen: list[list[str]] = []
 
     def job(k: int) -> None:
@@ -165,11 +173,7 @@ def test_a_lone_jobs_probe_misses_are_real_misses(slow_jpegs, gcs_emulator, moun
     first byte a lone job's cache looked useless and allocation turned it off. A load
     that begins while a probe batch is planned (milliseconds) can still take one: 0-2 of
     128-208 in 6 runs."""
-    tree, uri, proxy = slow_jpegs
-    m = mountd_factory(cache_size=str(tree.bytes // 4),
-                       extra_args=("--probe-batches", str(PROBE)))
-    mount(m, make_digest(uri, "jpegs", gcs_emulator.host), "jpegs", proxy.url)
-    root = os.path.join(m.root, "jpegs")
+    m, root = mount_slow_jpegs(slow_jpegs, gcs_emulator.host, mountd_factory)
     dataset = torchvision.datasets.ImageFolder(root)
     sampler = QuiverBatchSampler(root, 8, seed=0, dataset=dataset)
     try:
@@ -198,11 +202,8 @@ def test_four_jobs_read_a_cold_dataset_about_once_in_epoch_0(slow_jpegs, gcs_emu
     coordinator's first view were misses outside any chunk (1.16-1.20x in 6 runs), and
     a probe looked for its misses outside the chunks being loaded, reads that nobody
     shares (217-236 fetches; 9 of 10 runs over the bound)."""
-    tree, uri, proxy = slow_jpegs
-    m = mountd_factory(cache_size=str(tree.bytes // 4),
-                       extra_args=("--probe-batches", str(PROBE)))
-    mount(m, make_digest(uri, "jpegs", gcs_emulator.host), "jpegs", proxy.url)
-    root = os.path.join(m.root, "jpegs")
+    tree, _, proxy = slow_jpegs
+    m, root = mount_slow_jpegs(slow_jpegs, gcs_emulator.host, mountd_factory)
     expected = everything(tree.root)
     seen: list[list[str]] = []
     start = threading.Barrier(4)
