@@ -83,7 +83,7 @@ class BulkFetch:
                     if resident is not None and int(resident[0][i]) not in resident[1]:
                         await self.stage(ds, i)
                     else:
-                        await self.reader.fetch(ds, i, cause)
+                        await self.reader.fetch(ds, i, cause, recheck=True)
                 except ReadFailed:
                     counters["fetch_errors"] += 1  # the worker's own read will report it
 
@@ -151,7 +151,7 @@ class BulkFetch:
             except LoaderUnavailable as exc:
                 log.debug("dataset %s: %s: fetching %s in mountd", ds.name, exc,
                           ds.digest.path(index))
-                await self.reader.fetch(ds, index, cause)
+                await self.reader.fetch(ds, index, cause, recheck=True)
         except ReadFailed:
             counters["fetch_errors"] += 1  # a read of it fetches it again, and reports it
         finally:

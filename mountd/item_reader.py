@@ -33,11 +33,6 @@ from quiverfs.rpc import Unavailable
 
 log = logging.getLogger(__name__)
 
-# Fetches planned from a look-up that may be a while old (a chunk load's items wait for
-# a slot; jobs plan misses side by side): each looks in the store once more, in its
-# worker, so that an item another fetch brought in meanwhile is not read again.
-RECHECKED = frozenset({FetchCause.COOP_MISS, FetchCause.CHUNK_LOAD})
-
 
 class ReadFailed(Exception):
     """An item could not be served (storage error or integrity failure); maps to EIO."""
@@ -170,9 +165,13 @@ class ItemReader:
         return None
 
     async def fetch(self, ds: MountedDataset, index: int, cause: FetchCause,
-                    keep: bool = True) -> bytes:
+                    keep: bool = True, recheck: bool = False) -> bytes:
         """Fetch entry ``index`` from storage (into the store unless not ``keep``), for
-        ``cause``; concurrent callers share one fetch (counted once, for the first)."""
+        ``cause``; concurrent callers share one fetch (counted once, for the first).
+        ``recheck`` where the caller's look-up may be a while old (a chunk load's items
+        wait for a slot; jobs plan misses side by side): the fetch looks in the store
+        once more, in its worker, and an item another fetch stored since is not read
+        again."""
         digest = ds.digest.hash(index)
         while (flight := self._inflight.get(digest)) is not None:
             self.stats.count(ds, "coalesced")
@@ -184,7 +183,7 @@ class ItemReader:
         started = time.perf_counter()
         with self._flying(ds, digest, flight):
             data, fetched = await trio.to_thread.run_sync(
-                self._fetch_blocking, ds, index, keep, kept, cause in RECHECKED,
+                self._fetch_blocking, ds, index, keep, kept, recheck,
                 limiter=self.limiter)
         if fetched:
             self.stats.observe("bucket", time.perf_counter() - started)
