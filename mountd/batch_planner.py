@@ -171,7 +171,12 @@ class BatchPlanner:
         digest = group.ds.digest
         chunk_of = group.plan.chunk_of
         need = min(sampler.batch_size, sampler.remaining)
+        # A probe batch takes misses the cycle reads anyway, and waits while there are
+        # too few of those; a lone job's probe takes them anywhere: its chunk loads wait
+        # for the probe to end (ChunkLoader), and what it does not cache is kept for
+        # them (Staging.keep_for_load).
         cooperative = (not job.probe.active or group.mode is not CacheMode.COOP
+                       or group.alone(self.cluster.me) is job
                        or await self._uncached_ahead(job, group, need) >= need)
         probing = job.probe.plan(job.epoch, sampler.planned, sampler.n_batches,
                                  group.mode is not CacheMode.NONE, cooperative)

@@ -139,6 +139,13 @@ class DatasetJobs:
         ring = ((view.next + k) % view.chunks for k in range(view.chunks))
         return [c for c in ring if view.states[c] is ChunkState.EVICTED][:PROBE_AHEAD]
 
+    def alone(self, me: str) -> Job | ViewJob | None:
+        """The dataset's one job in the cluster, where that is a job here (node ``me``)."""
+        view = self.view
+        if view is None or view.users != (me,) or len(self.jobs) != 1:
+            return None
+        return next(iter(self.jobs.values()))
+
     @property
     def mode(self) -> CacheMode:
         """The coordinator's allocation for the dataset."""

@@ -15,7 +15,10 @@ misses are items that are not cached and no fetch has in hand, from the chunk th
 next, then those loading now, where there are enough (so other jobs hit them afterwards;
 the chunk loader leaves them to the probed job's read, so each is a real miss): while
 there are not, it waits, planning batches with the cache, for up to PROBE_LIMIT * N
-batches, and only then reads what the cache holds or cannot keep. It ends unmeasured
+batches, and only then reads what the cache holds or cannot keep. A job that reads its
+dataset alone (the only job on it in the cluster) takes its misses anywhere, and the
+dataset's chunk loads wait until its misses are measured (``ChunkLoader``): without the
+cache, nothing would share the bucket with its reads. It ends unmeasured
 after N + 1 batches if the job reported nothing (it reads manifests without the helper's
 loop), after PROBE_LIMIT * N batches in any case, and at once in epochs of N/2 batches
 or fewer. Then t_hit is the mean of N/2 hit intervals from the job's next epoch on, or
@@ -95,6 +98,8 @@ class BenefitProbe:
             self.miss.append(seconds)
             if len(self.miss) >= self.window:
                 self.active, self.ended_at = False, (epoch, batch)
+                log.info("probe %d: misses measured over %d batches", self.seq,
+                         len(self.miss))
         elif (kinds == {HIT} and self.ended_at is not None and len(self.hit) < self.window
               and (epoch > self.ended_at[0] or batch >= self.ended_at[1] + 2 * self.settle)):
             self.hit.append(seconds)

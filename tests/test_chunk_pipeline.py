@@ -3,6 +3,7 @@ budget, each item once per epoch, and bucket fetches counted by cause."""
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Callable
 
@@ -168,7 +169,8 @@ def test_probes_read_what_the_cache_needs_anyway(slow_jpegs, gcs_emulator, mount
 
 def test_a_lone_jobs_probe_misses_are_real_misses(slow_jpegs, gcs_emulator, mountd_factory):
     """A probe's planned misses are items no fetch has in hand, which the chunk loader
-    then leaves to the probed job's read, so t_miss is what a miss costs. When the chunk
+    then leaves to the probed job's read, so t_miss is what a miss costs; and a lone
+    job's chunk loads wait until its misses are measured. When the chunk
     loader fetched them first, 15-31% of them were hits (in 3 runs), and with 30 ms to
     first byte a lone job's cache looked useless and allocation turned it off. A load
     that begins while a probe batch is planned (milliseconds) can still take one: 0-2 of
@@ -186,8 +188,16 @@ def test_a_lone_jobs_probe_misses_are_real_misses(slow_jpegs, gcs_emulator, moun
         sampler.close()
     assert probed(m.log_path)
     c = next(d for d in m.status()["datasets"] if d["name"] == "jpegs")["counters"]
-    assert c.get("misses", 0) >= PROBE * 8 // 2, c  # the probe's measured batches missed
+    # the probe's measured batches missed (probe_misses: those it did not cache)
+    assert c.get("misses", 0) + c.get("probe_misses", 0) >= PROBE * 8 // 2, c
     assert c.get("probe_hits", 0) * 20 <= c["misses"] + c.get("probe_misses", 0), c
+    # No chunk load shared the bucket with the probe's misses: the first one finished
+    # after they were measured (it waited for them).
+    with open(m.log_path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    measured = next(n for n, line in enumerate(lines) if "misses measured" in line)
+    loaded = next(n for n, line in enumerate(lines) if re.search(r"load \d+ done", line))
+    assert measured < loaded
 
 
 def test_four_jobs_read_a_cold_dataset_about_once_in_epoch_0(slow_jpegs, gcs_emulator,
