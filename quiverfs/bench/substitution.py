@@ -387,7 +387,7 @@ def write_digits_split(dest: str, seed: int = 0) -> int:
 
 
 def stored_bytes(digest: bytes, workdir: str) -> int:
-    """Bytes the store uses for the whole dataset. Items under 32 KiB live in SQLite,
+    """Bytes the store uses for the whole dataset. Items under 4 KiB live in SQLite,
     whose rows cost more than the 120-byte digits themselves, so a cache sized from the
     dataset's bytes would hold far fewer items than that fraction."""
     with running_mountd(workdir, cache_size="1G", name="footprint") as m:
