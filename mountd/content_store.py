@@ -49,9 +49,10 @@ log = logging.getLogger(__name__)
 CULL_LIMIT = 8  # items evicted at once when an insert goes over the bound
 # Bytes: larger values are files, smaller ones sit in SQLite. A file's hit is served on
 # mountd's loop from the page cache (``get_nowait``); a row's takes a worker thread.
-# With diskcache's default (32 KiB) those hand-offs doubled a 25 KB hit's median (0.66-
-# 0.75 against 0.33-0.46 ms) and its p99 during chunk loads; but a file costs a loader
-# more: one loaded 18% fewer 25 KB objects/s (``quiver bench loader``).
+# With diskcache's default (32 KiB) those hand-offs more than doubled a 25 KB hit's
+# median (0.66-0.72 against 0.26-0.28 ms) and nearly doubled its p99 during chunk loads
+# (``quiver bench loader``); a file costs a loader an open, a write and a close more,
+# which its loads per second did not show in a full run (1 process: 276 against 266).
 DISK_MIN_FILE_SIZE = 4 << 10
 SQLITE_MMAP_SIZE = 256 << 20  # bytes of the index mapped into memory
 TIMEOUT = 60  # seconds a writer waits for SQLite's lock
