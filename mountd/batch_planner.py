@@ -173,8 +173,8 @@ class BatchPlanner:
         need = min(sampler.batch_size, sampler.remaining)
         # A probe batch takes misses the cycle reads anyway, and waits while there are
         # too few of those; a lone job's probe takes them anywhere: its chunk loads wait
-        # for the probe to end (ChunkLoader), and what it does not cache is kept for
-        # them (Staging.keep_for_load).
+        # until its misses are measured (ChunkLoader), and what it does not cache is
+        # kept for them (Staging.keep_for_load).
         cooperative = (not job.probe.active or group.mode is not CacheMode.COOP
                        or group.alone(self.cluster.me) is job
                        or await self._uncached_ahead(job, group, need) >= need)
