@@ -183,14 +183,15 @@ class BatchPlanner:
 
         async def is_cached(items: np.ndarray) -> np.ndarray:
             # Hits come from the usable chunks. A probe's misses must be real ones: it
-            # looks up every item, and takes one that a fetch has in hand as held.
+            # looks up every item, and takes one in hand (being fetched, or kept for its
+            # chunk's load) as held.
             held = np.zeros(len(items), dtype=bool)
             asked = (np.ones(len(items), dtype=bool) if probing
                      else np.isin(chunk_of[items], group.usable(ref)))
             if asked.any():
                 held[asked] = await self.bulk.held([digest.hash(int(i)) for i in items[asked]])
             if probing:
-                held |= [self.reader.fetching(digest.hash(int(i))) for i in items]
+                held |= [self.reader.in_hand(digest.hash(int(i))) for i in items]
             return held
 
         if not probing:
@@ -266,10 +267,10 @@ class BatchPlanner:
 
     async def _uncached_ahead(self, job: Job, group: DatasetJobs, need: int) -> int:
         """How many of the job's pending items in the loading chunks, and the two that
-        load next, are neither cached nor in a fetch's hands (up to ``need``): a probe
-        batch of those reads what the cycle brings in anyway. (Its planning takes items
-        in hand as held, as it must, and would look further afield for its misses: reads
-        that nobody shares.)"""
+        load next, are neither cached nor in hand (``ItemReader.in_hand``), up to
+        ``need``: a probe batch of those reads what the cycle brings in anyway. (Its
+        planning takes items in hand as held, as it must, and would look further afield
+        for its misses: reads that nobody shares.)"""
         view, found = group.view, 0
         if view is None:
             return 0
@@ -277,7 +278,7 @@ class BatchPlanner:
             hashes = [group.ds.digest.hash(int(i))
                       for i in job.sampler.pending_in(chunk)[:PROBE_LOOKUPS]]
             held = await self.bulk.held(hashes)
-            found += sum(not h and not self.reader.fetching(d) for h, d in zip(held, hashes))
+            found += sum(not h and not self.reader.in_hand(d) for h, d in zip(held, hashes))
             if found >= need:
                 break
         return found

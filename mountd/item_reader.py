@@ -103,9 +103,11 @@ class ItemReader:
         it to that read, whose miss is then a real one (and the only fetch of it)."""
         return digest in self._probed
 
-    def fetching(self, digest: bytes) -> bool:
-        """Whether a fetch of ``digest`` is under way (a read of it would join it)."""
-        return digest in self._inflight
+    def in_hand(self, digest: bytes) -> bool:
+        """Whether a fetch of ``digest`` is under way (a read of it would join it), or
+        an uncached miss's bytes are kept for its chunk's load (a probe that read it
+        again would fetch what the load has already)."""
+        return digest in self._inflight or self.staging.kept_for_load(digest)
 
     async def read(self, ds: MountedDataset, index: int, cause: FetchCause = FetchCause.EXACT,
                    keep: bool = True) -> bytes:
@@ -179,7 +181,10 @@ class ItemReader:
             if data is not None:
                 return data
         flight = self._inflight[digest] = _Flight()
-        kept = self.staging.take_for_load(digest) if keep else None
+        # An uncached miss of bytes kept for the load serves them (a probe's miss must
+        # be a real one: it reads the bucket); a miss that caches them takes them.
+        kept = (self.staging.take_for_load(digest) if keep
+                else None if cause is FetchCause.PROBE else self.staging.kept_bytes(digest))
         started = time.perf_counter()
         with self._flying(ds, digest, flight):
             data, fetched = await trio.to_thread.run_sync(

@@ -11,20 +11,27 @@ filling) and the turn from probe to cache are never measured. This assumes the l
 asks for at most N/2 batches ahead, which the default N = 100 leaves room for.
 
 A probe plans batches without cache hits until N/2 miss intervals are measured. Its
-misses are items that are not cached and no fetch has in hand, from the chunk that loads
-next, then those loading now, where there are enough (so other jobs hit them afterwards;
-the chunk loader leaves them to the probed job's read, so each is a real miss): while
-there are not, it waits, planning batches with the cache, for up to PROBE_LIMIT * N
-batches, and only then reads what the cache holds or cannot keep. A job that reads its
-dataset alone (the only job on it in the cluster) takes its misses anywhere, and the
-dataset's chunk loads wait until its misses are measured (``ChunkLoader``): without the
-cache, nothing would share the bucket with its reads. It ends unmeasured
-after N + 1 batches if the job reported nothing (it reads manifests without the helper's
-loop), after PROBE_LIMIT * N batches in any case, and at once in epochs of N/2 batches
-or fewer. Then t_hit is the mean of N/2 hit intervals from the job's next epoch on, or
-from N batches after the probe in a long epoch: right after it the cache is still
-warming (and, with two chunks, the probe's random reads left the job's items spread over
-the chunk cycle). The pair is kept until the next probe measures a new one.
+misses are items that are not cached, not being fetched, and not kept for their chunk's
+load, from the chunk that loads next, then those loading now, where there are enough (so
+other jobs hit them afterwards; the chunk loader leaves them to the probed job's read,
+so each is a real miss): while there are not, it waits, planning batches with the cache,
+for up to PROBE_LIMIT * N batches, and only then reads what the cache holds or cannot
+keep. It waits only before a run of probe batches begins: a batch with the cache inside
+a run would leave the run unmeasured (each interval needs the N/2 batches before it
+planned the same way), and when misses ran short after every probe batch, runs of one
+batch each used up the probe with nothing measured; so once begun, a run reads what
+misses it finds. Nor does a run begin after an epoch's first batch with fewer than N
+batches left in it: the next epoch's first N/2 are never measured, so that run would
+read its misses for little. A job that reads its dataset alone (the only job on it in
+the cluster) takes its misses anywhere, and the dataset's chunk loads wait until its
+misses are measured (``ChunkLoader``): without the cache, nothing would share the bucket
+with its reads. It ends unmeasured after N + 1 batches if the job reported nothing (it
+reads manifests without the helper's loop), after PROBE_LIMIT * N batches in any case,
+and at once in epochs of N/2 batches or fewer. Then t_hit is the mean of N/2 hit
+intervals from the job's next epoch on, or from N batches after the probe in a long
+epoch: right after it the cache is still warming (and, with two chunks, the probe's
+random reads left the job's items spread over the chunk cycle). The pair is kept until
+the next probe measures a new one.
 """
 from __future__ import annotations
 
@@ -80,7 +87,12 @@ class BenefitProbe:
             del plans[index:]
             plans.extend(bytes([NO_CACHE]) * (index - len(plans)))
         probe = self.active
-        if probe and not cooperative and self.deferred < PROBE_LIMIT * n:
+        # It waits only between runs of probe batches, and begins none that the epoch's
+        # end would cut short (the docstring says why).
+        in_run = index > 0 and plans[index - 1] == PROBE
+        if probe and not in_run and index > 0 and n_batches - index < n:
+            probe = False
+        elif probe and not cooperative and not in_run and self.deferred < PROBE_LIMIT * n:
             self.deferred += 1
             probe = False
         plans.append(PROBE if probe else HIT if cached else NO_CACHE)

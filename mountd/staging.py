@@ -77,6 +77,10 @@ class Staging:
     def kept_for_load(self, digest: bytes) -> bool:
         return digest in self._for_load.items
 
+    def kept_bytes(self, digest: bytes) -> bytes | None:
+        """The bytes of ``digest`` kept for its chunk's load, left there for it."""
+        return self._for_load.items.get(digest)
+
     def take_for_load(self, digest: bytes) -> bytes | None:
         """The bytes of ``digest`` kept for its chunk's load, given up to it."""
         return self._for_load.pop(digest)

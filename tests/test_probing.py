@@ -7,6 +7,8 @@ test_allocation.py.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from coordinator.allocation import NO_BENEFIT
@@ -15,10 +17,14 @@ from mountd.probing import PROBE_LIMIT, BenefitProbe
 
 def train(probe: BenefitProbe, *, epochs: int, n: int, compute: float, load_miss: float,
           load_hit: float, workers: int = 4, prefetch: int = 8, probe_batches: int = 32,
-          probe_at: int = 0, startup: float = 2.0) -> int:
+          probe_at: int = 0, startup: float = 2.0,
+          misses_ahead: Callable[[int, bool], bool] = lambda seen, after_probe: True
+          ) -> list[int]:
     """Run the model, reporting to ``probe`` as the helper does; a probe of
-    ``probe_batches`` begins at global batch ``probe_at``. The batches planned as probes."""
-    now, probes, seen = 0.0, 0, 0
+    ``probe_batches`` begins at global batch ``probe_at``. ``misses_ahead(i, p)`` says
+    whether the cycle has misses for a probe batch at global batch i (p: batch i - 1 was
+    one). The global batches planned as probes."""
+    now, probes, seen = 0.0, [], 0
     for epoch in range(epochs):
         now += startup  # the loader's new worker processes
         asked = [now] * min(prefetch, n)  # when the loader asked for each batch
@@ -37,9 +43,11 @@ def train(probe: BenefitProbe, *, epochs: int, n: int, compute: float, load_miss
                 asked.append(take(j - prefetch))
             if seen == probe_at:
                 probe.begin(1, probe_batches)
+            probing = probe.plan(epoch, j, n, cached=True,
+                                 cooperative=misses_ahead(seen, seen - 1 in probes))
+            if probing:
+                probes.append(seen)
             seen += 1
-            probing = probe.plan(epoch, j, n, cached=True)
-            probes += probing
             if j:
                 probe.record(epoch, j, asked[j] - asked[j - 1])
             w = j % workers
@@ -57,7 +65,7 @@ def probe() -> BenefitProbe:
 
 
 def test_io_bound_job_benefits(probe):
-    forced = train(probe, epochs=4, n=60, compute=0.05, load_miss=1.0, load_hit=0.1)
+    forced = len(train(probe, epochs=4, n=60, compute=0.05, load_miss=1.0, load_hit=0.1))
     t_miss, t_hit = probe.measured
     assert t_miss == pytest.approx(1.0 / 4, rel=0.05)  # four workers reading misses
     assert t_hit == pytest.approx(0.05, rel=0.05)  # its compute, the hits hidden
@@ -71,12 +79,15 @@ def test_compute_bound_job_does_not(probe):
     assert t_miss / t_hit < NO_BENEFIT
 
 
-@pytest.mark.parametrize("probe_at", [50, 100, 170])
-def test_a_probe_across_epoch_turns_measures_the_same(probe, probe_at):
-    """Begun late in an epoch, a probe goes on in the next one; the burst at the epoch's
-    start and the new workers' start are not measured."""
-    train(probe, epochs=6, n=60, compute=0.05, load_miss=1.0, load_hit=0.1,
-          probe_at=probe_at)
+@pytest.mark.parametrize(("probe_at", "run_at"),
+                         [(20, 20), (50, 60), (100, 120), (170, 180)])
+def test_a_probe_across_epoch_turns_measures_the_same(probe, probe_at, run_at):
+    """Asked for late in an epoch (fewer than its 32 batches left), a probe runs from the
+    next epoch's start; the burst at the epoch's start and the new workers' start are
+    not measured."""
+    probes = train(probe, epochs=6, n=60, compute=0.05, load_miss=1.0, load_hit=0.1,
+                   probe_at=probe_at)
+    assert probes == list(range(run_at, run_at + 32))
     t_miss, t_hit = probe.measured
     assert t_miss == pytest.approx(0.25, rel=0.05) and t_hit == pytest.approx(0.05, rel=0.05)
 
@@ -85,9 +96,8 @@ def test_probes_that_cannot_measure_end(probe):
     """Epochs no longer than the settling batches, a job that reports nothing, or one
     whose intervals can never be judged: the probe stops forcing misses instead of
     slowing the job for ever."""
-    forced = train(probe, epochs=6, n=16, compute=0.05, load_miss=1.0, load_hit=0.1)
+    assert not train(probe, epochs=6, n=16, compute=0.05, load_miss=1.0, load_hit=0.1)
     assert probe.measured is None and not probe.active
-    assert forced == 0
     probe.begin(2, 32)  # a job that reads manifests but reports no times
     assert all(probe.plan(0, j, 10_000, cached=True) for j in range(33))
     assert not probe.plan(0, 33, 10_000, cached=True)  # ended after N + 1 batches
@@ -96,6 +106,17 @@ def test_probes_that_cannot_measure_end(probe):
         assert probe.plan(0, j, 10_000, cached=True)
         probe.record(0, 0, 0.5)  # an epoch's first interval is never judged
     assert not probe.plan(0, PROBE_LIMIT * 32, 10_000, cached=True)
+
+
+def test_a_probe_short_of_misses_waits_before_its_run_not_within_it(probe):
+    """The cycle has no misses for a probe before batch 20, nor right after a probe
+    batch (it took them): the probe waits for them before its run, and once begun, the
+    run goes on. (Waiting within it, it alternated and ended unmeasured.)"""
+    probes = train(probe, epochs=4, n=60, compute=0.05, load_miss=1.0, load_hit=0.1,
+                   misses_ahead=lambda seen, after_probe: seen >= 20 and not after_probe)
+    assert probes[0] == 20 and probes == list(range(20, 20 + len(probes)))
+    t_miss, t_hit = probe.measured
+    assert t_miss == pytest.approx(0.25, rel=0.05) and t_hit == pytest.approx(0.05, rel=0.05)
 
 
 def test_a_long_epoch_gives_t_hit_within_it(probe):
