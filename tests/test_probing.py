@@ -119,6 +119,24 @@ def test_a_probe_short_of_misses_waits_before_its_run_not_within_it(probe):
     assert t_miss == pytest.approx(0.25, rel=0.05) and t_hit == pytest.approx(0.05, rel=0.05)
 
 
+def test_batches_without_the_cache_measure_t_miss_again():
+    """A probe measured no gain (the job's misses cost no more than its hits while the
+    other jobs hit); then the dataset is allotted no cache and every job misses, and
+    its batches take 2 s: t_miss becomes those batches' time, t_hit stays."""
+    probe = BenefitProbe()
+    probe.begin(1, 4)
+    for j in range(40):
+        probe.plan(0, j, 40, cached=True)
+        probe.record(0, j, 0.5)
+    assert probe.measured == (0.5, 0.5) and not probe.active
+    for j in range(40):
+        assert not probe.plan(1, j, 40, cached=False)
+        probe.record(1, j, 2.0 if j >= 2 else 0.1)  # the epoch's first two never count
+        if j == 2:
+            assert probe.measured == (0.5, 0.5)  # after N/2 intervals, not one
+    assert probe.measured == (2.0, 0.5)
+
+
 def test_a_long_epoch_gives_t_hit_within_it(probe):
     """t_hit waits for the next epoch, or for N batches after the probe in a long one."""
     train(probe, epochs=1, n=200, compute=0.05, load_miss=1.0, load_hit=0.1)
