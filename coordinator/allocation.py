@@ -8,9 +8,10 @@ handling: as good as a full cache for substitutable jobs), FULL (the whole datas
 re-fetching every epoch), or NONE. Greedy by benefit per byte: every dataset worth
 caching gets two chunks in order of G / cost while they fit, then leftover budget
 upgrades datasets to full in order of G / extra bytes. What is still left caches
-datasets whose jobs hide their I/O in full, where they fit. Finally the budget no mode
+datasets whose jobs hide their I/O: in full where they fit, else in two chunks where
+several jobs share them (each then reads the bucket for all). Finally the budget no mode
 uses deepens the cooperative datasets' chunk pipelines (``resident_chunks``), in
-proportion to G.
+proportion to G, those worth caching first.
 """
 from __future__ import annotations
 
@@ -71,9 +72,12 @@ class DatasetDemand:
 
 def allocate(demands: list[DatasetDemand], budget: int) -> dict[str, CacheMode]:
     """identity -> the dataset's CacheMode, within ``budget`` bytes. Datasets worth
-    caching come first. What they leave caches the others in full where they fit: spare
-    cache costs nothing and spares the bucket their reads (not two chunks: the cycle
-    would hold back jobs that gain nothing from it)."""
+    caching come first. What they leave caches the others, since spare cache costs
+    nothing and spares the bucket their reads: in full where they fit, else in two
+    chunks where several jobs share the dataset. A lone job's chunks would only hold
+    it back, but several jobs' probes each measured one job missing while the others
+    hit: a bucket they all miss on is shared, and cooperative misses read each item
+    once for all of them."""
     modes = {d.identity: CacheMode.NONE for d in demands}
     with_jobs = [d for d in demands if d.jobs]
     left = _fill([d for d in with_jobs if d.worth_caching], modes, budget)
@@ -82,6 +86,11 @@ def allocate(demands: list[DatasetDemand], budget: int) -> dict[str, CacheMode]:
         if d.size <= left:
             modes[d.identity] = CacheMode.FULL
             left -= d.size
+    shared = [d for d in rest if modes[d.identity] is CacheMode.NONE and len(d.jobs) > 1]
+    for d in sorted(shared, key=lambda d: d.gain / max(1, d.coop_cost), reverse=True):
+        if d.coop_cost <= left:
+            modes[d.identity] = CacheMode.COOP
+            left -= d.coop_cost
     return modes
 
 
@@ -107,20 +116,22 @@ def _fill(demands: list[DatasetDemand], modes: dict[str, CacheMode], left: int) 
 def resident_chunks(demands: list[DatasetDemand], modes: dict[str, CacheMode], budget: int
                     ) -> dict[str, int]:
     """identity -> how many chunks each COOP dataset may keep resident (K >= 2): the
-    budget no mode uses (less HEADROOM of the budget), shared in proportion to G, in
-    whole chunks (what the shares leave goes a chunk at a time by G per byte)."""
+    budget no mode uses (less HEADROOM of the budget), shared in proportion to G among
+    the datasets worth caching (among all, if none is), in whole chunks; what the shares
+    leave goes a chunk at a time by G per byte, to any."""
     coop = [d for d in demands if modes[d.identity] is CacheMode.COOP]
     used = sum(d.size if modes[d.identity] is CacheMode.FULL else d.coop_cost
                for d in demands if modes[d.identity] is not CacheMode.NONE)
     left = max(0, int(budget * (1 - HEADROOM)) - used)
     chunks = {d.identity: MIN_RESIDENT for d in coop}
-    total_gain, pool = sum(d.gain for d in coop), left
+    sharing = [d for d in coop if d.worth_caching] or coop
+    total_gain, pool = sum(d.gain for d in sharing), left
 
     def room(d: DatasetDemand) -> int:
         return max(0, d.n_chunks - chunks[d.identity])
 
-    for d in coop:
-        share = pool * d.gain / total_gain if total_gain else pool / len(coop)
+    for d in sharing:
+        share = pool * d.gain / total_gain if total_gain else pool / len(sharing)
         extra = min(room(d), int(share // max(1, d.chunk_bytes)))
         chunks[d.identity] += extra
         left -= extra * d.chunk_bytes

@@ -1,6 +1,7 @@
 """Benefit probing and benefit-aware allocation (paper §5.3)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -9,10 +10,12 @@ import pytest
 import torch
 import torchvision
 
-from coordinator.allocation import NO_BENEFIT, DatasetDemand, JobBenefit, allocate
+from coordinator.allocation import (NO_BENEFIT, DatasetDemand, JobBenefit, allocate,
+                                    resident_chunks)
 from quiverfs.bench.data import write_synthetic_tree
 from quiverfs.bench.processes import CoordinatorProcess, MountdProcess, unmount
 from quiverfs.bench.throttle_proxy import throttled
+from quiverfs.heartbeat import CacheMode
 from quiverfs.torch import QuiverBatchSampler
 from tests.mountd_helpers import make_digest, mount, mountd_factory  # noqa: F401
 
@@ -40,6 +43,35 @@ def test_allocation_prefers_benefit_per_byte_under_a_budget():
         assert allocate([io_bound, mild, compute], budget * GiB) == {
             "io": io, "mild": mild_mode, "compute": compute_mode}, budget
     assert allocate([io_bound], 0) == {"io": "none"}
+
+
+def test_spare_budget_caches_a_dataset_that_several_jobs_share_in_chunks():
+    """Each job's probe measured it missing while the other jobs hit, so none shows a
+    benefit; but missing together they share the bucket, and cooperative misses read an
+    item once for all of them. A lone job, of any size, still gets none."""
+    shared = demand("shared", 100 * GiB, 10 * GiB, *[(1.0, 1)] * 6)
+    lone = demand("lone", 100 * GiB, 10 * GiB, (1.0, 6))
+    io_bound = demand("io", 100 * GiB, 10 * GiB, (3.0, 4))
+    assert allocate([shared, lone], 25 * GiB) == {"shared": "coop", "lone": "none"}
+    assert allocate([shared, lone], 19 * GiB) == {"shared": "none", "lone": "none"}
+    # datasets worth caching come first: the shared one gets what they leave
+    assert allocate([shared, io_bound], 25 * GiB) == {"shared": "none", "io": "coop"}
+    assert allocate([shared, io_bound], 41 * GiB) == {"shared": "coop", "io": "coop"}
+    # and a full cache where the dataset fits, as for any dataset that gains nothing
+    small = demand("small", 15 * GiB, 10 * GiB, *[(1.0, 1)] * 6)
+    assert allocate([small], 25 * GiB) == {"small": "full"}
+
+
+def test_spare_chunks_go_to_the_datasets_worth_caching_first():
+    io = DatasetDemand("io", 1000, 10, (JobBenefit(1, 3.0, 1.0),), n_chunks=100)
+    shared = DatasetDemand("shared", 1000, 10, (JobBenefit(1, 1.0, 1.0),) * 2, n_chunks=100)
+    budget = 200  # 160 after the headroom: two chunks each, then 120 spare
+    modes = allocate([io, shared], budget)
+    assert modes == {"io": CacheMode.COOP, "shared": CacheMode.COOP}
+    assert resident_chunks([io, shared], modes, budget) == {"io": 14, "shared": 2}
+    few = dataclasses.replace(io, n_chunks=5)  # what it cannot hold goes to the other
+    assert resident_chunks([few, shared], modes, budget) == {"io": 5, "shared": 11}
+    assert resident_chunks([shared], {"shared": CacheMode.COOP}, budget) == {"shared": 16}
 
 
 def test_unprobed_jobs_are_given_the_benefit_of_the_doubt():
