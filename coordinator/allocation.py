@@ -9,9 +9,9 @@ re-fetching every epoch), or NONE. Greedy by benefit per byte: every dataset wor
 caching gets two chunks in order of G / cost while they fit, then leftover budget
 upgrades datasets to full in order of G / extra bytes. What is still left caches
 datasets whose jobs hide their I/O: in full where they fit, else in two chunks where
-several jobs share them (each then reads the bucket for all). Finally the budget no mode
-uses deepens the cooperative datasets' chunk pipelines (``resident_chunks``), in
-proportion to G, those worth caching first.
+several jobs share them (their cooperative misses read each item once for all of them).
+Finally the budget no mode uses deepens the cooperative datasets' chunk pipelines
+(``resident_chunks``), in proportion to G, those worth caching first.
 """
 from __future__ import annotations
 
