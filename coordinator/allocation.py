@@ -87,20 +87,24 @@ def allocate(demands: list[DatasetDemand], budget: int) -> dict[str, CacheMode]:
             modes[d.identity] = CacheMode.FULL
             left -= d.size
     shared = [d for d in rest if modes[d.identity] is CacheMode.NONE and len(d.jobs) > 1]
-    for d in sorted(shared, key=lambda d: d.gain / max(1, d.coop_cost), reverse=True):
+    _two_chunks(shared, modes, left)
+    return modes
+
+
+def _two_chunks(demands: list[DatasetDemand], modes: dict[str, CacheMode], left: int
+                ) -> int:
+    """Give ``demands`` two chunks each by G per byte while they fit; the budget left."""
+    for d in sorted(demands, key=lambda d: d.gain / max(1, d.coop_cost), reverse=True):
         if d.coop_cost <= left:
             modes[d.identity] = CacheMode.COOP
             left -= d.coop_cost
-    return modes
+    return left
 
 
 def _fill(demands: list[DatasetDemand], modes: dict[str, CacheMode], left: int) -> int:
     """Give ``demands`` two chunks each by G per byte while they fit, then upgrade them to
     full by G per extra byte; the budget left."""
-    for d in sorted(demands, key=lambda d: d.gain / max(1, d.coop_cost), reverse=True):
-        if d.coop_cost <= left:
-            modes[d.identity] = CacheMode.COOP
-            left -= d.coop_cost
+    left = _two_chunks(demands, modes, left)
     upgradable = [d for d in demands
                   if modes[d.identity] is CacheMode.COOP and d.size > d.coop_cost]
     for d in sorted(upgradable, key=lambda d: d.gain / (d.size - d.coop_cost), reverse=True):
