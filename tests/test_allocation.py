@@ -1,7 +1,6 @@
 """Benefit probing and benefit-aware allocation (paper §5.3)."""
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 import time
@@ -10,12 +9,10 @@ import pytest
 import torch
 import torchvision
 
-from coordinator.allocation import (NO_BENEFIT, DatasetDemand, JobBenefit, allocate,
-                                    resident_chunks)
+from coordinator.allocation import NO_BENEFIT, DatasetDemand, JobBenefit, allocate
 from quiverfs.bench.data import write_synthetic_tree
 from quiverfs.bench.processes import CoordinatorProcess, MountdProcess, unmount
 from quiverfs.bench.throttle_proxy import throttled
-from quiverfs.heartbeat import CacheMode
 from quiverfs.torch import QuiverBatchSampler
 from tests.mountd_helpers import make_digest, mount, mountd_factory  # noqa: F401
 
@@ -60,18 +57,6 @@ def test_spare_budget_caches_a_dataset_that_several_jobs_share_in_chunks():
     # and a full cache where the dataset fits, as for any dataset that gains nothing
     small = demand("small", 15 * GiB, 10 * GiB, *[(1.0, 1)] * 6)
     assert allocate([small], 25 * GiB) == {"small": "full"}
-
-
-def test_spare_chunks_go_to_the_datasets_worth_caching_first():
-    io = DatasetDemand("io", 1000, 10, (JobBenefit(1, 3.0, 1.0),), n_chunks=100)
-    shared = DatasetDemand("shared", 1000, 10, (JobBenefit(1, 1.0, 1.0),) * 2, n_chunks=100)
-    budget = 200  # 160 after the headroom: two chunks each, then 120 spare
-    modes = allocate([io, shared], budget)
-    assert modes == {"io": CacheMode.COOP, "shared": CacheMode.COOP}
-    assert resident_chunks([io, shared], modes, budget) == {"io": 14, "shared": 2}
-    few = dataclasses.replace(io, n_chunks=5)  # what it cannot hold goes to the other
-    assert resident_chunks([few, shared], modes, budget) == {"io": 5, "shared": 11}
-    assert resident_chunks([shared], {"shared": CacheMode.COOP}, budget) == {"shared": 16}
 
 
 def test_unprobed_jobs_are_given_the_benefit_of_the_doubt():

@@ -2,6 +2,8 @@
 flight, two-step eviction of the oldest; and the coordinator driving it."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -160,6 +162,18 @@ def test_spare_budget_deepens_pipelines_by_gain_within_the_headroom():
     small = DatasetDemand("small", 50, 10, (JobBenefit(1, 3.0, 1.0),), n_chunks=5)
     modes = {"small": CacheMode.COOP}
     assert resident_chunks([small], modes, 10_000) == {"small": 5}  # never past its chunks
+
+
+def test_spare_chunks_go_to_the_datasets_worth_caching_first():
+    io = DatasetDemand("io", 1000, 10, (JobBenefit(1, 3.0, 1.0),), n_chunks=100)
+    shared = DatasetDemand("shared", 1000, 10, (JobBenefit(1, 1.0, 1.0),) * 2, n_chunks=100)
+    budget = 200  # 160 after the headroom: two chunks each, then 120 spare
+    modes = allocate([io, shared], budget)
+    assert modes == {"io": CacheMode.COOP, "shared": CacheMode.COOP}
+    assert resident_chunks([io, shared], modes, budget) == {"io": 14, "shared": 2}
+    few = dataclasses.replace(io, n_chunks=5)  # what it cannot hold goes to the other
+    assert resident_chunks([few, shared], modes, budget) == {"io": 5, "shared": 11}
+    assert resident_chunks([shared], {"shared": CacheMode.COOP}, budget) == {"shared": 16}
 
 
 def beat(node: str, jobs: int, loaded: tuple[LoadedShare, ...] = (),
