@@ -4,10 +4,11 @@ from __future__ import annotations
 import argparse
 import os
 
-from coordinator.state import HEARTBEAT_TIMEOUT, REPROBE_AFTER
+from coordinator.state import FORGET_AFTER, HEARTBEAT_TIMEOUT, REPROBE_AFTER
 from quiverfs.cycle_cli import add_cycle_options
 from quiverfs.errors import ExitCode, QuietError
-from quiverfs.option_types import Address
+from quiverfs.option_types import Address, ByteSize, FloatAtLeast
+from quiverfs.peer_network import PeerNetworks
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -19,13 +20,26 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--state-dir", required=True, help="where state is persisted")
     p.add_argument("--cluster-secret-file", help="shared secret of the cluster (or "
                    "$QUIVER_CLUSTER_SECRET); at least 16 bytes")
-    p.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT,
+    p.add_argument("--heartbeat-timeout", default=HEARTBEAT_TIMEOUT,
+                   type=FloatAtLeast("--heartbeat-timeout", 0, minimum_ok=False),
                    help="seconds without a heartbeat before a node is dead "
                    "(default %(default)s)")
-    p.add_argument("--cache-budget", help="cluster-wide cache bytes to allocate, e.g. 2T "
+    p.add_argument("--forget-after", metavar="SECONDS",
+                   type=FloatAtLeast("--forget-after", 0, minimum_ok=False),
+                   help="seconds without a heartbeat before a node is forgotten: gone from "
+                   "the membership and from every dataset, restarts included; at least "
+                   f"--heartbeat-timeout (default {FORGET_AFTER:g}, or --heartbeat-timeout "
+                   "where longer)")
+    p.add_argument("--peer-network", metavar="CIDR[,CIDR...]",
+                   type=PeerNetworks("--peer-network"),
+                   help="refuse nodes whose peer address is outside these networks, or is "
+                   "a host name (default: any address)")
+    p.add_argument("--cache-budget", type=ByteSize("--cache-budget", zero_ok=True),
+                   help="cluster-wide cache bytes to allocate, e.g. 2T "
                    "(default: the sum of the live nodes' cache sizes)")
-    add_cycle_options(p)
-    p.add_argument("--reprobe-after", type=float, default=REPROBE_AFTER,
+    add_cycle_options(p, min_probe_batches=1)
+    p.add_argument("--reprobe-after", default=REPROBE_AFTER,
+                   type=FloatAtLeast("--reprobe-after", 0, minimum_ok=False),
                    help="seconds between probes of a job (default %(default)s)")
     p.add_argument("--metrics", metavar="HOST:PORT", type=Address("--metrics"),
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
@@ -42,15 +56,15 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from quiverfs.process_limits import raise_open_file_limit
     from quiverfs.rpc import load_secret
 
+    if args.forget_after is not None and args.forget_after < args.heartbeat_timeout:
+        raise QuietError(f"--forget-after must be at least --heartbeat-timeout "
+                         f"({args.heartbeat_timeout:g}), not {args.forget_after:g}",
+                         ExitCode.USAGE)
     secret = load_secret(args.cluster_secret_file)
-    from quiverfs.sizes import parse_size
-
-    if args.probe_batches < 1:
-        raise QuietError("--probe-batches must be at least 1", ExitCode.USAGE)
     state = CoordinatorState(
         os.path.abspath(args.state_dir), args.heartbeat_timeout, args.force_evict_after,
-        budget=parse_size(args.cache_budget, "--cache-budget") if args.cache_budget else None,
-        probe_batches=args.probe_batches, reprobe_after=args.reprobe_after)
+        budget=args.cache_budget, probe_batches=args.probe_batches,
+        reprobe_after=args.reprobe_after, forget_after=args.forget_after)
     try:
         state.save()  # an unwritable state directory fails now, not at the first join
     except OSError as exc:
@@ -59,5 +73,6 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     metrics = (MetricsServer(args.metrics, CoordinatorCollector(state))
                if args.metrics else None)
     raise_open_file_limit()
-    trio.run(CoordinatorServer(state, secret, args.listen, metrics).serve)
+    server = CoordinatorServer(state, secret, args.listen, metrics, args.peer_network or ())
+    trio.run(server.serve)
     return ExitCode.OK

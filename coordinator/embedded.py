@@ -7,6 +7,7 @@ import os
 import trio
 
 from coordinator.state import CoordinatorState, StateCorrupted
+from quiverfs.errors import ExitCode, QuietError
 from quiverfs.heartbeat import Heartbeat, HeartbeatReply
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,11 @@ class EmbeddedCoordinator:
             # Only chunk cycles live there, rebuilt from the next heartbeat: a damaged
             # file must not keep mountd from starting.
             aside = f"{exc.path}.corrupted"
-            os.replace(exc.path, aside)
+            try:
+                os.replace(exc.path, aside)
+            except OSError as err:
+                raise QuietError(f"{exc.message}; mountd cannot do it: {err.strerror}",
+                                 ExitCode.PERMISSION) from None
             log.warning("%s: moved it to %s and started the chunk cycles afresh",
                         exc.message, aside)
             self.state = load()

@@ -5,16 +5,20 @@ fraction of a second, reporting per dataset (by digest identity) their jobs' epo
 references and which chunk shares they finished loading. The answer is the live
 membership and each dataset's chunk cycle with the nodes that load the current
 chunk. A node whose heartbeats stop for ``heartbeat_timeout`` seconds is dead: its
-keys move to the survivors and its jobs stop pinning chunks.
+keys move to the survivors and its jobs stop pinning chunks. One not heard from for
+``forget_after`` seconds is forgotten: gone from the membership and from every dataset.
 
 The same class runs inside ``quiver coordinator`` and, for a single node without
-``--coordinator``, inside mountd. Everything but heartbeat times is persisted.
+``--coordinator``, inside mountd. Everything but the nodes' reports is persisted, the
+time each node was last heard from included (wall-clock), so a restart revives no node
+that was dead, and forgets those whose time has come.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
+import math
 import os
 import time
 from typing import Any
@@ -43,6 +47,7 @@ class StateCorrupted(QuietError):
 TIMELINE_KEEP = 5000  # chunk-state events kept per dataset
 HEARTBEAT_TIMEOUT = 5.0  # seconds without a heartbeat before a node is dead
 REPROBE_AFTER = 600.0  # seconds between probes of a job
+FORGET_AFTER = 600.0  # seconds without a heartbeat before a node is forgotten, at least
 
 
 @dataclasses.dataclass
@@ -52,7 +57,7 @@ class Node:
     id: str
     peer: str
     capacity: int
-    last_seen: float = 0.0
+    last_seen: float = 0.0  # time.time() of its last heartbeat
 
 
 @dataclasses.dataclass
@@ -76,10 +81,13 @@ class CoordinatorState:
 
     def __init__(self, state_dir: str, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
                  force_after: float = FORCE_EVICT_AFTER, budget: int | None = None,
-                 probe_batches: int = PROBE_BATCHES, reprobe_after: float = REPROBE_AFTER
-                 ) -> None:
+                 probe_batches: int = PROBE_BATCHES, reprobe_after: float = REPROBE_AFTER,
+                 forget_after: float | None = None) -> None:
         self.state_dir = state_dir
         self.heartbeat_timeout = heartbeat_timeout
+        # None: FORGET_AFTER, or the heartbeat timeout where longer (a node is dead first)
+        self.forget_after = (max(FORGET_AFTER, heartbeat_timeout) if forget_after is None
+                             else forget_after)
         self.force_after = force_after
         self.budget = budget  # bytes of cache cluster-wide; None: the nodes' capacities
         self.probe_batches = probe_batches
@@ -88,6 +96,7 @@ class CoordinatorState:
         self.datasets: dict[str, DatasetState] = {}
         self.version = 0  # bumped when membership changes
         self._alive: set[str] = set()
+        self._seen_saved = 0.0  # the latest last-seen time in the last snapshot
         try:
             os.makedirs(state_dir, exist_ok=True)
         except OSError as exc:
@@ -108,9 +117,9 @@ class CoordinatorState:
                 data = json.load(f)
         except FileNotFoundError:
             return
-        except PermissionError:
-            raise QuietError(f"cannot read coordinator state {self._path}: permission denied",
-                             ExitCode.PERMISSION) from None
+        except OSError as exc:  # permission denied, a directory in its place, a disk error
+            raise QuietError(f"cannot read coordinator state {self._path}: "
+                             f"{exc.strerror or exc}", ExitCode.PERMISSION) from None
         except ValueError as exc:  # not JSON, or not UTF-8
             raise StateCorrupted(self._path, exc) from None
         try:
@@ -118,11 +127,18 @@ class CoordinatorState:
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             raise StateCorrupted(self._path, exc) from None
         log.info("resumed: %d nodes, %d datasets", len(self.nodes), len(self.datasets))
+        self.forget()
 
     def _restore(self, data: dict) -> None:
-        now = time.time()  # a restarted coordinator gives every node a fresh timeout
+        now = time.time()
         for n in data["nodes"]:
-            self.nodes[n["id"]] = Node(n["id"], n["peer"], n["capacity"], now)
+            # A file written before last-seen times were kept: as if never heard from
+            # (a live node joins again with its next heartbeat).
+            seen = float(n.get("last_seen", 0.0))
+            if not math.isfinite(seen):
+                raise ValueError(f"node {n['id']}: last_seen is {seen}")
+            # A time ahead of the clock (set back since) counts as now, not as later.
+            self.nodes[n["id"]] = Node(n["id"], n["peer"], n["capacity"], min(seen, now))
         for d in data["datasets"]:
             cycle = ChunkCycle.restore(d["cycle"], self.force_after)
             cycle.timeline = [tuple(e) for e in d.get("timeline", [])]
@@ -138,9 +154,11 @@ class CoordinatorState:
         self.version = int(data.get("version", 0)) + 1
 
     def snapshot(self) -> bytes:
-        """The state file's contents."""
+        """The state file's contents (whose last-seen times count as saved)."""
+        self._seen_saved = max((n.last_seen for n in self.nodes.values()), default=0.0)
         data = {"version": self.version,
-                "nodes": [{"id": n.id, "peer": n.peer, "capacity": n.capacity}
+                "nodes": [{"id": n.id, "peer": n.peer, "capacity": n.capacity,
+                           "last_seen": n.last_seen}
                           for n in self.nodes.values()],
                 "datasets": [{"identity": d.identity, "name": d.name,
                               "cycle": d.cycle.snapshot(),
@@ -215,16 +233,75 @@ class CoordinatorState:
                 log.warning("node(s) %s declared dead", ", ".join(sorted(gone)))
         self._alive = alive
 
-    # -- heartbeats -------------------------------------------------------------------
-    def heartbeat(self, beat: Heartbeat, now: float | None = None) -> HeartbeatReply:
-        """Record a node's report; advance the cycles; return what the node should do."""
+    def forget(self, now: float | None = None) -> list[str]:
+        """Forget the nodes not heard from for ``forget_after`` seconds; their ids."""
         now = time.time() if now is None else now
-        view = self.join(beat.node, beat.peer, beat.capacity, now)
-        self._expire(now)
-        alive = {n.id for n in view.nodes}
-        changed = False
+        silent = sorted(n.id for n in self.nodes.values()
+                        if now - n.last_seen > self.forget_after)
+        for node in silent:
+            seen = self.nodes[node].last_seen
+            self.drop(node, f"not heard from for {now - seen:.0f} s" if seen
+                      else "the time of its last heartbeat is not known")
+        return silent
+
+    def next_forget(self) -> float | None:
+        """When (``time.time()``) the next node is due to be forgotten, if no heartbeat
+        comes from it first; None without nodes."""
+        seen = min((n.last_seen for n in self.nodes.values()), default=None)
+        return None if seen is None else seen + self.forget_after
+
+    def drop(self, node: str, why: str) -> None:
+        """Remove ``node`` from the membership and from every dataset: its report, its
+        jobs and their probes, and its shares of loading chunks."""
+        del self.nodes[node]
+        for ds in self.datasets.values():
+            ds.reports.pop(node, None)
+            for chunk, loaders in ds.loaders.items():
+                if node in loaders:  # the others split the chunk anew, as when one dies
+                    ds.loaders[chunk] = [n for n in loaders if n != node]
+                    ds.done[chunk] = set()
+            for key in [k for k in ds.probes if k.partition("/")[0] == node]:
+                del ds.probes[key]
+                ds.probed_at.pop(key, None)
+        self.dirty = True
+        log.warning("forgot node %s: %s", node, why)
+
+    def _check(self, beat: Heartbeat, now: float) -> None:
+        """Refuse (ValueError) a heartbeat whose chunk counts disagree with another live
+        node's for the same dataset: the nodes' --chunk-size differ."""
+        live = {n.id for n in self.live(now)}
         for identity, report in beat.datasets.items():
             ds = self.datasets.get(identity)
+            if ds is None:
+                continue
+            for other, theirs in ds.reports.items():
+                if other != beat.node and other in live and theirs.chunks != report.chunks:
+                    raise ValueError(
+                        f"dataset {report.name}: node {beat.node} plans {report.chunks} "
+                        f"chunks, node {other} {theirs.chunks}: give every node the same "
+                        "--chunk-size")
+
+    # -- heartbeats -------------------------------------------------------------------
+    def heartbeat(self, beat: Heartbeat, now: float | None = None) -> HeartbeatReply:
+        """Record a node's report; advance the cycles; return what the node should do.
+        A refused heartbeat (ValueError) changes nothing."""
+        now = time.time() if now is None else now
+        self._check(beat, now)
+        view = self.join(beat.node, beat.peer, beat.capacity, now)
+        self.forget(now)
+        self._expire(now)
+        alive = {n.id for n in view.nodes}
+        # Last-seen times are saved at least once a heartbeat timeout, so a restart
+        # after a crash finds a live node's time about that recent.
+        changed = now - self._seen_saved >= self.heartbeat_timeout
+        for identity, report in beat.datasets.items():
+            ds = self.datasets.get(identity)
+            if ds is not None and ds.cycle.n_chunks != report.chunks:
+                # No live node plans the old count (_check): the plan changed, e.g. a
+                # lone node restarted with another cache size.
+                log.info("dataset %s: %d chunks now, not %d: its cycle starts afresh",
+                         report.name, report.chunks, ds.cycle.n_chunks)
+                ds = None
             if ds is None:
                 ds = self.datasets[identity] = DatasetState(
                     identity, report.name, ChunkCycle(report.chunks, self.force_after))

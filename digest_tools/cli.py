@@ -7,6 +7,7 @@ import sys
 
 from digest_tools.hashing import default_workers
 from quiverfs import digest as digest_format
+from quiverfs.dataset_name import check_name
 from quiverfs.errors import ExitCode
 from quiverfs.option_types import IntAtLeast
 from quiverfs.sizes import human
@@ -26,7 +27,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "directory LABEL_LEVEL levels under SRC (1: the ImageFolder class).")
     c.add_argument("src", help="dataset root: a directory, file:///DIR or gs://BUCKET[/PREFIX]")
     c.add_argument("-o", "--output", required=True, help="digest file to write")
-    c.add_argument("--name", help="dataset name (default: the last component of SRC)")
+    c.add_argument("--name", type=check_name,
+                   help="dataset name (default: the last component of SRC)")
     c.add_argument("--workers", type=IntAtLeast("--workers", 1), default=default_workers(),
                    help="parallel readers/hashers (default: %(default)s)")
     c.add_argument("--label-level", default=1,

@@ -10,11 +10,15 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from mountd.control_replies import ClusterReply, MountReply, PrefetchReply, StatusReply
 from quiverfs import control_client
+from quiverfs.chunk_cycle import ChunkState
 from quiverfs.cycle_cli import add_cycle_options
+from quiverfs.dataset_name import check_name
 from quiverfs import digest as digest_format
 from quiverfs.errors import ExitCode, QuietError
 from quiverfs.option_types import Address, ByteSize, IntAtLeast
+from quiverfs.peer_network import PeerNetworks
 from quiverfs.sizes import human
 from quiverfs.storage_cli import add_storage_options, storage_options
 
@@ -24,6 +28,7 @@ if TYPE_CHECKING:
 STARTUP_TIMEOUT = 120.0  # seconds a backgrounded mountd may take to answer
 THREADS = 16  # mountd's blocking workers, by default
 PUSH_MEMORY = 256 << 20  # bytes, by default (mountd.page_push)
+MEMORY_PER_USER = 2 << 30  # bytes, by default (mountd.memory_budget)
 MAX_LOADER_PROCESSES = 64
 
 
@@ -69,6 +74,14 @@ def add_parsers(sub: argparse._SubParsersAction,
                    help="bytes of substitutable jobs' planned items pushed into the "
                    "kernel's page cache ahead of their reads and not yet opened, at most; "
                    "0 pushes nothing (default 256M)")
+    d.add_argument("--memory-per-user", metavar="BYTES", type=ByteSize("--memory-per-user"),
+                   default=MEMORY_PER_USER,
+                   help="memory the registrations of one user (root excepted) may take: "
+                   "decoded digests, their trees and view pools, each shared copy counted "
+                   "once; a registration past it is refused (default 2G)")
+    d.add_argument("--memory-total", metavar="BYTES", type=ByteSize("--memory-total"),
+                   help="memory the registrations of all users together, root's too, may "
+                   "take (default: a quarter of physical memory)")
     d.add_argument("--metrics", metavar="HOST:PORT", type=Address("--metrics"),
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     d.add_argument("--chunk-size", type=ByteSize("--chunk-size"),
@@ -77,10 +90,15 @@ def add_parsers(sub: argparse._SubParsersAction,
                    "--coordinator, an eighth of --cache-size)")
     add_cycle_options(d, applies=", without --coordinator")
     c = d.add_argument_group("cluster (without --coordinator, mountd is a single node)")
-    c.add_argument("--coordinator", metavar="HOST:PORT", help="the coordinator to join")
-    c.add_argument("--listen", metavar="HOST:PORT",
+    c.add_argument("--coordinator", metavar="HOST:PORT",
+                   type=Address("--coordinator", connect=True), help="the coordinator to join")
+    c.add_argument("--listen", metavar="HOST:PORT", type=Address("--listen"),
                    help="address of this node's peer server (default 127.0.0.1:0)")
     c.add_argument("--node-id", help="this node's name in the cluster (default: hostname)")
+    c.add_argument("--peer-network", metavar="CIDR[,CIDR...]",
+                   type=PeerNetworks("--peer-network"),
+                   help="never dial a member whose peer address is outside these networks, "
+                   "or is a host name (default: any address)")
     c.add_argument("--cluster-secret-file", help="shared cluster secret (or "
                    "$QUIVER_CLUSTER_SECRET), at least 16 bytes")
     d.set_defaults(func=functools.partial(cmd_mountd,
@@ -91,7 +109,8 @@ def add_parsers(sub: argparse._SubParsersAction,
                        description="Register DIGEST with the running mountd. Only you (and "
                        "root) can list or read ROOT/NAME.")
     m.add_argument("digest", help="digest file made by 'quiver digest create'")
-    m.add_argument("--name", help="directory name under ROOT (default: the digest's name)")
+    m.add_argument("--name", type=check_name,
+                   help="directory name under ROOT (default: the digest's name)")
     m.add_argument("--prefetch", action="store_true", help="warm the cache in the background")
     m.add_argument("--view", choices=("exact", "substitutable"), default="exact",
                    help="exact (default): every path reads its own bytes. substitutable: "
@@ -102,7 +121,7 @@ def add_parsers(sub: argparse._SubParsersAction,
     m.set_defaults(func=cmd_mount)
 
     u = sub.add_parser("umount", help="remove ROOT/NAME (the cache keeps its content)")
-    u.add_argument("name", help="dataset name")
+    u.add_argument("name", type=check_name, help="dataset name")
     _root_arg(u)
     u.set_defaults(func=cmd_umount)
 
@@ -114,7 +133,7 @@ def add_parsers(sub: argparse._SubParsersAction,
     s.set_defaults(func=cmd_status)
 
     f = sub.add_parser("prefetch", help="warm the cache with a whole dataset, in the background")
-    f.add_argument("name", help="dataset name")
+    f.add_argument("name", type=check_name, help="dataset name")
     _root_arg(f)
     f.set_defaults(func=cmd_prefetch)
 
@@ -128,7 +147,7 @@ def _call(args: argparse.Namespace, request: dict) -> dict:
 
 
 def cmd_mountd(args: argparse.Namespace, embedded_coordinator: EmbeddedFactory) -> int:
-    from mountd.daemon import MountdConfig, prepare_root, run_mountd
+    from mountd.daemon import MountdConfig, check_cluster_config, prepare_root, run_mountd
 
     root = os.path.abspath(args.root)
     cfg = MountdConfig(root=root, cache_dir=os.path.abspath(args.cache_dir),
@@ -136,15 +155,18 @@ def cmd_mountd(args: argparse.Namespace, embedded_coordinator: EmbeddedFactory) 
                        control_socket=args.control_socket or control_client.default_socket(root),
                        threads=args.threads, loader_processes=args.loader_processes,
                        push_memory=args.push_memory,
+                       memory_per_uid=args.memory_per_user, memory_total=args.memory_total,
                        chunk_bytes=args.chunk_size, metrics=args.metrics,
                        force_evict_after=args.force_evict_after,
                        probe_batches=args.probe_batches,
                        coordinator=args.coordinator, listen=args.listen,
-                       cluster_secret_file=args.cluster_secret_file)
+                       cluster_secret_file=args.cluster_secret_file,
+                       peer_networks=args.peer_network or ())
     if args.node_id:
         cfg.node_id = args.node_id
     if args.coordinator:
         from quiverfs.rpc import load_secret
+        check_cluster_config(cfg)
         load_secret(args.cluster_secret_file)  # fail here, before mounting
     try:
         os.makedirs(cfg.cache_dir, mode=0o700, exist_ok=True)  # the store is everyone's data
@@ -162,7 +184,13 @@ def cmd_mountd(args: argparse.Namespace, embedded_coordinator: EmbeddedFactory) 
 def _spawn_background(args: argparse.Namespace, socket_path: str, log_file: str) -> int:
     """Start ``quiver mountd --foreground`` detached; return once it answers."""
     argv = [sys.executable, "-m", "quiverfs.cli"] + [a for a in sys.argv[1:]] + ["--foreground"]
-    with open(log_file, "ab") as log:
+    try:
+        log = open(log_file, "ab")
+    except OSError as exc:
+        raise QuietError(f"cannot write the log file {log_file}: {exc.strerror}: pick "
+                         "another --log-file or run with --foreground",
+                         ExitCode.PERMISSION) from None
+    with log:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                 start_new_session=True)
     deadline = time.monotonic() + STARTUP_TIMEOUT
@@ -191,16 +219,27 @@ def _last_line(path: str) -> str:
 
 def cmd_mount(args: argparse.Namespace) -> int:
     digest = digest_format.load(args.digest)
+    name = args.name or _digest_name(args.digest, digest.name)
     with open(args.digest, "rb") as f:
         data = f.read()
     opts = storage_options(args)
-    reply = _call(args, {"op": "mount", "name": args.name or digest.name, "digest": data,
+    reply = _call(args, {"op": "mount", "name": name, "digest": data,
                          "credentials": opts.credentials_info,
                          "emulator_host": opts.emulator_host, "anonymous": opts.anonymous,
                          "prefetch": args.prefetch, "view": args.view})
-    view = " (substitutable view)" if reply.get("view") == "substitutable" else ""
-    print(f"{reply['path']}: {reply['items']} items, {human(reply['bytes'])}{view}")
+    mounted = control_client.typed(reply, MountReply, "mount")
+    view = " (substitutable view)" if mounted.view == "substitutable" else ""
+    print(f"{mounted.path}: {mounted.items} items, {human(mounted.bytes)}{view}")
     return ExitCode.OK
+
+
+def _digest_name(path: str, name: str) -> str:
+    """The digest's own dataset name, if it is a valid one (digests made before the name
+    rule held for ``digest create`` may carry any string)."""
+    try:
+        return check_name(name)
+    except QuietError as exc:
+        raise QuietError(f"{path}: {exc.message}: pass --name NAME", exc.exitcode) from None
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
@@ -209,8 +248,9 @@ def cmd_umount(args: argparse.Namespace) -> int:
 
 
 def cmd_prefetch(args: argparse.Namespace) -> int:
-    reply = _call(args, {"op": "prefetch", "name": args.name})
-    print(f"prefetching {reply['items']} items of {reply['name']} "
+    reply = control_client.typed(_call(args, {"op": "prefetch", "name": args.name}),
+                                 PrefetchReply, "prefetch")
+    print(f"prefetching {reply.items} items of {reply.name} "
           "(progress: 'quiver status')")
     return ExitCode.OK
 
@@ -218,21 +258,24 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     if args.cluster:
         return _cluster_status(args)
-    reply = _call(args, {"op": "status"})
-    reply.pop("ok", None)
+    raw = _call(args, {"op": "status"})
+    reply = control_client.typed(raw, StatusReply, "status")
     if args.json:
-        json.dump(reply, sys.stdout, indent=2)
-        print()
-        return ExitCode.OK
-    cache = reply["cache"]
-    c = reply["counters"]
-    print(f"root {reply['root']} (mountd pid {reply['pid']})")
-    print(f"cache: {human(cache['used_bytes'])} of {human(cache['size_limit'])} used, "
-          f"{cache['items']} items")
-    if not cache.get("writable", True):
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(cache["write_error_since"]))
-        print(f"cache NOT WRITABLE since {since}: {cache['write_error']}; reads are served "
-              f"uncached ({cache['write_failures']} items not stored); mountd tries again "
+        return _print_json(raw, "status")
+    cache = reply.cache
+    c = reply.counters
+    print(f"root {reply.root} (mountd pid {reply.pid})")
+    print(f"cache: {human(cache.used_bytes)} of {human(cache.size_limit)} used, "
+          f"{cache.items} items")
+    m = reply.memory
+    mine = (f"{human(m.uid_in_use)}" if m.per_uid_limit is None
+            else f"{human(m.uid_in_use)} of {human(m.per_uid_limit)}")
+    print(f"memory of registrations: uid {m.uid} {mine}, all users {human(m.in_use)} "
+          f"of {human(m.total_limit)}")
+    if not cache.writable:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(cache.write_error_since))
+        print(f"cache NOT WRITABLE since {since}: {cache.write_error}; reads are served "
+              f"uncached ({cache.write_failures} items not stored); mountd tries again "
               "every few seconds")
     print(f"reads: {c.get('local_hits', 0)} local hits ({human(c.get('local_bytes', 0))}), "
           f"{c.get('page_cache_opens', 0)} from the page cache, "
@@ -240,42 +283,52 @@ def cmd_status(args: argparse.Namespace) -> int:
           f"{c.get('misses', 0)} misses, {c.get('bucket_fetches', 0)} bucket fetches "
           f"({human(c.get('bucket_bytes', 0))}), {c.get('integrity_failures', 0)} integrity "
           f"failures, {c.get('bucket_errors', 0)} storage errors")
-    causes = [f"{cause} {n['fetches']} ({human(n['bytes'])})"
-              for cause, n in reply["bucket_fetch_causes"].items() if n["fetches"]]
+    causes = [f"{cause} {n.fetches} ({human(n.bytes)})"
+              for cause, n in reply.bucket_fetch_causes.items() if n.fetches]
     if causes:
         print(f"bucket fetches by cause: {', '.join(causes)}")
-    for ds in reply["datasets"]:
-        line = (f"  {ds['name']:<20} {ds['items']:>9} items {human(ds['bytes']):>10}  "
-                f"hits {ds['counters'].get('local_hits', 0)}  "
-                f"misses {ds['counters'].get('misses', 0)}  {ds['source']}")
-        pf = ds.get("prefetch")
-        if pf:
-            state = "done" if pf["finished"] else "running"
-            line += (f"  prefetch {state} {pf['done_items']}/{pf['total_items']}"
-                     + (f" ({pf['failed']} failed)" if pf["failed"] else ""))
+    for ds in reply.datasets:
+        line = (f"  {ds.name:<20} {ds.items:>9} items {human(ds.bytes):>10}  "
+                f"hits {ds.counters.get('local_hits', 0)}  "
+                f"misses {ds.counters.get('misses', 0)}  {ds.source}")
+        pf = ds.prefetch
+        if pf is not None:
+            state = "done" if pf.finished else "running"
+            line += (f"  prefetch {state} {pf.done_items}/{pf.total_items}"
+                     + (f" ({pf.failed} failed)" if pf.failed else ""))
         print(line)
     return ExitCode.OK
 
 
 def _cluster_status(args: argparse.Namespace) -> int:
-    reply = _call(args, {"op": "cluster"})
-    reply.pop("ok", None)
+    raw = _call(args, {"op": "cluster"})
+    reply = control_client.typed(raw, ClusterReply, "cluster")
     if args.json:
-        json.dump(reply, sys.stdout, indent=2)
-        print()
-        return ExitCode.OK
-    state = "reachable" if reply["coordinator_ok"] else "UNREACHABLE"
-    print(f"node {reply['node']}, membership {reply['version']}, coordinator {state}")
-    for n in reply["nodes"]:
-        print(f"  {n['id']:<16} {n['peer']:<22} {'live' if n['live'] else 'down':<5} "
-              f"owns {100 * n['share']:.1f}% of keys")
-    for identity, cycle in reply["cycles"].items():
-        states = " ".join(s[0].upper() if s != "evicted" else "." for s in cycle["states"])
+        return _print_json(raw, "cluster")
+    state = "reachable" if reply.coordinator_ok else "UNREACHABLE"
+    print(f"node {reply.node}, membership {reply.version}, coordinator {state}")
+    for n in reply.nodes:
+        print(f"  {n.id:<16} {n.peer:<22} {'live' if n.live else 'down':<5} "
+              f"owns {100 * n.share:.1f}% of keys")
+    for identity, cycle in reply.cycles.items():
+        states = " ".join("." if s is ChunkState.EVICTED else s.value[0].upper()
+                          for s in cycle.states)
         print(f"  dataset {identity[:12]}: chunks [{states}] (L loading, A active, "
-              f"M marked), up to {cycle['capacity']} resident, most so far "
-              f"{cycle['max_resident']}")
-    for job in reply["jobs"]:
-        print(f"  job {job['job']}: epoch {job['epoch']}, batch {job['batches_planned']}/"
-              f"{job['batches_per_epoch']}, hits {job['counters'].get('hits', 0)}, "
-              f"fetched {job['counters'].get('fetched', 0)}")
+              f"M marked), up to {cycle.capacity} resident, most so far "
+              f"{cycle.max_resident}")
+    for job in reply.jobs:
+        print(f"  job {job.job}: epoch {job.epoch}, batch {job.batches_planned}/"
+              f"{job.batches_per_epoch}, hits {job.counters.get('hits', 0)}, "
+              f"fetched {job.counters.get('fetched', 0)}")
+    return ExitCode.OK
+
+
+def _print_json(reply: dict, op: str) -> int:
+    """Print a (checked) reply as JSON, all of it or, if JSON cannot hold it, nothing."""
+    reply.pop("ok", None)
+    try:
+        text = json.dumps(reply, indent=2)
+    except (TypeError, ValueError) as exc:  # bytes, or map keys JSON has no form for
+        raise control_client.malformed(op, str(exc)) from None
+    print(text)
     return ExitCode.OK

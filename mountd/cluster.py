@@ -14,7 +14,7 @@ import trio
 
 from quiverfs import ownership
 from quiverfs.heartbeat import (CycleView, DatasetReport, Heartbeat, HeartbeatReply,
-                                from_wire, to_wire)
+                                from_wire, refusal, to_wire)
 from quiverfs.rpc import RpcClient, RpcError, Unavailable
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ class Cluster:
         self.coordinator_ok = False
         self.synced = trio.Event()  # set after the first answer
         self._wake = trio.Event()  # set by poke(): send the next heartbeat now
+        self._left_out: set[str] = set()  # datasets not reported, out of the protocol's range
 
     def live(self) -> list[str]:
         return sorted(n for n in self.members
@@ -87,7 +88,8 @@ class Cluster:
         """Heartbeat forever: send ``report()``, hand the answer to ``apply``."""
         while True:
             self._wake = trio.Event()
-            beat = Heartbeat(self.me, self.peer_address, self.capacity, report())
+            beat = Heartbeat(self.me, self.peer_address, self.capacity,
+                             self._reportable(report()))
             try:
                 reply = await self.link.heartbeat(beat)
             except Unavailable as exc:
@@ -105,6 +107,23 @@ class Cluster:
                 self.synced.set()
             with trio.move_on_after(self.link.interval):
                 await self._wake.wait()
+
+    def _reportable(self, reports: dict[str, DatasetReport]) -> dict[str, DatasetReport]:
+        """The reports the coordinator takes. One out of the protocol's range (say, a
+        crafted digest planned into too many chunks) is left out, and logged once, so
+        that it cannot get the node's whole heartbeat refused."""
+        self._left_out &= set(reports)
+        out = {}
+        for identity, report in reports.items():
+            why = refusal(report)
+            if why is None:
+                out[identity] = report
+                self._left_out.discard(identity)
+            elif identity not in self._left_out:
+                self._left_out.add(identity)
+                log.warning("dataset %s is not reported to the coordinator, so its chunks "
+                            "do not cycle: %s", report.name, why)
+        return out
 
     def _apply_membership(self, reply: HeartbeatReply) -> None:
         members = {n.id: n.peer for n in reply.nodes}

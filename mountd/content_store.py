@@ -291,6 +291,7 @@ class ContentStore:
                 return None
             opened = self._connect()
         index, named = opened
+        _make_private(self.directory)
         return index, self._reclaim(index, named)
 
     def _move_aside(self) -> bool:
@@ -765,7 +766,7 @@ def _open_cache(directory: str, size_limit: int) -> diskcache.Cache:
 def _directory_lock(directory: str, mode: int) -> Iterator[None]:
     """Hold ``directory``'s flock in ``mode`` (shared: a loader process writing;
     exclusive: mountd opening the index). Raises StoreBusy if the other side holds it."""
-    os.makedirs(directory, exist_ok=True)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         try:
@@ -775,6 +776,21 @@ def _directory_lock(directory: str, mode: int) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # and with it the lock
+
+
+def _make_private(directory: str) -> None:
+    """Leave the store readable by root only: its index holds every user's keys and
+    small items. mountd's umask makes what it writes private; a store an older version
+    wrote (its index readable by others) has its folders and files made so too."""
+    os.chmod(directory, 0o700)
+    db = os.path.join(directory, DBNAME)
+    if not os.stat(db).st_mode & 0o077:
+        return
+    log.info("store %s: making its files readable by root only", directory)
+    for dirpath, _, files in os.walk(directory):
+        os.chmod(dirpath, 0o700)
+        for name in files:
+            os.chmod(os.path.join(dirpath, name), 0o600)
 
 
 def _file_id(path: str) -> tuple[int, int] | None:

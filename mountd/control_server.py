@@ -72,17 +72,34 @@ class ControlServer:
         self.path = path
         self.handlers = handlers
         self._slots = ConnectionSlots(MAX_CONNECTIONS_PER_UID, MAX_CONNECTIONS)
+        self._socket: socket.socket | None = None  # bound by ``bind``
+
+    def bind(self) -> None:
+        """Create the socket now, before the daemon mounts: a place that takes none
+        fails the start with one line (PERMISSION)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            directory = os.path.dirname(self.path)
+            if not os.path.isdir(directory):
+                os.makedirs(directory)
+                os.chmod(directory, 0o755)  # past mountd's umask: every user reaches the socket
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            sock.bind(self.path)
+            os.chmod(self.path, 0o666)  # any local user may register their own datasets
+            sock.listen(64)
+        except OSError as exc:
+            sock.close()
+            raise QuietError(f"cannot create the control socket {self.path}: "
+                             f"{exc.strerror or exc}: pick another --control-socket",
+                             ExitCode.PERMISSION) from None
+        self._socket = sock
 
     async def serve(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
-        os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        await sock.bind(self.path)
-        os.chmod(self.path, 0o666)  # any local user may register their own datasets
-        sock.listen(64)
+        """Serve requests on the socket ``bind`` created, removing it when done."""
+        sock = trio.socket.from_stdlib_socket(self._socket)
         try:
             task_status.started()
             await trio.serve_listeners(self._connection, [trio.SocketListener(sock)])

@@ -11,18 +11,20 @@ import trio
 from mountd.cluster import Cluster
 from mountd.control_server import Peer
 from mountd.dataset import MountedDataset, PrefetchProgress
-from mountd.dataset_tree import DatasetTree
 from mountd.item_reader import ItemReader, ReadFailed
 from mountd.job_registry import JobRegistry
+from mountd.memory_budget import DigestCost, Held, MemoryBudget, charged, digest_cost
 from mountd.mount_table import MountTable
 from mountd.peers import PeerService
 from mountd.read_stats import FetchCause, ReadStats
-from mountd.registry import Registration, Registry, check_name, new_registration
-from mountd.view import VIEWS, ViewJobs, ViewPools, has_labels
+from mountd.registry import Registration, Registry, new_registration
+from mountd.shared_digests import SharedDigests
+from mountd.view import VIEWS, ViewJobs, has_labels
 from quiverfs import digest as digest_format
 from quiverfs import ownership
 from quiverfs.background import BackgroundTasks
 from quiverfs.backends import StorageOptions
+from quiverfs.dataset_name import check_name
 from quiverfs.digest import Digest
 from quiverfs.errors import ExitCode, QuietError
 from quiverfs.fs_identity import IdentityUnavailable, UserIdentity, acting_as, open_regular
@@ -35,10 +37,6 @@ PREFETCH_BATCH = 256  # entries checked against the store per thread call
 # in the state directory.
 MAX_DATASETS_PER_USER = 64
 MAX_DIGEST_BYTES_PER_USER = 2 << 30
-# Hash-check failures of one uid's datasets after which its new registrations are
-# refused until mountd restarts: a digest whose hashes keep failing is probing content
-# (a byte-at-a-time oracle), not describing it.
-MAX_INTEGRITY_FAILURES_PER_USER = 1000
 # Largest item mountd serves: a read holds its item in memory, once per reader thread.
 MAX_ITEM_BYTES = 1 << 30
 
@@ -48,7 +46,8 @@ class Controller:
 
     def __init__(self, root: str, table: MountTable, registry: Registry, reader: ItemReader,
                  jobs: JobRegistry, views: ViewJobs, cluster: Cluster,
-                 peer_service: PeerService | None, prefetch_concurrency: int) -> None:
+                 peer_service: PeerService | None, prefetch_concurrency: int,
+                 memory: MemoryBudget) -> None:
         self.root = root
         self.table = table
         self.registry = registry
@@ -59,22 +58,25 @@ class Controller:
         self.cluster = cluster
         self.peer_service = peer_service  # with --coordinator
         self.prefetch_concurrency = prefetch_concurrency
+        self.memory = memory
+        self.shared = SharedDigests()  # one copy per digest, whoever registered it
         self._lock = trio.Lock()
         self.tasks = BackgroundTasks()  # where prefetches run
         self._prefetch_scopes: dict[str, trio.CancelScope] = {}
-        self._retired_failures: dict[int, int] = {}  # hash-check failures of unmounted datasets
 
     def handlers(self) -> dict[str, Any]:
         return {"mount": self.mount, "umount": self.umount, "status": self.status,
                 "prefetch": self.prefetch, "cluster": self.cluster_status}
 
     # -- building datasets ------------------------------------------------------------
-    def _build(self, reg: Registration, digest: Digest) -> MountedDataset:
-        tree = DatasetTree(digest)
-        pools = ViewPools.of(digest) if reg.view == "substitutable" else None
+    def _build(self, reg: Registration, digest: Digest, cost: DigestCost) -> MountedDataset:
+        """The dataset of ``reg``, on the shared copies of ``digest``'s tree and pools."""
+        tree = self.shared.tree(digest)
+        pools = self.shared.pools(digest) if reg.view == "substitutable" else None
         backend = self.registry.open_backend(reg, digest)
         return MountedDataset(reg=reg, digest=digest, tree=tree, backend=backend,
-                              inode_base=self.table.allocate_base(tree.n_nodes), pools=pools)
+                              inode_base=self.table.allocate_base(tree.n_nodes), cost=cost,
+                              pools=pools)
 
     def restore(self) -> None:
         """Re-register the datasets persisted by an earlier run (before mounting)."""
@@ -83,9 +85,10 @@ class Controller:
             try:
                 check_name(reg.name)  # records from before a rule was tightened
                 self._check_free(reg.name)
-                digest = self.registry.load_digest(reg.identity)
+                digest = (self.shared.digest(reg.identity)
+                          or self.registry.load_digest(reg.identity))
                 self._check_item_sizes(digest)
-                ds = self._build(reg, digest)
+                ds = self._build(reg, digest, digest_cost(digest))
             except QuietError as exc:
                 log.error("dropping dataset %r: %s", reg.name, exc.message)
                 continue
@@ -96,6 +99,22 @@ class Controller:
             self.registry.save_records(kept)
         except OSError as exc:  # the records on disk stay as they were
             log.error("cannot save %s: %s", self.registry.state_dir, exc)
+        self._warn_over_memory()
+
+    def _warn_over_memory(self) -> None:
+        """Restored registrations are kept even past the limits (a run that took them
+        allowed them); they count, so new ones are refused until enough are unmounted."""
+        held, limits = self._held(), self.memory.limits
+        over = sorted({h.uid for h in held if h.uid != 0
+                       and charged(held, h.uid) > limits.per_uid})
+        if over or charged(held) > limits.total:
+            log.warning("the restored registrations take %d bytes of memory (limit %d), "
+                        "uids over their %d-byte limit: %s; new registrations past the "
+                        "limits are refused", charged(held), limits.total, limits.per_uid,
+                        over or "none")
+
+    def _held(self) -> list[Held]:
+        return [Held.of(ds.reg, ds.cost) for ds in self.table.by_name.values()]
 
     @staticmethod
     def _check_local_access(digest: Digest, user: UserIdentity) -> None:
@@ -144,17 +163,30 @@ class Controller:
             raise QuietError(f"uid {user.uid}'s digests would take {used + digest_bytes} "
                              f"bytes, over the {MAX_DIGEST_BYTES_PER_USER}-byte limit: "
                              "'quiver umount' a dataset first", ExitCode.PERMISSION)
-        failures = self._integrity_failures(user.uid)
-        if failures >= MAX_INTEGRITY_FAILURES_PER_USER:
+        failures = self.reader.integrity.failures[user.uid]
+        if self.reader.integrity.spent(user.uid):
             raise QuietError(f"uid {user.uid}'s datasets have failed {failures} hash checks "
                              "since mountd started: recreate their digests ('quiver digest "
                              "create'); new registrations are refused until mountd restarts",
                              ExitCode.PERMISSION)
 
-    def _integrity_failures(self, uid: int) -> int:
-        return self._retired_failures.get(uid, 0) + sum(
-            ds.counters["integrity_failures"] for ds in self.table.by_name.values()
-            if ds.reg.uid == uid)
+    async def _decode(self, data: bytes) -> Digest:
+        """The copy in use of the digest file ``data``, else ``data`` decoded if the
+        decoding fits in mountd's memory limit."""
+        in_use = self.shared.find(data)
+        if in_use is not None:
+            return in_use
+        self.memory.check_decode(self._held(), digest_format.decode_peak(data))
+        return await trio.to_thread.run_sync(digest_format.decode, data,
+                                             "registered digest", limiter=self.limiter)
+
+    def _check_memory(self, uid: int, digest: Digest, view: str) -> DigestCost:
+        """The estimated cost of registering ``digest`` in ``view`` for ``uid``, if it
+        keeps the uid and everyone within their memory limits (else QuietError)."""
+        cost = digest_cost(digest)
+        self.memory.check(self._held(), Held(uid, digest.identity, view == "substitutable",
+                                             cost))
+        return cost
 
     @staticmethod
     def _check_gcs_credentials(digest: Digest, options: StorageOptions, peer: Peer) -> None:
@@ -169,7 +201,7 @@ class Controller:
 
     # -- requests ---------------------------------------------------------------------
     async def mount(self, peer: Peer, req: dict[str, Any]) -> dict[str, Any]:
-        name = check_name(str(req["name"]))
+        name = check_name(req["name"])
         data = req["digest"]
         if not isinstance(data, bytes):
             raise QuietError("the digest must be sent as bytes", ExitCode.USAGE)
@@ -190,9 +222,9 @@ class Controller:
             self._check_free(name)
             self._check_quota(user, len(data))
             # Nothing is written before every check has passed: a refused registration
-            # leaves nothing behind on root's disk.
-            digest = await trio.to_thread.run_sync(digest_format.decode, data,
-                                                   "registered digest", limiter=self.limiter)
+            # leaves nothing behind on root's disk (and nothing is built in memory).
+            digest = await self._decode(data)
+            cost = self._check_memory(user.uid, digest, view)
             self._check_gcs_credentials(digest, options, peer)
             self._check_item_sizes(digest)
             if view == "substitutable" and not has_labels(digest):
@@ -204,16 +236,18 @@ class Controller:
             await trio.to_thread.run_sync(self._check_local_access, digest, user,
                                           limiter=self.limiter)
             reg = new_registration(name, digest.identity, user, options, len(data), view)
-            ds = await trio.to_thread.run_sync(self._build, reg, digest, limiter=self.limiter)
+            ds = await trio.to_thread.run_sync(self._build, reg, digest, cost,
+                                               limiter=self.limiter)
             await trio.to_thread.run_sync(self.registry.keep, reg, data, credentials,
                                           limiter=self.limiter)
-            self.table.add(ds)
+            # Saved before it is shown: a registration the disk did not take is not one.
             try:
-                await self._save()
+                await self._save([*self._registrations(), reg])
             except QuietError:
-                self.table.remove(name)
                 await self._forget(ds)
+                await trio.to_thread.run_sync(ds.backend.close, limiter=self.limiter)
                 raise
+            self.table.add(ds)
         log.info("uid %d mounted %s (%s view): %d items from %s", peer.uid, name, view,
                  len(digest), digest.source)
         if req.get("prefetch"):
@@ -235,27 +269,28 @@ class Controller:
         return ds
 
     async def umount(self, peer: Peer, req: dict[str, Any]) -> dict[str, Any]:
-        name = str(req["name"])
+        name = check_name(req["name"])
         async with self._lock:
-            self._owned(peer, name)
+            ds = self._owned(peer, name)
+            # Saved first: while the disk takes no change, the dataset stays mounted.
+            await self._save([r for r in self._registrations() if r is not ds.reg])
             scope = self._prefetch_scopes.pop(name, None)
             if scope is not None:
                 scope.cancel()
-            ds = self.table.remove(name)
+            self.table.remove(name)
             self.jobs.dataset_removed(name)
             self.views.dataset_removed(name)
-            uid = ds.reg.uid
-            self._retired_failures[uid] = (self._retired_failures.get(uid, 0)
-                                           + ds.counters["integrity_failures"])
-            await self._save()
             await self._forget(ds)
         pyfuse3.invalidate_entry_async(pyfuse3.ROOT_INODE, name.encode(), ignore_enoent=True)
         await trio.to_thread.run_sync(ds.backend.close, limiter=self.limiter)
         log.info("uid %d unmounted %s", peer.uid, name)
         return {"name": name}
 
-    async def _save(self) -> None:
-        regs = [ds.reg for ds in self.table.by_name.values()]
+    def _registrations(self) -> list[Registration]:
+        return [ds.reg for ds in self.table.by_name.values()]
+
+    async def _save(self, regs: list[Registration]) -> None:
+        """Save ``regs`` as the registrations on disk; QuietError if the disk refuses."""
         try:
             await trio.to_thread.run_sync(self.registry.save_records, regs,
                                           limiter=self.limiter)
@@ -280,6 +315,7 @@ class Controller:
                      "uid": ds.reg.uid, "source": ds.digest.source, "items": len(ds.digest),
                      "bytes": ds.digest.total_bytes, "identity": ds.reg.identity,
                      "view": ds.reg.view,
+                     "memory": ds.cost.digest + (ds.cost.pools if ds.pools is not None else 0),
                      "counters": dict(ds.counters),
                      "bucket_fetch_causes": ReadStats.by_cause(ds.counters)}
             if ds.prefetch is not None:
@@ -296,6 +332,7 @@ class Controller:
                 "bucket_fetch_causes": ReadStats.by_cause(self.reader.stats.counters),
                 "fuse_requests": dict(self.reader.stats.fuse_requests),
                 "push": {"budget": self.reader.push.budget, "held": self.reader.push.held},
+                "memory": self.memory.status(self._held(), peer.uid),
                 "datasets": datasets,
                 "jobs": self.jobs.status(peer.uid),
                 "view_jobs": self.views.status(peer.uid),
@@ -320,7 +357,7 @@ class Controller:
                 "rejected_puts": self.peer_service.rejected_puts if self.peer_service else 0}
 
     async def prefetch(self, peer: Peer, req: dict[str, Any]) -> dict[str, Any]:
-        ds = self._owned(peer, str(req["name"]))
+        ds = self._owned(peer, check_name(req["name"]))
         self._start_prefetch(ds)
         return {"name": ds.name, "items": len(ds.digest)}
 

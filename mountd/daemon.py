@@ -25,6 +25,7 @@ from mountd.item_reader import ItemReader
 from mountd.job_files import ControlFiles
 from mountd.job_registry import JobRegistry
 from mountd.loader_pool import LoaderPool
+from mountd.memory_budget import MemoryBudget, MemoryLimits, default_total
 from mountd.metrics import MountdCollector
 from mountd.mount_table import MountTable
 from mountd.peers import PeerService, PeerSet
@@ -36,7 +37,7 @@ from quiverfs.fs_identity import NOBODY, IdentityUnavailable, UserIdentity, acti
 from quiverfs.metrics_server import MetricsServer
 from quiverfs.process_limits import raise_open_file_limit
 from quiverfs.mount_point import is_mounted, mount_device
-from quiverfs.option_types import parse_address
+from quiverfs.peer_network import Networks, host_refusal
 from quiverfs.rpc import RpcClient, RpcServer, load_secret
 from quiverfs.errors import ExitCode, QuietError
 
@@ -50,6 +51,7 @@ SPENT_RECORD_INTERVAL = 0.1
 READAHEAD_KB = 1024  # the kernel reads items up to this size in one FUSE READ
 MAX_BACKGROUND = 64  # readaheads the kernel keeps in flight to mountd
 FUSECTL = "/sys/fs/fuse/connections"  # the FUSE control filesystem
+DEFAULT_LISTEN = ("127.0.0.1", 0)  # the peer server's address without --listen
 
 
 @dataclasses.dataclass
@@ -66,14 +68,32 @@ class MountdConfig:
     force_evict_after: float  # seconds a marked chunk may outlive its first release
     probe_batches: int  # for the embedded coordinator
     chunk_bytes: int | None  # None: 10% of a dataset or 15 GiB, the smaller
-    coordinator: str | None  # HOST:PORT; None runs the coordinator logic embedded
-    listen: str | None  # HOST:PORT of the peer server (with a coordinator)
+    coordinator: tuple[str, int] | None  # None runs the coordinator logic embedded
+    listen: tuple[str, int] | None  # the peer server's address (with a coordinator)
     cluster_secret_file: str | None
     metrics: tuple[str, int] | None  # where to serve Prometheus metrics
+    peer_networks: Networks = ()  # members' peer addresses allowed (with a coordinator)
     push_memory: int = 256 << 20  # bytes of planned items pushed to the kernel, unread
+    memory_per_uid: int = 2 << 30  # bytes of registrations' shared copies, per uid
+    memory_total: int | None = None  # and of all users'; None: a quarter of physical memory
     node_id: str = dataclasses.field(default_factory=socket.gethostname)
     fuse_tasks: int = 64  # FUSE requests handled at once
     prefetch_concurrency: int = 16  # items a prefetch fetches at once
+
+
+def check_cluster_config(cfg: MountdConfig) -> None:
+    """Refuse (exit 2) a node id or a peer server address that the coordinator would
+    refuse at every heartbeat."""
+    from quiverfs.heartbeat import NODE_ID
+
+    if not NODE_ID.fullmatch(cfg.node_id):
+        raise QuietError(f"node id {cfg.node_id!r} is not valid: give --node-id of letters, "
+                         "digits, '.', '_' and '-' (at most 253)", ExitCode.USAGE)
+    host, _ = cfg.listen or DEFAULT_LISTEN
+    why = host_refusal(host, cfg.peer_networks)
+    if why is not None:
+        raise QuietError(f"--listen {host}: {why}: peers could not reach this node",
+                         ExitCode.USAGE)
 
 
 def prepare_root(root: str) -> None:
@@ -104,8 +124,10 @@ class Mountd:
     def __init__(self, cfg: MountdConfig, embedded_coordinator: EmbeddedFactory) -> None:
         self.cfg = cfg
         self.root = os.path.abspath(cfg.root)
-        self.store = ContentStore(os.path.join(cfg.cache_dir, "store"), cfg.cache_size)
+        # The state first: one that cannot be written stops the start before the store
+        # (which serves uncached when it cannot write) says anything.
         self.registry = Registry(os.path.join(cfg.cache_dir, "state"))
+        self.store = ContentStore(os.path.join(cfg.cache_dir, "store"), cfg.cache_size)
         self.table = MountTable()
         self.limiter = trio.CapacityLimiter(cfg.threads)
         self.peer_service: PeerService | None = None
@@ -125,13 +147,18 @@ class Mountd:
         self.views = ViewJobs(self.jobs, self.reader, self.bulk, self.cluster)
         self.controller = Controller(self.root, self.table, self.registry, self.reader,
                                      self.jobs, self.views, self.cluster, self.peer_service,
-                                     cfg.prefetch_concurrency)
+                                     cfg.prefetch_concurrency,
+                                     MemoryBudget(MemoryLimits(
+                                         cfg.memory_per_uid,
+                                         cfg.memory_total or default_total())))
         self.fs = QuiverFS(self.table, self.reader, ControlFiles(self.jobs, self.planner),
                            self.views)
         # Bound now, so that a taken port fails before mounting.
         self.metrics = (MetricsServer(cfg.metrics, MountdCollector(self.reader, self.table,
                                                                    self.jobs))
                         if cfg.metrics else None)
+        self.control = ControlServer(cfg.control_socket, self.controller.handlers())
+        self.control.bind()
         self._terminated = False
 
     def run(self) -> None:
@@ -156,7 +183,6 @@ class Mountd:
             log.info("unmounted %s", self.root)
 
     async def _serve(self) -> None:
-        server = ControlServer(self.cfg.control_socket, self.controller.handlers())
         async with trio.open_nursery() as nursery:
             await nursery.start(self.controller.tasks.run)
             await nursery.start(self.planner.tasks.run)
@@ -169,7 +195,7 @@ class Mountd:
                 await nursery.start(self.cluster.peers.tasks.run)
                 await nursery.start(self.coordinator_client.tasks.run)
             await nursery.start(self.loader.run)
-            await nursery.start(server.serve)
+            await nursery.start(self.control.serve)
             if self.metrics is not None:
                 await nursery.start(self.metrics.serve)
             await nursery.start(self._on_signals)  # before READY=1: systemd may stop us next
@@ -196,15 +222,15 @@ class Mountd:
         secret = load_secret(cfg.cluster_secret_file)
         self.peer_service = PeerService(self.store, self.limiter)
         self.peer_server = self.peer_service.server(secret)
-        host, port = parse_address(cfg.listen or "127.0.0.1:0", "--listen")
+        host, port = cfg.listen or DEFAULT_LISTEN
         address = self.peer_server.bind(host, port, "--listen")
-        chost, cport = parse_address(cfg.coordinator, "--coordinator")
+        chost, cport = cfg.coordinator
         self.coordinator_client = RpcClient(chost, cport, secret, timeout=10.0)
-        log.info("node %s: peer server on %s, coordinator %s", cfg.node_id, address,
-                 cfg.coordinator)
+        log.info("node %s: peer server on %s, coordinator %s:%d", cfg.node_id, address,
+                 chost, cport)
         return Cluster(cfg.node_id, address, cfg.cache_size,
                        RemoteCoordinator(self.coordinator_client),
-                       PeerSet(secret, self.limiter))
+                       PeerSet(secret, self.limiter, cfg.peer_networks))
 
     async def _tune_kernel(self) -> None:
         """Once INIT is answered (its reply can only lower these), as root: let the
@@ -266,6 +292,9 @@ def _write_text(path: str, text: str) -> None:
 
 
 def run_mountd(cfg: MountdConfig, embedded_coordinator: EmbeddedFactory) -> None:
+    # Everything mountd and its loader processes create is root's alone unless it says
+    # otherwise (the control socket): the store and state hold every user's data.
+    os.umask(0o077)
     faulthandler.register(signal.SIGUSR1)
     raise_open_file_limit()
     Mountd(cfg, embedded_coordinator).run()

@@ -6,6 +6,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from mountd.dataset_tree import DatasetTree
+from mountd.memory_budget import DigestCost
 from mountd.registry import Registration
 from quiverfs.backends import Backend
 from quiverfs.digest import Digest
@@ -36,6 +37,7 @@ class MountedDataset:
     tree: DatasetTree
     backend: Backend
     inode_base: int
+    cost: DigestCost  # the estimated bytes of its digest, tree and pools (shared copies)
     counters: Counter[str] = dataclasses.field(default_factory=Counter)
     prefetch: PrefetchProgress | None = None
     cache_mode: CacheMode = CacheMode.COOP  # the coordinator's allocation

@@ -13,7 +13,9 @@ class DatasetTree:
 
     def __init__(self, digest: Digest) -> None:
         self.digest = digest
-        dir_ids: dict[str, int] = {"": 0}
+        # Only the directories of files are looked up by path: a key per ancestor
+        # would be quadratic in a path's depth.
+        dir_of: dict[str, int] = {"": 0}
         parents: list[int] = [0]
         children: list[dict[str, int]] = [{}]
         file_parent: list[int] = []
@@ -21,9 +23,9 @@ class DatasetTree:
         for i in range(len(digest)):
             path = digest.path(i)
             dirname, _, name = path.rpartition("/")
-            parent = dir_ids.get(dirname)
+            parent = dir_of.get(dirname)
             if parent is None:
-                parent = self._make_dirs(dirname, dir_ids, parents, children)
+                parent = dir_of[dirname] = self._make_dirs(dirname, parents, children)
             file_parent.append(parent)
             file_names.append(name)
         self.n_dirs = len(parents)
@@ -35,16 +37,14 @@ class DatasetTree:
         self.sorted_children = [sorted(c.items()) for c in children]
 
     @staticmethod
-    def _make_dirs(dirname: str, dir_ids: dict[str, int], parents: list[int],
-                   children: list[dict[str, int]]) -> int:
+    def _make_dirs(dirname: str, parents: list[int], children: list[dict[str, int]]) -> int:
+        """The node of ``dirname``, made with its missing ancestors (while directories
+        are made, ``children`` holds only directories)."""
         parent = 0
-        prefix = ""
         for part in dirname.split("/"):
-            prefix = f"{prefix}/{part}" if prefix else part
-            node = dir_ids.get(prefix)
+            node = children[parent].get(part)
             if node is None:
                 node = len(parents)
-                dir_ids[prefix] = node
                 parents.append(parent)
                 children.append({})
                 children[parent][part] = node

@@ -23,6 +23,7 @@ import trio
 from mountd.cluster import Cluster
 from mountd.content_store import ContentStore, IntegrityError, StoreError
 from mountd.dataset import MountedDataset
+from mountd.integrity_budget import IntegrityBudget
 from mountd.owner_puts import OwnerPuts
 from mountd.page_push import PagePush
 from mountd.read_stats import FetchCause, ReadStats
@@ -59,6 +60,7 @@ class ItemReader:
         self.limiter = limiter
         self.cluster = cluster
         self.stats = ReadStats()
+        self.integrity = IntegrityBudget()
         self.staging = Staging()
         self.puts = OwnerPuts(cluster, self.stats.counters)
         self.push = PagePush(store, limiter, self.stats, self.staging, push_budget,
@@ -76,11 +78,12 @@ class ItemReader:
         node = self.cluster.owner(digest)
         return None if node == self.cluster.me else node
 
-    def _not_pushed(self, digest: bytes) -> bool:
+    def _not_pushed(self, ds: MountedDataset, digest: bytes) -> bool:
         """Whether a planned item is left to its read: a probed job's (its read must
-        reach mountd), or one a peer owns (this node's store does not hold it; a hit
-        from the peer is staged in memory for its read)."""
-        return self.probe_pending(digest) or self.owner(digest) is not None
+        reach mountd), one a peer owns (this node's store does not hold it; a hit
+        from the peer is staged in memory for its read), or a suspended dataset's."""
+        return (self.probe_pending(digest) or self.owner(digest) is not None
+                or self.integrity.suspended(ds))
 
     async def probe_reads(self, ds: MountedDataset, forced: list[int], uncached: list[int],
                           keep: list[bool]) -> None:
@@ -112,7 +115,30 @@ class ItemReader:
     async def read(self, ds: MountedDataset, index: int, cause: FetchCause = FetchCause.EXACT,
                    keep: bool = True) -> bytes:
         """The verified content of entry ``index`` of ``ds``; a miss is fetched for
-        ``cause``, and cached where ``keep``."""
+        ``cause``, and cached where ``keep``. Content that hashes right but is not the
+        entry's size fails like content that does not: served to the entry's size, it
+        would be bytes the hash does not cover."""
+        self._check_not_suspended(ds)
+        data = await self._read(ds, index, cause, keep)
+        if len(data) != ds.digest.sizes[index]:
+            self._integrity_failed(ds)
+            log.error("dataset %s: %s is %d bytes in its digest, but the content of its "
+                      "hash %s is %d: not served", ds.name, ds.digest.path(index),
+                      ds.digest.sizes[index], ds.digest.hash(index).hex(), len(data))
+            raise IntegrityFailed("content is not the digest's size")
+        return data
+
+    def _check_not_suspended(self, ds: MountedDataset) -> None:
+        if self.integrity.suspended(ds):
+            self.stats.count(ds, "suspended_reads")
+            raise ReadFailed(f"dataset {ds.name} is suspended: too many failed hash checks")
+
+    def _integrity_failed(self, ds: MountedDataset) -> None:
+        self.stats.count(ds, "integrity_failures")
+        self.integrity.failed(ds)
+
+    async def _read(self, ds: MountedDataset, index: int, cause: FetchCause,
+                    keep: bool) -> bytes:
         digest = ds.digest.hash(index)
         probed = self._probed.pop(digest, None)
         if probed is not None:
@@ -174,6 +200,7 @@ class ItemReader:
         wait for a slot; jobs plan misses side by side): the fetch looks in the store
         once more, in its worker, and an item another fetch stored since is not read
         again."""
+        self._check_not_suspended(ds)
         digest = ds.digest.hash(index)
         while (flight := self._inflight.get(digest)) is not None:
             self.stats.count(ds, "coalesced")
@@ -206,6 +233,7 @@ class ItemReader:
         process's load), single-flight with every other fetch of it. ``fetch`` stores it
         and returns the number of bytes, or returns the bytes it could not store; it
         raises ReadFailed as ``fetch`` does, or anything else to leave it unfetched."""
+        self._check_not_suspended(ds)
         digest = ds.digest.hash(index)
         flight = self._inflight.get(digest)
         if flight is not None:  # a read fetches it already
@@ -233,8 +261,10 @@ class ItemReader:
             yield
         except ReadFailed as exc:
             flight.error = exc
-            self.stats.count(ds, "integrity_failures" if isinstance(exc, IntegrityFailed)
-                             else "bucket_errors")
+            if isinstance(exc, IntegrityFailed):
+                self._integrity_failed(ds)
+            else:
+                self.stats.count(ds, "bucket_errors")
             raise
         finally:
             del self._inflight[digest]

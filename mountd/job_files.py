@@ -38,6 +38,7 @@ import pyfuse3
 
 from mountd.batch_planner import BatchPlanner
 from mountd.job_registry import Job, JobError, JobLimit, JobRegistry
+from quiverfs.heartbeat import MAX_BATCH_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -308,6 +309,6 @@ class ControlHandle:
                 epoch, batch, seconds = int(parts[0]), int(parts[1]), float(parts[2])
             except (IndexError, ValueError):
                 continue  # a report line we do not understand is ignored, not fatal
-            if seconds >= 0:
+            if 0 <= seconds <= MAX_BATCH_SECONDS:  # no NaN or inf: heartbeats carry them
                 self.job.record_time(epoch, batch, seconds)
         return len(buf)

@@ -44,13 +44,14 @@ class PagePush:
     """Pushes planned cached items into the page cache, within ``budget`` bytes."""
 
     def __init__(self, store: ContentStore, limiter: trio.CapacityLimiter, stats: ReadStats,
-                 staging: Staging, budget: int, skip: Callable[[bytes], bool]) -> None:
+                 staging: Staging, budget: int,
+                 skip: Callable[[MountedDataset, bytes], bool]) -> None:
         self.store = store
         self.limiter = limiter  # the store's readers (a read of a file not in memory)
         self.stats = stats
         self.staging = staging
         self.budget = budget
-        self.skip = skip  # digests left to their reads (a probe's, a peer's)
+        self.skip = skip  # items left to their reads (a probe's, a peer's, a suspended one)
         self._queue: collections.deque[tuple[MountedDataset, int]] = collections.deque(
             maxlen=MAX_QUEUED)
         self._pushed: dict[int, tuple[MountedDataset, int, float]] = {}  # inode -> ds, bytes, when
@@ -141,7 +142,7 @@ class PagePush:
         slow: list[tuple[MountedDataset, int, int]] = []
         for ds, index, inode in batch:
             digest = ds.digest.hash(index)
-            if self.skip(digest):
+            if self.skip(ds, digest):
                 continue
             data = self.store.get_nowait(digest, ds.digest.sizes[index])
             if data is None:
@@ -150,8 +151,9 @@ class PagePush:
                 found.append((ds, index, inode, data))
         if slow:
             read = await trio.to_thread.run_sync(self._read_stored, slow, limiter=self.limiter)
+            # an entry whose content is not its size is left to its read, which fails
             found += [(ds, index, inode, data) for (ds, index, inode), data in zip(slow, read)
-                      if data is not None]
+                      if data is not None and len(data) == ds.digest.sizes[index]]
         if not found:
             return
         pushed = await trio.to_thread.run_sync(_notify_store, found,

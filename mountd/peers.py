@@ -16,6 +16,7 @@ import trio
 
 from mountd.content_store import ContentStore, IntegrityError, StoreError
 from quiverfs.background import BackgroundTasks
+from quiverfs.peer_network import Networks, peer_refusal, split_peer
 from quiverfs.rpc import RpcClient, RpcError, RpcServer, Unavailable
 
 log = logging.getLogger(__name__)
@@ -103,12 +104,18 @@ class PeerService:
 
 
 class PeerSet:
-    """Connections to the other members; a peer that fails is skipped for a while."""
+    """Connections to the other members; a peer that fails is skipped for a while, and
+    one whose address is malformed or outside ``networks`` (--peer-network) is never
+    dialled."""
 
-    def __init__(self, secret: bytes, limiter: trio.CapacityLimiter) -> None:
+    def __init__(self, secret: bytes, limiter: trio.CapacityLimiter,
+                 networks: Networks = ()) -> None:
         self.secret = secret
         self.limiter = limiter  # the daemon's blocking workers: hashing peers' answers
+        self.networks = networks
         self.clients: dict[str, RpcClient] = {}
+        self.addresses: dict[str, str] = {}  # node -> the peer address its client dials
+        self.refused: dict[str, str] = {}  # node -> its peer address, refused (logged once)
         self.down_until: dict[str, float] = {}
         self.bad_gets = 0
         self.tasks = BackgroundTasks()  # where the clients' connections live
@@ -116,22 +123,29 @@ class PeerSet:
     def update(self, members: dict[str, str]) -> None:
         """Track the current members (node id -> peer HOST:PORT)."""
         for node in list(self.clients):
-            if node not in members or self._address(node) != members[node]:
+            if members.get(node) != self.addresses[node]:
                 client = self.clients.pop(node)
+                del self.addresses[node]
                 self.tasks.start_soon(client.close)
+        self.refused = {n: p for n, p in self.refused.items() if members.get(n) == p}
         for node, peer in members.items():
-            if node not in self.clients and self.tasks.running:
-                host, _, port = peer.rpartition(":")
-                client = RpcClient(host, int(port), self.secret, timeout=10.0)
-                self.clients[node] = client
-                self.tasks.start_soon(client.tasks.run)
-
-    def _address(self, node: str) -> str:
-        c = self.clients[node]
-        return f"{c.host}:{c.port}"
+            if node in self.clients or node in self.refused or not self.tasks.running:
+                continue
+            why = peer_refusal(peer, self.networks)
+            if why is not None:
+                self.refused[node] = peer
+                log.warning("not dialling member %s: %s", node, why)
+                continue
+            host, port = split_peer(peer)
+            client = RpcClient(host, port, self.secret, timeout=10.0)
+            self.clients[node] = client
+            self.addresses[node] = peer
+            self.tasks.start_soon(client.tasks.run)
 
     def is_down(self, node: str) -> bool:
-        return self.down_until.get(node, 0.0) > time.monotonic()
+        """Whether ``node`` is not to be asked now: it failed a call lately, or its
+        address is refused."""
+        return node in self.refused or self.down_until.get(node, 0.0) > time.monotonic()
 
     async def _call(self, node: str, op: str, args: dict[str, Any]) -> Any:
         client = self.clients.get(node)

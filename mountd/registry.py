@@ -12,17 +12,16 @@ import dataclasses
 import json
 import logging
 import os
-import re
+import tempfile
 import time
 
 from quiverfs import digest as digest_format
 from quiverfs.backends import Backend, StorageOptions, open_backend
+from quiverfs.dataset_name import check_name
 from quiverfs.errors import ExitCode, QuietError
 from quiverfs.fs_identity import UserIdentity
 
 log = logging.getLogger(__name__)
-
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")  # whole name: use fullmatch
 
 
 @dataclasses.dataclass
@@ -50,21 +49,26 @@ class Registration:
         return UserIdentity(self.uid, self.gid, tuple(self.groups))
 
 
-def check_name(name: str) -> str:
-    if not NAME_RE.fullmatch(name):
-        raise QuietError(f"invalid dataset name {name!r}: use letters, digits, '.', '_', '+' "
-                         "or '-' (at most 128, not starting with a dot)", ExitCode.USAGE)
-    return name
-
-
 class Registry:
     """Loads and saves registrations; owns the digests and credentials on disk."""
 
     def __init__(self, state_dir: str) -> None:
         self.state_dir = state_dir
-        for sub in ("digests", "credentials"):
-            os.makedirs(os.path.join(state_dir, sub), mode=0o700, exist_ok=True)
-        os.chmod(state_dir, 0o700)
+        # The registrations on disk, as last loaded or saved: what they name stays.
+        self._saved: list[Registration] = []
+        subdirs = [os.path.join(state_dir, sub) for sub in ("digests", "credentials")]
+        try:
+            for sub in subdirs:
+                os.makedirs(sub, mode=0o700, exist_ok=True)
+            os.chmod(state_dir, 0o700)
+            # A registration must be saved before it is shown: a state directory that
+            # takes no files fails the start, not every 'quiver mount' after it.
+            for directory in (state_dir, *subdirs):
+                _check_writable(directory)
+        except OSError as exc:
+            raise QuietError(f"cannot write state directory {exc.filename or state_dir}: "
+                             f"{exc.strerror or exc}: make it writable or pick another "
+                             "--cache-dir", ExitCode.PERMISSION) from None
 
     @property
     def _records_path(self) -> str:
@@ -82,6 +86,9 @@ class Registry:
                 records = json.load(f)
         except FileNotFoundError:
             return []
+        except OSError as exc:  # a directory in its place, a disk error
+            raise QuietError(f"cannot read {self._records_path}: {exc.strerror or exc}",
+                             ExitCode.PERMISSION) from None
         except ValueError:
             log.error("%s is corrupted; starting with no datasets", self._records_path)
             return []
@@ -91,12 +98,14 @@ class Registry:
                 regs.append(Registration(**record))
             except TypeError:
                 log.error("%s: dropping a malformed record", self._records_path)
+        self._saved = regs
         return regs
 
     def save_records(self, regs: list[Registration]) -> None:
         data = json.dumps([r.record() for r in regs], indent=1).encode()
         digest_format.write_atomic(self._records_path, data)
         os.chmod(self._records_path, 0o600)
+        self._saved = list(regs)
 
     def keep(self, reg: Registration, data: bytes, credentials: dict | None) -> None:
         """Keep an accepted registration's digest (by identity) and credentials; on a
@@ -110,7 +119,7 @@ class Registry:
         except OSError as exc:
             if created:
                 _unlink_quietly(path)
-            self.store_credentials(reg.name, None)
+            self._drop_credentials(reg.name)
             raise QuietError(f"mountd cannot save the registration of {reg.name}: "
                              f"{exc.strerror or exc}", ExitCode.DAEMON) from None
 
@@ -138,10 +147,26 @@ class Registry:
         return open_backend(digest.source, self.storage_options(reg))
 
     def forget(self, reg: Registration, still_used: set[str]) -> None:
-        """Remove a registration's credentials, and its digest if nobody else uses it."""
-        self.store_credentials(reg.name, None)
-        if reg.identity not in still_used:
+        """Remove a registration's credentials, and its digest if no dataset in
+        ``still_used`` uses it; never what a saved registration names (a save that
+        failed left the registrations on disk as they were)."""
+        self._drop_credentials(reg.name)
+        if reg.identity not in still_used | {r.identity for r in self._saved}:
             _unlink_quietly(self.digest_path(reg.identity))
+
+    def _drop_credentials(self, name: str) -> None:
+        if not any(r.name == name and r.has_credentials for r in self._saved):
+            self.store_credentials(name, None)
+
+
+def _check_writable(directory: str) -> None:
+    """Create and remove a file in ``directory``; OSError naming it if it takes none."""
+    try:
+        fd, path = tempfile.mkstemp(prefix=".write-check-", dir=directory)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, directory) from None
+    os.close(fd)
+    os.unlink(path)
 
 
 def _unlink_quietly(path: str) -> None:

@@ -3,13 +3,18 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any
+from typing import Any, TypeVar
+
+import msgspec
 
 from quiverfs import wire
 from quiverfs.errors import ExitCode, QuietError
 
 RUN_DIR = "/run/quiver"
 DEFAULT_ROOT = "/mnt/quiver"
+# A refusal's exit code: any but OK, which would tell the shell the command worked.
+_REFUSAL_CODES = frozenset(int(c) for c in ExitCode if c is not ExitCode.OK)
+T = TypeVar("T")
 
 
 def default_socket(root: str) -> str:
@@ -20,7 +25,8 @@ def default_socket(root: str) -> str:
 
 def call(socket_path: str, request: dict[str, Any], root: str = "",
          timeout: float | None = 600.0) -> dict[str, Any]:
-    """Send one request and return the reply; a refusal becomes a QuietError."""
+    """Send one request and return the reply, a map whose ``ok`` is true; a refusal, or a
+    reply without a true or false ``ok``, becomes a QuietError."""
     where = root or socket_path
     try:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -39,8 +45,33 @@ def call(socket_path: str, request: dict[str, Any], root: str = "",
             reply = wire.sock_recv_msg(sock)
     except (OSError, EOFError, wire.FrameError) as exc:
         raise QuietError(f"mountd for {where} did not answer: {exc}", ExitCode.DAEMON) from None
-    if not isinstance(reply, dict) or not reply.get("ok"):
-        message = reply.get("error", "malformed reply") if isinstance(reply, dict) else "?"
-        code = reply.get("code", ExitCode.DAEMON) if isinstance(reply, dict) else ExitCode.DAEMON
-        raise QuietError(str(message), ExitCode(code))
+    op = request.get("op")
+    if not isinstance(reply, dict) or not isinstance(reply.get("ok"), bool):
+        raise malformed(op, "not a map with a true or false 'ok'")
+    if not reply["ok"]:
+        raise _refusal(reply, op)
     return reply
+
+
+def typed(reply: dict[str, Any], kind: type[T], op: str) -> T:
+    """``reply`` as the record ``kind`` (a msgspec Struct of the fields the caller
+    reads); a missing field or one of the wrong type is a QuietError naming it."""
+    try:
+        return msgspec.convert(reply, kind)
+    except msgspec.ValidationError as exc:
+        raise malformed(op, str(exc)) from None
+
+
+def malformed(op: object, why: str) -> QuietError:
+    """The one-line error of a reply that is not what mountd sends."""
+    return QuietError(f"mountd sent a malformed reply to {op!r}: {why}", ExitCode.DAEMON)
+
+
+def _refusal(reply: dict[str, Any], op: object) -> QuietError:
+    """The error a refusal carries: its message (on one line) and its exit code."""
+    message, code = reply.get("error"), reply.get("code")
+    if not isinstance(message, str) or type(code) is not int or code not in _REFUSAL_CODES:
+        return malformed(op, "a refusal needs an 'error' string and a 'code' from "
+                         f"{min(_REFUSAL_CODES)} to {max(_REFUSAL_CODES)}")
+    return QuietError(" ".join(message.splitlines()), ExitCode(code))
+

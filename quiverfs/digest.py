@@ -148,7 +148,8 @@ class Digest:
                  hashes: bytes | memoryview, sizes: array.array, path_offsets: array.array,
                  paths: bytes | memoryview, label_index: array.array,
                  loc_keys: tuple[array.array, bytes | memoryview] | None = None,
-                 loc_offsets: array.array | None = None, identity: str = "") -> None:
+                 loc_offsets: array.array | None = None, identity: str = "",
+                 n_dirs: int = 1, data: bytes = b"") -> None:
         self.name = name
         self.source = source
         self.label_level = label_level
@@ -161,6 +162,8 @@ class Digest:
         self.loc_keys = loc_keys
         self.loc_offsets = loc_offsets
         self.identity = identity  # hex SHA-256 of the file's contents after the preamble
+        self.n_dirs = n_dirs  # directories its paths make, the root included
+        self.data = data  # the file it was decoded from (its columns are views of it)
         self.total_bytes = sum(sizes)
 
     def __len__(self) -> int:
@@ -257,6 +260,16 @@ def _pack_strings(strings: list[bytes]) -> tuple[bytes, bytes]:
     return _u64_bytes(offsets), b"".join(strings)
 
 
+def decode_peak(data: bytes) -> int:
+    """The most ``decode(data)`` may allocate at once, from the preamble alone: the
+    header becomes Python objects of up to 80 bytes a byte (an empty map is one byte);
+    the path and key checks hold each string as an object, up to 4 bytes a column byte."""
+    if len(data) < _PREAMBLE.size:
+        return 0
+    header = min(_PREAMBLE.unpack_from(data)[2], len(data) - _PREAMBLE.size)
+    return 80 * header + 4 * (len(data) - header)
+
+
 def decode(data: bytes, where: str = "digest") -> Digest:
     """Parse and check a digest file's bytes; raise QuietError(BAD_DIGEST) on any problem.
 
@@ -286,7 +299,7 @@ def decode(data: bytes, where: str = "digest") -> Digest:
             header = msgpack.unpackb(body[:header_len], raw=False)
         except (ValueError, msgpack.UnpackException) as exc:  # UnicodeDecodeError is one
             raise _Invalid(f"the header is not valid msgpack ({type(exc).__name__})") from None
-        return _parse(header, body[header_len:], checksum.hex())
+        return _parse(header, body[header_len:], checksum.hex(), data)
     except _Invalid as exc:
         raise bad(f"{exc}: recreate it with 'quiver digest create'") from None
 
@@ -295,8 +308,10 @@ class _Invalid(Exception):
     """What is wrong with a digest's contents, phrased for its user (one line)."""
 
 
-def _parse(header: object, area: bytes | memoryview, identity: str) -> Digest:
-    """Check a decoded header and its column area; the Digest they describe."""
+def _parse(header: object, area: bytes | memoryview, identity: str,
+           data: bytes = b"") -> Digest:
+    """Check a decoded header and its column area (of the file ``data``, when decoding);
+    the Digest they describe."""
     if not isinstance(header, dict):
         raise _Invalid("the header is not a map")
     name, source, count, label_level, labels = (
@@ -315,7 +330,7 @@ def _parse(header: object, area: bytes | memoryview, identity: str) -> Digest:
         raise _Invalid("header field 'labels' is not a list of strings")
     cols = _columns(header.get("columns"), area, count)
     path_offsets = _u64(cols["path_offsets"])
-    _check_paths(cols["paths"], path_offsets)
+    n_dirs = _check_paths(cols["paths"], path_offsets)
 
     def path(i: int) -> str:
         """Entry ``i``'s path, quoted for a message."""
@@ -342,7 +357,7 @@ def _parse(header: object, area: bytes | memoryview, identity: str) -> Digest:
     return Digest(name=name, source=source, label_level=label_level, labels=labels,
                   hashes=cols["hashes"], sizes=sizes, path_offsets=path_offsets,
                   paths=cols["paths"], label_index=label_index, loc_keys=loc_keys,
-                  loc_offsets=loc_offsets, identity=identity)
+                  loc_offsets=loc_offsets, identity=identity, n_dirs=n_dirs, data=data)
 
 
 def _is_int(value: object) -> bool:
@@ -435,8 +450,9 @@ def _is_utf8(data: bytes) -> bool:
     return True
 
 
-def _check_paths(blob: bytes | memoryview, offsets: array.array) -> None:
-    """Paths are canonical, sorted and unique, and no file is also a directory."""
+def _check_paths(blob: bytes | memoryview, offsets: array.array) -> int:
+    """Paths are canonical, sorted and unique, and no file is also a directory; the
+    number of directories they make, the root included."""
     paths = _strings(blob, offsets, "path")
     if b"" in paths:
         raise _Invalid(f"path {paths.index(b'')} is empty")
@@ -454,15 +470,31 @@ def _check_paths(blob: bytes | memoryview, offsets: array.array) -> None:
         a, b = next((a, b) for a, b in zip(paths, paths[1:]) if not a < b)
         raise _Invalid(f"duplicate path {_show(a)}" if a == b else
                        f"paths are not sorted: {_show(a)} comes before {_show(b)}")
-    dirs: set[bytes] = set()
-    for parent in {p.rpartition(b"/")[0] for p in paths}:
-        while parent and parent not in dirs:
-            dirs.add(parent)
-            parent = parent.rpartition(b"/")[0]
-    for d in sorted(dirs):
-        i = bisect.bisect_left(paths, d)
-        if i < len(paths) and paths[i] == d:
-            raise _Invalid(f"path {_show(d)} is both a file and a directory of other paths")
+    return _count_dirs(paths)
+
+
+def _count_dirs(paths: list[bytes]) -> int:
+    """The directories ``paths`` make, the root included; none may also be a file.
+
+    Memory stays linear in the paths: a set of every directory's full path would hold
+    each path's ancestors, quadratic in its depth (1000 times the digest's size for
+    paths 2000 levels deep). With NUL (never in a path) for '/', a directory and all
+    under it sort together, so one was seen exactly when the previous file directory
+    is it or lies under it.
+    """
+    n_dirs, previous = 1, b""
+    for dirname in sorted({p.rpartition(b"/")[0].replace(b"/", b"\0") for p in paths}):
+        node = dirname
+        while node and not (previous == node or previous.startswith(node + b"\0")):
+            n_dirs += 1
+            d = node.replace(b"\0", b"/")
+            i = bisect.bisect_left(paths, d)
+            if i < len(paths) and paths[i] == d:
+                raise _Invalid(f"path {_show(d)} is both a file and a directory of other "
+                               "paths")
+            node = node.rpartition(b"\0")[0]
+        previous = dirname
+    return n_dirs
 
 
 def _component_problem(framed: bytes) -> str | None:

@@ -10,6 +10,12 @@ Changing fsuid away from 0 also drops the thread's file capabilities
 
 glibc's ``setgroups()`` applies to every thread of the process, so the supplementary
 groups are set with the raw system call, which applies to the calling thread only.
+
+The user's identity is not enough on its own: procfs judges ``/proc/self/...`` by the
+process, and mountd is its own. Its magic links (``/proc/self/fd/N``) jump to mountd's
+open files past the directories above them, and ``/proc/self/mem`` is its memory. So
+``open_regular`` never follows a magic link (openat2's RESOLVE_NO_MAGICLINKS, or a walk
+by hand where the kernel lacks it) and refuses every file on procfs.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import os
 import platform
 import pwd
 import stat
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -32,6 +39,20 @@ _SYS_SETGROUPS = {"x86_64": 116, "aarch64": 159}  # per-thread setgroups(2), by 
 
 _NEEDS = "mountd needs CAP_SETUID and CAP_SETGID (see docs/operations.md)"
 _libc = ctypes.CDLL(None, use_errno=True)
+
+PROC_REFUSED = "a /proc file: mountd reads no process's files"
+_SYS_OPENAT2 = 437  # openat2(2), Linux 5.6: the same number on every architecture
+_RESOLVE_NO_MAGICLINKS = 0x02
+_PROC_SUPER_MAGIC = 0x9FA0
+_AT_FDCWD = -100
+_MAX_SYMLINKS = 40  # as the kernel's path walk: more is ELOOP
+_STATFS_BYTES = 256  # room for struct statfs (120 bytes on 64-bit Linux)
+_DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
+                ("resolve", ctypes.c_uint64)]
 
 
 class IdentityUnavailable(PermissionError):
@@ -115,16 +136,85 @@ def acting_as(user: UserIdentity | None) -> Iterator[None]:
 
 
 def open_regular(path: str) -> int:
-    """Open ``path`` read-only and return the descriptor; a path that is not a regular
-    file (a FIFO, a device) is refused without blocking on it."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    """Open ``path`` read-only and return the descriptor. Refused: a path that is not a
+    regular file (a FIFO, a device: without blocking on it), and any path that reaches
+    procfs or passes through one of its magic links (``/proc/self/fd/N``,
+    ``/dev/fd/N``, ``/proc/PID/root``): opened from mountd, those name mountd's own
+    files and memory, past the permissions of the directories above them."""
+    fd = _open_no_magic(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     try:
         mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        if _on_procfs(fd):
+            raise OSError(errno.EACCES, PROC_REFUSED, path)
     except OSError:
         os.close(fd)
         raise
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise OSError(errno.EINVAL, "not a regular file", path)
     return fd
 
+
+_have_openat2 = True  # until the kernel says ENOSYS (before 5.6, or a seccomp filter)
+
+
+def _open_no_magic(path: str, flags: int) -> int:
+    """``open(path, flags)`` that never follows a magic link: openat2 with
+    RESOLVE_NO_MAGICLINKS where the kernel has it, else a walk by hand."""
+    global _have_openat2
+    if _have_openat2:
+        how = _OpenHow(flags, 0, _RESOLVE_NO_MAGICLINKS)
+        fd = _libc.syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_long(_AT_FDCWD),
+                           ctypes.c_char_p(os.fsencode(path)), ctypes.byref(how),
+                           ctypes.c_size_t(ctypes.sizeof(how)))
+        if fd >= 0:
+            return fd
+        err = ctypes.get_errno()
+        if err != errno.ENOSYS:
+            raise OSError(err, os.strerror(err), path)
+        _have_openat2 = False
+    return open_walking(path, flags)
+
+
+def open_walking(path: str, flags: int) -> int:
+    """What openat2's RESOLVE_NO_MAGICLINKS does, for kernels without it: resolve
+    ``path`` one component at a time with O_NOFOLLOW, following ordinary symlinks by
+    their text, and refuse to enter procfs, where every magic link lives. The kernel
+    checks each step with the thread's credentials, as in a plain open."""
+    pending = _components(path)
+    dirfd = os.open("/" if path.startswith("/") else ".", _DIR_FLAGS)
+    links = 0
+    try:
+        while pending:
+            name = pending.pop(0)
+            if stat.S_ISLNK(os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mode):
+                links += 1
+                if links > _MAX_SYMLINKS:
+                    raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+                target = os.readlink(name, dir_fd=dirfd)
+                pending[:0] = _components(target)
+                if target.startswith("/"):
+                    os.close(dirfd)
+                    dirfd = os.open("/", _DIR_FLAGS)
+                continue
+            if not pending:  # a link swapped in since the stat fails here (ELOOP)
+                return os.open(name, flags | os.O_NOFOLLOW, dir_fd=dirfd)
+            parent, dirfd = dirfd, os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=dirfd)
+            os.close(parent)
+            if _on_procfs(dirfd):
+                raise OSError(errno.EACCES, PROC_REFUSED, path)
+        return os.open(".", flags, dir_fd=dirfd)
+    finally:
+        os.close(dirfd)
+
+
+
+def _components(path: str) -> list[str]:
+    return [p for p in path.split("/") if p and p != "."]
+
+
+def _on_procfs(fd: int) -> bool:
+    buf = ctypes.create_string_buffer(_STATFS_BYTES)
+    if _libc.fstatfs(fd, buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return struct.unpack_from("l", buf)[0] == _PROC_SUPER_MAGIC  # f_type, a C long

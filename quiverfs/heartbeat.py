@@ -5,14 +5,17 @@ A node sends a ``Heartbeat`` every fraction of a second (over RPC, or as a funct
 call to the coordinator embedded in a lone mountd); the answer is a ``HeartbeatReply``:
 the live members and, for each dataset the node reported, a ``CycleView`` of its chunk
 cycle. On the wire each record is msgpack of its plain form (``to_wire``); the
-receiver rebuilds it with every field's type checked (``from_wire``), so a malformed
-message is refused as a whole, never half-read.
+receiver rebuilds it with every field's type and range checked, and the fields that
+must agree compared (``from_wire``), so a malformed message is refused as a whole,
+never half-read. A node checks its reports the same way before sending them
+(``refusal``), so one dataset out of range cannot get its whole heartbeat refused.
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, TypeVar
+import re
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
@@ -21,6 +24,24 @@ from quiverfs.chunk_cycle import ChunkState, EpochRef
 T = TypeVar("T")
 
 PROBE_BATCHES = 100  # mini-batches a probe of a job runs without cache hits, by default
+
+# The ranges a heartbeat's fields must be in. They bound what one message can make the
+# coordinator keep (a cycle holds a state per chunk) and keep numbers finite.
+MAX_INT = (1 << 63) - 1  # counts, bytes, generations
+MAX_CHUNKS = 1 << 20  # chunks of one dataset
+MAX_ENTRIES = 1 << 16  # datasets in a heartbeat, jobs of a dataset, nodes in a list
+MAX_BATCH_SECONDS = 1e6  # a measured time per mini-batch
+MAX_NAME = 255  # characters of a dataset name (a file name)
+MAX_TEXT = 1024  # characters of a job id or a dataset identity
+MAX_PEER = 300  # characters of a peer address, HOST:PORT
+# A node id is a host name's characters, matched in full; no "/", which separates the
+# node from the job in the coordinator's probe keys.
+NODE_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,252}")
+
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)]
+NodeId = Annotated[str, msgspec.Meta(pattern=rf"^{NODE_ID.pattern}\Z")]
+Text = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_TEXT)]
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_BATCH_SECONDS)]  # no NaN, no inf
 
 
 class CacheMode(enum.StrEnum):
@@ -35,13 +56,14 @@ class CacheMode(enum.StrEnum):
 class JobReport:
     """One job on a node: where its epoch stands, and what probing measured of it."""
 
-    id: str
-    gen: int  # the cycle's generation when the job's epoch began
-    gpus: int
-    remaining: tuple[int, ...]  # per chunk: items of its epoch not yet placed
-    probe_seq: int  # the last probe the node began for it
-    t_miss: float | None = None  # seconds per batch without cache hits, as last probed
-    t_hit: float | None = None  # seconds per batch with them
+    id: Text
+    gen: Count  # the cycle's generation when the job's epoch began
+    gpus: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)]
+    # per chunk: items of its epoch not yet placed
+    remaining: Annotated[tuple[Count, ...], msgspec.Meta(max_length=MAX_CHUNKS)]
+    probe_seq: Count  # the last probe the node began for it
+    t_miss: Seconds | None = None  # seconds per batch without cache hits, as last probed
+    t_hit: Seconds | None = None  # seconds per batch with them
     probing: bool = False
     probeable: bool = True  # False: the coordinator never asks to probe it (a view's job)
 
@@ -60,39 +82,60 @@ class JobReport:
 class LoadedShare:
     """A node finished its share of loading ``chunk`` among ``loaders``."""
 
-    chunk: int
-    loaders: tuple[str, ...]
+    chunk: Annotated[int, msgspec.Meta(ge=0, lt=MAX_CHUNKS)]
+    loaders: Annotated[tuple[NodeId, ...], msgspec.Meta(max_length=MAX_ENTRIES)]
 
 
 @dataclasses.dataclass(frozen=True)
 class DatasetReport:
     """A dataset with jobs on the reporting node, by digest identity in a Heartbeat."""
 
-    name: str
-    chunks: int
-    size: int  # bytes
-    chunk_bytes: int  # the largest chunk's bytes
-    loaded: tuple[LoadedShare, ...] = ()
-    jobs: tuple[JobReport, ...] = ()
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME)]
+    chunks: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHUNKS)]
+    size: Count  # bytes
+    chunk_bytes: Count  # the largest chunk's bytes
+    loaded: Annotated[tuple[LoadedShare, ...], msgspec.Meta(max_length=MAX_CHUNKS)] = ()
+    jobs: Annotated[tuple[JobReport, ...], msgspec.Meta(max_length=MAX_ENTRIES)] = ()
+
+    def disagreement(self) -> str | None:
+        """Which fields disagree with the chunk count, if any."""
+        for job in self.jobs:
+            if len(job.remaining) != self.chunks:
+                return (f"job {job.id!r} reports {len(job.remaining)} chunks of a "
+                        f"dataset of {self.chunks}")
+        for share in self.loaded:
+            if share.chunk >= self.chunks:
+                return f"loaded chunk {share.chunk} of a dataset of {self.chunks} chunks"
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
 class Heartbeat:
     """What a node sends: who it is, and its datasets with jobs."""
 
-    node: str
-    peer: str  # HOST:PORT of its peer server ("local" for a lone node)
-    capacity: int  # bytes of cache
-    datasets: dict[str, DatasetReport] = dataclasses.field(default_factory=dict)
+    node: NodeId
+    # HOST:PORT of its peer server ("local" for a lone node); the coordinator checks it
+    peer: Annotated[str, msgspec.Meta(max_length=MAX_PEER)]
+    capacity: Count  # bytes of cache
+    datasets: Annotated[dict[Text, DatasetReport], msgspec.Meta(max_length=MAX_ENTRIES)] = (
+        dataclasses.field(default_factory=dict))
+
+    def disagreement(self) -> str | None:
+        """The first dataset whose fields disagree, and how; None if none does."""
+        for identity, report in self.datasets.items():
+            why = report.disagreement()
+            if why is not None:
+                return f"dataset {identity}: {why}"
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
 class Member:
     """A live member of the cluster."""
 
-    id: str
-    peer: str
-    capacity: int
+    id: NodeId
+    peer: Annotated[str, msgspec.Meta(max_length=MAX_PEER)]
+    capacity: Count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,9 +193,23 @@ def to_wire(record: Any) -> Any:
 
 
 def from_wire(data: Any, kind: type[T]) -> T:
-    """Rebuild a record of type ``kind`` from its plain form, checking every field;
-    ValueError names the first bad one."""
+    """Rebuild a record of type ``kind`` from its plain form, checking every field's
+    type and range and that its fields agree; ValueError names the first bad one."""
     try:
-        return msgspec.convert(data, kind)
+        record = msgspec.convert(data, kind)
     except msgspec.ValidationError as exc:
         raise ValueError(f"malformed {kind.__name__}: {exc}") from None
+    check = getattr(record, "disagreement", None)
+    why = check() if check is not None else None
+    if why is not None:
+        raise ValueError(f"malformed {kind.__name__}: {why}")
+    return record
+
+
+def refusal(record: Any) -> str | None:
+    """Why a receiver would refuse ``record`` (``from_wire`` of it), or None."""
+    try:
+        from_wire(to_wire(record), type(record))
+    except ValueError as exc:
+        return str(exc)
+    return None

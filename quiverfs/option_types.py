@@ -8,6 +8,7 @@ config file may give it (see quiverfs.config).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar
 
 from quiverfs.errors import ExitCode, QuietError
@@ -39,6 +40,32 @@ class IntAtLeast:
 
 
 @dataclasses.dataclass(frozen=True)
+class FloatAtLeast:
+    """A finite number of at least ``minimum`` (above it, when not ``minimum_ok``): a
+    duration or a rate, where NaN or infinity would silently turn a check off."""
+
+    option: str
+    minimum: float
+    minimum_ok: bool = True
+    toml_types: ClassVar[tuple[type, ...]] = (int, float)
+
+    def __call__(self, value: str | float) -> float:
+        try:
+            x = float(value)
+        except ValueError:
+            raise QuietError(f"{self.option} must be a number, not {value!r}",
+                             ExitCode.USAGE) from None
+        if not math.isfinite(x):
+            raise QuietError(f"{self.option} must be a finite number, not {value!r}",
+                             ExitCode.USAGE)
+        if x < self.minimum or (x == self.minimum and not self.minimum_ok):
+            least = "at least" if self.minimum_ok else "more than"
+            raise QuietError(f"{self.option} must be {least} {self.minimum:g}, not {x:g}",
+                             ExitCode.USAGE)
+        return x
+
+
+@dataclasses.dataclass(frozen=True)
 class ByteSize:
     """A positive number of bytes (or none, with ``zero_ok``), written like ``200G``
     (or a plain integer)."""
@@ -57,9 +84,11 @@ class ByteSize:
 
 @dataclasses.dataclass(frozen=True)
 class Address:
-    """``HOST:PORT`` to listen on; port 0 takes any free one."""
+    """``HOST:PORT`` to listen on, where port 0 takes any free one; or, with ``connect``,
+    to connect to (port 1 to 65535)."""
 
     option: str
+    connect: bool = False
     toml_types: ClassVar[tuple[type, ...]] = (str,)
 
     def __call__(self, value: str) -> tuple[str, int]:
@@ -67,6 +96,8 @@ class Address:
         if port > 65535:
             raise QuietError(f"{self.option} port must be at most 65535, not {port}",
                              ExitCode.USAGE)
+        if self.connect and port == 0:
+            raise QuietError(f"{self.option} port must be at least 1, not 0", ExitCode.USAGE)
         return host, port
 
 

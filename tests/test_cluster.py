@@ -18,7 +18,8 @@ from mountd.content_store import ContentStore
 from mountd.peers import PeerService
 from quiverfs import ownership, wire
 from quiverfs.bench.processes import CoordinatorProcess, MountdProcess, unmount
-from quiverfs.rpc import RpcClient, RpcServer, Unavailable
+from quiverfs.heartbeat import Heartbeat, to_wire
+from quiverfs.rpc import RpcClient, RpcError, RpcServer, Unavailable
 from quiverfs.torch import QuiverBatchSampler
 from tests.mountd_helpers import make_digest, tree_hashes
 
@@ -279,7 +280,9 @@ def test_coordinator_restart(cluster, synthetic_tree):
     cluster.wait_for(lambda: cluster.live_members("b") == ["a", "b"], "membership to resume")
 
 
-def _call(port: int, secret: bytes, op: str, args: dict) -> object:
+def rpc_call(port: int, secret: bytes, op: str, args: dict) -> object:
+    """One RPC call to the server on ``port``; an error reply is raised as RpcError, an
+    unreachable or refusing server as Unavailable."""
     async def main() -> dict:
         client = RpcClient("127.0.0.1", port, secret, timeout=5)
         out: dict = {}
@@ -287,7 +290,7 @@ def _call(port: int, secret: bytes, op: str, args: dict) -> object:
             await nursery.start(client.tasks.run)
             try:
                 out["result"] = await client.call(op, args)
-            except Unavailable as exc:  # raised outside the nursery, not in a group
+            except (RpcError, Unavailable) as exc:  # raised outside the nursery, not in a group
                 out["error"] = exc
             nursery.cancel_scope.cancel()
         return out
@@ -307,11 +310,11 @@ def test_poisoned_put_is_rejected(cluster, synthetic_tree):
     port = peer_port(cluster.nodes["a"])
     good = b"real content"
     claimed = hashlib.sha256(b"other content").digest()
-    assert _call(port, SECRET, "put", {"items": [[claimed, good]]}) == [False]
-    assert _call(port, SECRET, "lookup", {"hashes": [claimed]}) == [False]
+    assert rpc_call(port, SECRET, "put", {"items": [[claimed, good]]}) == [False]
+    assert rpc_call(port, SECRET, "lookup", {"hashes": [claimed]}) == [False]
     honest = hashlib.sha256(good).digest()
-    assert _call(port, SECRET, "put", {"items": [[honest, good]]}) == [True]
-    assert _call(port, SECRET, "get", {"hashes": [honest]}) == [good]
+    assert rpc_call(port, SECRET, "put", {"items": [[honest, good]]}) == [True]
+    assert rpc_call(port, SECRET, "get", {"hashes": [honest]}) == [good]
     assert cluster.nodes["a"].call({"op": "cluster"})["rejected_puts"] == 1
     assert "rejected a put" in cluster.nodes["a"].log_tail(50)
 
@@ -320,7 +323,7 @@ def test_unauthenticated_clients_get_nothing(cluster, synthetic_tree):
     start_nodes(cluster, ["a"], make_digest(synthetic_tree.root, "syn"))
     port = peer_port(cluster.nodes["a"])
     with pytest.raises(Unavailable):
-        _call(port, b"wrong-secret-wrong-secret", "get", {"hashes": [b"\0" * 32]})
+        rpc_call(port, b"wrong-secret-wrong-secret", "get", {"hashes": [b"\0" * 32]})
 
     async def no_handshake() -> list[object]:
         stream = await trio.open_tcp_stream("127.0.0.1", port)
@@ -337,7 +340,7 @@ def test_unauthenticated_clients_get_nothing(cluster, synthetic_tree):
     assert replies == [{"ok": False, "error": "authentication failed"}]
     # the coordinator refuses too
     with pytest.raises(Unavailable):
-        _call(int(cluster.coordinator.address.rsplit(":", 1)[1]), b"x" * 20, "status", {})
+        rpc_call(int(cluster.coordinator.address.rsplit(":", 1)[1]), b"x" * 20, "status", {})
 
 
 def test_malformed_and_oversized_frames_get_error_replies(cluster, synthetic_tree):
@@ -364,7 +367,7 @@ def test_malformed_and_oversized_frames_get_error_replies(cluster, synthetic_tre
     assert all(r["ok"] is False and r["error"] for r in replies)
     assert "exceeds" in replies[-1]["error"]
     # the server is still up and serving
-    assert _call(port, SECRET, "lookup", {"hashes": [b"\0" * 32]}) == [False]
+    assert rpc_call(port, SECRET, "lookup", {"hashes": [b"\0" * 32]}) == [False]
 
 
 MSGPACK_VALUES = st.recursive(
@@ -418,3 +421,38 @@ def test_node_rejoining_with_its_old_cache_reuses_it(cluster, synthetic_tree):
     counters = b.status()["counters"]
     assert counters["local_hits"] == held_before  # its own share came from its old cache
     assert counters.get("bucket_fetches", 0) == 0
+
+
+def coordinator_nodes(cluster: Cluster) -> dict[str, bool]:
+    """The members the coordinator knows of: id -> alive."""
+    port = int(cluster.coordinator.address.rsplit(":", 1)[1])
+    return {n["id"]: n["alive"] for n in rpc_call(port, SECRET, "status", {})["nodes"]}
+
+
+def test_a_node_that_stopped_beating_is_forgotten_also_after_a_restart(tmp_path,
+                                                                       synthetic_tree):
+    c = Cluster(str(tmp_path), coordinator_args=("--forget-after", "3"))
+    c.coordinator.start()
+    try:
+        start_nodes(c, ["a", "b"], make_digest(synthetic_tree.root, "syn"))
+        assert c.nodes["b"].stop() == 0
+        c.wait_for(lambda: list(coordinator_nodes(c)) == ["a"], "b to be forgotten")
+        c.coordinator.stop()
+        c.coordinator.start()
+        assert "b" not in coordinator_nodes(c)
+        c.wait_for(lambda: coordinator_nodes(c) == {"a": True}, "a to beat again")
+        assert c.live_members("a") == ["a"]
+    finally:
+        problems = c.stop()
+    assert not problems, "\n".join(problems)
+
+
+def test_a_coordinator_restart_revives_no_dead_node(cluster):
+    """A node dead before the restart is dead after it (it is kept until forgotten)."""
+    port = int(cluster.coordinator.address.rsplit(":", 1)[1])
+    rpc_call(port, SECRET, "heartbeat", to_wire(Heartbeat("ghost", "127.0.0.1:9", 100)))
+    cluster.wait_for(lambda: coordinator_nodes(cluster) == {"ghost": False},
+                     "the ghost to be dead")
+    cluster.coordinator.stop()
+    cluster.coordinator.start()
+    assert coordinator_nodes(cluster) == {"ghost": False}

@@ -161,6 +161,24 @@ def test_negative_label_level(quiver, src: str, out_dir: str) -> None:
     assert os.listdir(out_dir) == []
 
 
+@pytest.mark.parametrize("name", ["../x", "a\nb", "ok\n", ".hidden", "a/b", "", "x" * 129])
+def test_create_with_an_invalid_name(quiver, src: str, out_dir: str, name: str) -> None:
+    r = quiver("digest", "create", src, "-o", os.path.join(out_dir, "d.qd"), "--name", name)
+    assert_error(r, ExitCode.USAGE, "invalid dataset name", repr(name))
+    assert os.listdir(out_dir) == []
+
+
+@pytest.mark.parametrize("dirname", [".hidden", "my data", "caf\u00e9"])
+def test_create_whose_default_name_is_invalid(quiver, tmp_path, out_dir: str,
+                                              dirname: str) -> None:
+    src = tree(tmp_path / dirname, {"cat/1.jpg": b"a"})
+    create_fails(quiver, src, out_dir, ExitCode.USAGE, f"invalid dataset name {dirname!r}",
+                 "last component", "pass --name")
+    out = os.path.join(out_dir, "d.qd")
+    assert quiver("digest", "create", src, "-o", out, "--name", "named").returncode == 0
+    assert fmt.load(out).name == "named"
+
+
 def test_output_directory_missing(quiver, src: str, tmp_path) -> None:
     r = quiver("digest", "create", src, "-o", str(tmp_path / "nodir" / "d.qd"))
     assert_error(r, ExitCode.NOT_FOUND, "does not exist")

@@ -13,8 +13,8 @@ import subprocess
 
 import pytest
 
-from mountd.controller import (MAX_DATASETS_PER_USER, MAX_INTEGRITY_FAILURES_PER_USER,
-                               MAX_ITEM_BYTES)
+from mountd.controller import MAX_DATASETS_PER_USER, MAX_ITEM_BYTES
+from mountd.integrity_budget import MAX_INTEGRITY_FAILURES_PER_USER
 from quiverfs import digest as digest_format
 from tests.mountd_helpers import call_as, dataset_counters, make_digest, mountd_factory  # noqa: F401
 
@@ -186,31 +186,159 @@ def test_registrations_per_user_are_bounded(shared_workdir, mountd_factory):
         f"{digest_format.decode(data).identity}.qd"]
 
 
-def test_a_uid_whose_hashes_keep_failing_cannot_register_more(shared_workdir, mountd_factory):
-    mine = attacker_dir(shared_workdir)
-    attacker_file(mine, "f", b"\x00" * 8)
+def wrong_guesses(directory: str, name: str, n: int) -> bytes:
+    """A digest of ``n`` one-byte items of ``directory``'s file ``f`` that all fail their
+    hash check, and two, ``honest`` and ``later``, that pass it (the file holds zeros)."""
     wrong = hashlib.sha256(b"\x01").digest()
     items = [digest_format.NewItem(path=f"w{i:04d}", digest=wrong, size=1, key="f",
-                                   offset=i % 8)
-             for i in range(MAX_INTEGRITY_FAILURES_PER_USER)]
+                                   offset=i % 8) for i in range(n)]
+    items += [digest_format.NewItem(path=path, digest=hashlib.sha256(b"\0").digest(), size=1,
+                                    key="f") for path in ("honest", "later")]
+    return digest_format.encode(name, "file://" + directory, items)
+
+
+def test_a_uid_whose_hashes_keep_failing_is_stopped(shared_workdir, mountd_factory):
+    mine = attacker_dir(shared_workdir)
+    attacker_file(mine, "f", b"\x00" * 8)
     m = start_shared_mountd(mountd_factory, shared_workdir)
+    # the budget is the uid's, summed over its registrations: A fails 600, B the rest
+    first = MAX_INTEGRITY_FAILURES_PER_USER * 3 // 5
+    sizes = {"a": first, "b": MAX_INTEGRITY_FAILURES_PER_USER - first, "c": 0}
+    for name, n in sizes.items():
+        reply = call_as(ATTACKER, ATTACKER, m.socket, {
+            "op": "mount", "name": name, "digest": wrong_guesses(mine, name, n)})
+        assert reply["ok"], reply
+    paths = {name: [f"{m.root}/{name}/w{i:04d}" for i in range(n)]
+             for name, n in sizes.items()}
+    assert set(read_as_attacker(paths["a"]).values()) == {5}
+    honest_a = f"{m.root}/a/honest"
+    # within the budget a failing dataset still serves what is right
+    assert read_as_attacker([honest_a]) == {honest_a: "00"}
+    assert set(read_as_attacker(paths["b"]).values()) == {5}
+    assert [dataset_counters(m, n).get("integrity_failures", 0) for n in sizes] == [
+        sizes["a"], sizes["b"], 0]
+
+    # the budget spent: the failing datasets serve nothing more, even what is cached,
+    # and fetch nothing; a dataset that never failed is served as before
+    fetched = {n: dataset_counters(m, n).get("bucket_fetches", 0) for n in sizes}
+    later = [f"{m.root}/{n}/later" for n in sizes]  # the store holds their bytes
+    assert read_as_attacker(later) == {later[0]: 5, later[1]: 5, later[2]: "00"}
+    assert set(read_as_attacker(paths["b"][:10]).values()) == {5}
+    assert {n: dataset_counters(m, n).get("bucket_fetches", 0) for n in sizes} == fetched
+    assert dataset_counters(m, "b")["suspended_reads"] == 11
+    assert dataset_counters(m, "b")["integrity_failures"] == sizes["b"]  # no more checks
+
+    # and its new registrations are refused, unmounting changes nothing
+    again = call_as(ATTACKER, ATTACKER, m.socket, {
+        "op": "mount", "name": "more", "digest": byte_oracle_digest(mine, "f", 1)})
+    assert not again["ok"] and again["code"] == 6
+    assert f"failed {MAX_INTEGRITY_FAILURES_PER_USER} hash checks" in again["error"]
+    assert call_as(ATTACKER, ATTACKER, m.socket, {"op": "umount", "name": "b"})["ok"]
+    again = call_as(ATTACKER, ATTACKER, m.socket, {
+        "op": "mount", "name": "more", "digest": byte_oracle_digest(mine, "f", 1)})
+    assert not again["ok"] and again["code"] == 6
+
+
+def mountd_index_fds(m) -> dict[str, int]:
+    """mountd's descriptors of its store's index files, by file name."""
+    pid = m.status()["pid"]
+    index = os.path.join(m.cache_dir, "store", "cache.db")
+    out = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed since the listing
+        if target.startswith(index):
+            out[os.path.basename(target)] = int(fd)
+    return out
+
+
+def test_proc_magic_links_read_nothing_of_mountd(shared_workdir, mountd_factory):
+    # root's own small item lives in the index (and its WAL): what the oracle is after
+    private = os.path.join(shared_workdir, "private")
+    os.mkdir(private, 0o700)
+    with open(os.path.join(private, "s.bin"), "wb") as f:
+        f.write(SECRET)
+    m = start_shared_mountd(mountd_factory, shared_workdir)
+    assert m.call({"op": "mount", "name": "roots", "digest": make_digest(private, "roots")})
+    with open(os.path.join(m.root, "roots", "s.bin"), "rb") as f:
+        assert f.read() == SECRET
+    fds = mountd_index_fds(m)
+    assert "cache.db" in fds, fds
+
+    # naming a magic link outright is refused at registration
+    for source, key in (("/proc/self/fd", str(fds["cache.db"])), ("/dev/fd", "0"),
+                        ("/proc/self", "environ")):
+        item = digest_format.NewItem(path="x", digest=b"\0" * 32, size=1, key=key)
+        reply = call_as(ATTACKER, ATTACKER, m.socket, {
+            "op": "mount", "name": "direct",
+            "digest": digest_format.encode("direct", "file://" + source, [item])})
+        assert not reply["ok"] and reply["code"] == 6, (source, reply)
+
+    # swapped in after registration, every link fails its open: nothing is read
+    mine = attacker_dir(shared_workdir)
+    # fd 1 is mountd's log, open for all to read: through the link only the link stops it
+    targets = {f"fd{n}": f"/proc/self/fd/{n}" for n in (1, *fds.values())}
+    targets |= {"devfd": f"/dev/fd/{fds['cache.db']}", "mem": "/proc/self/mem",
+                "cmdline": "/proc/self/cmdline",  # it begins with "/" (sys.executable)
+                "root": f"/proc/self/root{os.path.join(private, 's.bin')}"}
+    items = [digest_format.NewItem(path=f"{key}/b{b:03d}",
+                                   digest=hashlib.sha256(bytes([b])).digest(), size=1,
+                                   key=key)
+             for key in targets for b in range(256)]
+    for key in targets:
+        attacker_file(mine, key, b"")
     reply = call_as(ATTACKER, ATTACKER, m.socket, {
-        "op": "mount", "name": "guesses",
-        "digest": digest_format.encode("guesses", "file://" + mine, items)})
+        "op": "mount", "name": "oracle",
+        "digest": digest_format.encode("oracle", "file://" + mine, items)})
     assert reply["ok"], reply
-    base = os.path.join(m.root, "guesses")
-    got = read_as_attacker([f"{base}/{it.path}" for it in items])
+    for key, target in targets.items():
+        os.unlink(os.path.join(mine, key))
+        os.symlink(target, os.path.join(mine, key))
+    got = read_as_attacker([f"{m.root}/oracle/{it.path}" for it in items])
     assert set(got.values()) == {5}
-    assert dataset_counters(m, "guesses")["integrity_failures"] == len(items)
-    again = call_as(ATTACKER, ATTACKER, m.socket, {
-        "op": "mount", "name": "more", "digest": byte_oracle_digest(mine, "f", 1)})
-    assert not again["ok"] and again["code"] == 6
-    assert f"failed {len(items)} hash checks" in again["error"]
-    # unmounting does not reset the count
-    assert call_as(ATTACKER, ATTACKER, m.socket, {"op": "umount", "name": "guesses"})["ok"]
-    again = call_as(ATTACKER, ATTACKER, m.socket, {
-        "op": "mount", "name": "more", "digest": byte_oracle_digest(mine, "f", 1)})
-    assert not again["ok"] and again["code"] == 6
+    counters = dataset_counters(m, "oracle")
+    assert counters.get("integrity_failures", 0) == 0  # not a byte was read, or compared
+    assert counters["bucket_errors"] == len(items)
+    assert "/proc" in m.log_tail(5)
+
+
+def test_the_store_is_root_only(shared_workdir, mountd_factory, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "small.bin").write_bytes(b"s" * 100)  # kept in the index
+    (src / "large.bin").write_bytes(b"l" * 50_000)  # a file of the store
+    data = make_digest(str(src), "mixed")
+    cache_dir = os.path.join(shared_workdir, "cache")
+
+    def private_modes() -> dict[str, str]:
+        """Every path under the store whose mode lets anyone but root in."""
+        loose = {}
+        for dirpath, dirs, files in os.walk(os.path.join(cache_dir, "store")):
+            for name in [".", *dirs, *files]:
+                path = os.path.normpath(os.path.join(dirpath, name))
+                if os.stat(path).st_mode & 0o077:
+                    loose[path] = oct(os.stat(path).st_mode)
+        return loose
+
+    for run in ("first", "again"):
+        m = mountd_factory(name=run, workdir=shared_workdir, cache_dir=cache_dir)
+        if run == "first":
+            m.call({"op": "mount", "name": "mixed", "digest": data})
+        for name in ("small.bin", "large.bin"):
+            with open(os.path.join(m.root, "mixed", name), "rb") as f:
+                assert f.read() == (src / name).read_bytes()
+        assert m.status()["cache"]["items"] == 2
+        assert os.path.exists(os.path.join(cache_dir, "store", "cache.db-wal"))
+        assert private_modes() == {}
+        if run == "first":  # made as an older version left it: readable by all
+            assert m.stop() == 0
+            for dirpath, _, files in os.walk(os.path.join(cache_dir, "store")):
+                os.chmod(dirpath, 0o755)
+                for name in files:
+                    os.chmod(os.path.join(dirpath, name), 0o644)
+            assert private_modes()
 
 
 def test_an_item_too_large_to_serve_is_refused_at_registration(shared_workdir, mountd_factory):

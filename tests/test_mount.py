@@ -16,6 +16,7 @@ import torchvision
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
+from quiverfs import digest as digest_format
 from quiverfs.bench.processes import unmount
 from tests.mountd_helpers import (call_as, dataset_counters, make_digest, mount,
                                   mountd_factory, tree_hashes)
@@ -121,6 +122,34 @@ def test_hash_mismatch_at_source_is_eio_and_not_cached(mountd_factory, synthetic
     assert st["cache"]["items"] == 0
     assert dataset_counters(m, "syn")["integrity_failures"] == 2
     assert victim in m.log_tail(50) and "does not match" in m.log_tail(50)
+
+
+def test_a_size_that_is_not_the_contents_is_eio_never_a_prefix(mountd_factory, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    contents = {"large.bin": os.urandom(50_000), "small.bin": os.urandom(100)}
+    for name, data in contents.items():
+        (src / name).write_bytes(data)
+    m = mountd_factory()
+    mount(m, make_digest(str(src), "honest"), "honest")
+    for name, data in contents.items():  # both now in the store, by their hashes
+        assert read_bytes(os.path.join(m.root, "honest", name)) == data
+    # known hashes under other sizes: shorter, longer, and not cached yet
+    (src / "fresh.bin").write_bytes(b"f" * 8000)
+    known = {**contents, "fresh.bin": b"f" * 8000}
+    items = [digest_format.NewItem(path=f"{name}.{how}", digest=hashlib.sha256(data).digest(),
+                                   size=size, key=name)
+             for name, data in known.items()
+             for how, size in (("short", len(data) // 2), ("long", len(data) + 1))]
+    mount(m, digest_format.encode("sizes", f"file://{src}", items), "sizes")
+    for item in items:
+        with pytest.raises(OSError) as info:
+            read_bytes(os.path.join(m.root, "sizes", item.path))
+        assert info.value.errno == errno.EIO, item.path
+    assert dataset_counters(m, "sizes")["integrity_failures"] == len(items)
+    assert "is 25000 bytes in its digest" in m.log_tail(50)
+    for name, data in contents.items():  # the honest dataset is untouched
+        assert read_bytes(os.path.join(m.root, "honest", name)) == data
 
 
 def as_user(uid: int, *cmd: str) -> subprocess.CompletedProcess:

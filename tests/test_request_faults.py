@@ -76,6 +76,7 @@ async def test_control_request_that_fails_gets_an_error_and_the_server_goes_on(t
                                                                               caplog):
     path = str(tmp_path / "control.sock")
     server = ControlServer(path, {"fail": failing, "echo": echo})
+    server.bind()
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
         with pytest.raises(QuietError) as info:
@@ -113,6 +114,7 @@ def hold_connections_as(uid: int, path: str, n: int) -> dict[str, Any]:
 async def test_one_uid_cannot_take_all_control_connections(shared_workdir):
     path = os.path.join(shared_workdir, "control.sock")  # other uids can reach it
     server = ControlServer(path, {"echo": echo})
+    server.bind()
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
         within = await trio.to_thread.run_sync(hold_connections_as, 1000, path,

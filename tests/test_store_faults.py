@@ -4,6 +4,7 @@ in mountd's log or an unclean exit)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -111,6 +112,45 @@ def test_mountd_starts_on_a_full_disk(small_cache_dir, mountd_factory, dataset):
         assert time.monotonic() < deadline, m2.status()["cache"]
         time.sleep(POLL)
     assert m2.status()["cache"]["items"] == held
+
+
+def test_a_full_disk_changes_no_registration(small_cache_dir, mountd_factory, dataset, quiver,
+                                            tmp_path):
+    _, digest, expected = dataset
+    digest_file = tmp_path / "syn.qd"
+    digest_file.write_bytes(digest)
+    m = mountd_factory(cache_size="64M", cache_dir=small_cache_dir)
+    mount(m, digest, "syn")
+    state = os.path.join(small_cache_dir, "state")
+    records = os.path.join(state, "registrations.json")
+    with open(records, "rb") as f:
+        saved = f.read()
+    kept = os.listdir(os.path.join(state, "digests"))
+    filler = fill(small_cache_dir)
+
+    def ask(*args: str) -> subprocess.CompletedProcess:
+        return quiver(*args, "--root", m.root, "--control-socket", m.socket)
+
+    gone = ask("umount", "syn")
+    assert gone.returncode == 8 and "cannot save its registrations" in gone.stderr
+    copy = ask("mount", str(digest_file), "--name", "copy")
+    assert copy.returncode == 8 and "cannot save its registrations" in copy.stderr
+    # what the mount shows is what is saved: the dataset, its record and its digest
+    assert [ds["name"] for ds in m.status()["datasets"]] == ["syn"]
+    assert read_hashes(os.path.join(m.root, "syn"), sorted(expected)) == expected
+    with open(records, "rb") as f:
+        assert f.read() == saved
+    assert os.listdir(os.path.join(state, "digests")) == kept
+
+    os.remove(filler)
+    assert m.stop() == 0
+    m = mountd_factory(name="again", cache_size="64M", cache_dir=small_cache_dir)
+    assert [ds["name"] for ds in m.status()["datasets"]] == ["syn"]
+    assert read_hashes(os.path.join(m.root, "syn"), sorted(expected)) == expected
+    assert ask("umount", "syn").returncode == 0  # room again: now it goes, on disk too
+    with open(records, encoding="utf-8") as f:
+        assert json.load(f) == []
+    assert os.listdir(os.path.join(state, "digests")) == []
 
 
 # -- a damaged index ------------------------------------------------------------------

@@ -151,7 +151,8 @@ def test_sent_bytes_count_the_covered_part_of_a_bin():
 @pytest.mark.parametrize("args, message", [
     (["read", "--latency-ms", "30"], "--latency-ms: only these benchmarks have a bucket "
                                      "latency: compare, loader"),
-    (["compare", "--latency-ms", "-5"], "--latency-ms must be 0 or more, not -5"),
+    (["compare", "--latency-ms", "-5"], "--latency-ms must be at least 0, not -5"),
+    (["compare", "--latency-ms", "nan"], "--latency-ms must be a finite number, not 'nan'"),
 ])
 def test_bench_latency_option_refuses_what_it_cannot_do(quiver, tmp_path, args, message):
     r = quiver("bench", *args, "--json", str(tmp_path / "out.json"))

@@ -9,7 +9,8 @@ from typing import BinaryIO
 
 from quiverfs.backends.base import Backend, ObjectInfo, check_key
 from quiverfs.errors import ExitCode, QuietError
-from quiverfs.fs_identity import IdentityUnavailable, UserIdentity, acting_as, open_regular
+from quiverfs.fs_identity import (PROC_REFUSED, IdentityUnavailable, UserIdentity, acting_as,
+                                  open_regular)
 
 log = logging.getLogger(__name__)
 
@@ -22,11 +23,15 @@ def os_error(exc: OSError, what: str) -> QuietError:
         return QuietError(str(exc), ExitCode.PERMISSION)
     if exc.errno in (errno.ENOENT, errno.ENOTDIR):
         return QuietError(f"{what} does not exist: check the path", ExitCode.NOT_FOUND)
+    if exc.strerror == PROC_REFUSED:
+        return QuietError(f"{what} is {PROC_REFUSED}: name a file of the dataset",
+                          ExitCode.PERMISSION)
     if exc.errno in (errno.EACCES, errno.EPERM):
         return QuietError(f"{what} is not readable (permission denied): fix its permissions",
                           ExitCode.PERMISSION)
     if exc.errno == errno.ELOOP:
-        return QuietError(f"{what} is a symlink loop: remove the loop", ExitCode.BAD_INPUT)
+        return QuietError(f"{what} is a symlink loop, or a link into /proc (which mountd "
+                          "does not follow): point it at a regular file", ExitCode.BAD_INPUT)
     return QuietError(f"{what}: {exc.strerror}", ExitCode.BACKEND)
 
 
@@ -125,7 +130,10 @@ class LocalBackend(Backend):
         path = self._path(key)
         try:
             with acting_as(self.read_as):
-                st = os.stat(path)
+                fd = open_regular(path)
         except OSError as exc:
             raise os_error(exc, path) from None
-        return ObjectInfo(key, st.st_size)
+        try:
+            return ObjectInfo(key, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)

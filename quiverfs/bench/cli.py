@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from quiverfs.errors import ExitCode, QuietError
+from quiverfs.option_types import FloatAtLeast
 
 # name -> ("module:function", help). Each function takes (quick: bool, workdir: str),
 # plot: str | None if it draws a figure, latency_ms: float if its bucket can have a
@@ -48,7 +49,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workdir", help="scratch directory (default: a temporary one)")
     p.add_argument("--plot", metavar="OUT.png", help="draw the benchmark's figure into this "
                    "PNG (cluster: the timeline of resident chunks)")
-    p.add_argument("--latency-ms", type=float, metavar="MS",
+    p.add_argument("--latency-ms", type=FloatAtLeast("--latency-ms", 0), metavar="MS",
                    help="delay the first byte of every response from the benchmark's "
                    "bucket by MS milliseconds, as a cloud bucket's time to first byte "
                    "(compare: default 0; loader: default 30)")
@@ -94,9 +95,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot and not any(takes(n, "plot") for n in names):
         raise QuietError(f"--plot: the {args.name} benchmark draws no figure (these do: "
                          f"{', '.join(n for n in sorted(BENCHMARKS) if takes(n, 'plot'))})",
-                         ExitCode.USAGE)
-    if args.latency_ms is not None and args.latency_ms < 0:
-        raise QuietError(f"--latency-ms must be 0 or more, not {args.latency_ms:g}",
                          ExitCode.USAGE)
     if args.latency_ms is not None and not all(takes(n, "latency_ms") for n in names):
         raise QuietError(f"--latency-ms: only these benchmarks have a bucket latency: "
