@@ -33,7 +33,8 @@ from mountd.registry import Registry
 from mountd.view import ViewJobs
 from quiverfs import sd_notify
 from quiverfs.chunk_plan import CACHE_CHUNKS
-from quiverfs.fs_identity import NOBODY, IdentityUnavailable, UserIdentity, acting_as
+from quiverfs.fs_identity import (NOBODY, IdentityUnavailable, UserIdentity, acting_as,
+                                  refuse_device)
 from quiverfs.metrics_server import MetricsServer
 from quiverfs.process_limits import raise_open_file_limit
 from quiverfs.mount_point import is_mounted, mount_device
@@ -173,6 +174,9 @@ class Mountd:
         # Not "ro": the control area ROOT/.quiver/jobs takes writes; datasets refuse them.
         options |= {"fsname=quiver", "subtype=quiver", "allow_other"}
         pyfuse3.init(self.fs, self.root, options)
+        device = mount_device(self.root)
+        if device is not None:  # a dataset's files in this mount would read themselves
+            refuse_device(os.makedev(*map(int, device.split(":"))))
         log.info("mounted %s (cache %s, %d bytes)", self.root, self.cfg.cache_dir,
                  self.cfg.cache_size)
         try:

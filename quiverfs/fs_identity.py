@@ -15,7 +15,8 @@ The user's identity is not enough on its own: procfs judges ``/proc/self/...`` b
 process, and mountd is its own. Its magic links (``/proc/self/fd/N``) jump to mountd's
 open files past the directories above them, and ``/proc/self/mem`` is its memory. So
 ``open_regular`` never follows a magic link (openat2's RESOLVE_NO_MAGICLINKS, or a walk
-by hand where the kernel lacks it) and refuses every file on procfs.
+by hand where the kernel lacks it) and refuses every file on procfs. It also refuses
+files of mountd's own mount: a worker reading one would wait for a worker to serve it.
 """
 from __future__ import annotations
 
@@ -40,7 +41,6 @@ _SYS_SETGROUPS = {"x86_64": 116, "aarch64": 159}  # per-thread setgroups(2), by 
 _NEEDS = "mountd needs CAP_SETUID and CAP_SETGID (see docs/operations.md)"
 _libc = ctypes.CDLL(None, use_errno=True)
 
-PROC_REFUSED = "a /proc file: mountd reads no process's files"
 _SYS_OPENAT2 = 437  # openat2(2), Linux 5.6: the same number on every architecture
 _RESOLVE_NO_MAGICLINKS = 0x02
 _PROC_SUPER_MAGIC = 0x9FA0
@@ -135,23 +135,44 @@ def acting_as(user: UserIdentity | None) -> Iterator[None]:
         _setgroups_this_thread(saved_groups)
 
 
+class PathRefused(PermissionError):
+    """A path mountd will not read whatever the user may: procfs, or a file system this
+    process serves."""
+
+
+_served_devices: set[int] = set()
+
+
+def refuse_device(device: int) -> None:
+    """Refuse files on ``device`` from now on: a file system this process serves (its
+    own mount), whose reads would wait for the workers reading them."""
+    _served_devices.add(device)
+
+
 def open_regular(path: str) -> int:
     """Open ``path`` read-only and return the descriptor. Refused: a path that is not a
-    regular file (a FIFO, a device: without blocking on it), and any path that reaches
-    procfs or passes through one of its magic links (``/proc/self/fd/N``,
-    ``/dev/fd/N``, ``/proc/PID/root``): opened from mountd, those name mountd's own
-    files and memory, past the permissions of the directories above them."""
-    fd = _open_no_magic(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    regular file (a FIFO, a device), any path that reaches procfs or passes through one
+    of its magic links (``/proc/self/fd/N``, ``/dev/fd/N``, ``/proc/PID/root``: opened
+    from mountd, those name mountd's own files and memory, past the permissions of the
+    directories above them), and a file on a device given to ``refuse_device``.
+
+    The path is resolved to an O_PATH descriptor, which opens nothing, and checked
+    before the file is opened through it: no FIFO blocks the open, and no OPEN reaches
+    mountd's own mount."""
+    pinned = _open_no_magic(path, os.O_PATH | os.O_CLOEXEC)
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
+        st = os.fstat(pinned)
+        if not stat.S_ISREG(st.st_mode):
             raise OSError(errno.EINVAL, "not a regular file", path)
-        if _on_procfs(fd):
-            raise OSError(errno.EACCES, PROC_REFUSED, path)
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
+        why = _refusal(pinned, st.st_dev)
+        if why is not None:
+            raise PathRefused(errno.EACCES, why, path)
+        # This process's own descriptor, reopened: the kernel checks the file's mode as
+        # the thread's user, as a plain open would.
+        return os.open(f"/proc/self/fd/{pinned}",
+                       os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    finally:
+        os.close(pinned)
 
 
 _have_openat2 = True  # until the kernel says ENOSYS (before 5.6, or a seccomp filter)
@@ -196,12 +217,13 @@ def open_walking(path: str, flags: int) -> int:
                     os.close(dirfd)
                     dirfd = os.open("/", _DIR_FLAGS)
                 continue
-            if not pending:  # a link swapped in since the stat fails here (ELOOP)
+            if not pending:  # a link swapped in since the stat is opened as a link
                 return os.open(name, flags | os.O_NOFOLLOW, dir_fd=dirfd)
             parent, dirfd = dirfd, os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=dirfd)
             os.close(parent)
-            if _on_procfs(dirfd):
-                raise OSError(errno.EACCES, PROC_REFUSED, path)
+            why = _refusal(dirfd, os.fstat(dirfd).st_dev)
+            if why is not None:
+                raise PathRefused(errno.EACCES, why, path)
         return os.open(".", flags, dir_fd=dirfd)
     finally:
         os.close(dirfd)
@@ -210,6 +232,16 @@ def open_walking(path: str, flags: int) -> int:
 
 def _components(path: str) -> list[str]:
     return [p for p in path.split("/") if p and p != "."]
+
+
+def _refusal(fd: int, device: int) -> str | None:
+    """Why files on the file system of ``fd`` (on ``device``) are not read, or None. The
+    device is looked at first: statfs of mountd's own mount would wait for a worker."""
+    if device in _served_devices:
+        return "in mountd's own mount: mountd would wait on itself"
+    if _on_procfs(fd):
+        return "on /proc: mountd reads no process's files"
+    return None
 
 
 def _on_procfs(fd: int) -> bool:

@@ -117,3 +117,14 @@ def test_a_fifo_is_refused_without_blocking(resolver, tree):
     with pytest.raises(OSError) as info:
         read(os.path.join(tree, "fifo"))
     assert info.value.errno == errno.EINVAL
+
+
+def test_a_file_of_a_served_device_is_refused_unopened(resolver, tree, monkeypatch):
+    served = os.stat(tree).st_dev
+    monkeypatch.setattr(fs_identity, "_served_devices", {served})
+    for rel in ("f.bin", "sub/up"):
+        with pytest.raises(fs_identity.PathRefused) as info:
+            read(os.path.join(tree, rel))
+        assert "in mountd's own mount" in info.value.strerror
+    monkeypatch.setattr(fs_identity, "_served_devices", {served + 1})
+    assert read(os.path.join(tree, "f.bin")) == b"content"

@@ -5,6 +5,7 @@ it must not reach belong to root.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -61,11 +62,15 @@ def attacker_file(directory: str, name: str, data: bytes) -> str:
     return path
 
 
-def read_as_attacker(paths: list[str]) -> dict[str, str | int]:
-    done = subprocess.run(["/usr/bin/python3", "-c", READ_ALL, *paths], user=ATTACKER,
-                          group=ATTACKER, capture_output=True, text=True, timeout=120)
+def read_as(uid: int, paths: list[str]) -> dict[str, str | int]:
+    done = subprocess.run(["/usr/bin/python3", "-c", READ_ALL, *paths], user=uid,
+                          group=uid, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
+
+
+def read_as_attacker(paths: list[str]) -> dict[str, str | int]:
+    return read_as(ATTACKER, paths)
 
 
 def byte_oracle_digest(directory: str, key: str, offsets: int) -> bytes:
@@ -302,6 +307,40 @@ def test_proc_magic_links_read_nothing_of_mountd(shared_workdir, mountd_factory)
     assert counters.get("integrity_failures", 0) == 0  # not a byte was read, or compared
     assert counters["bucket_errors"] == len(items)
     assert "/proc" in m.log_tail(5)
+
+
+def test_a_dataset_in_mountds_own_mount_fails_its_reads_and_mountd_serves_on(
+        shared_workdir, mountd_factory):
+    mine = attacker_dir(shared_workdir)
+    src = os.path.join(mine, "src")
+    os.mkdir(src)
+    os.chown(src, ATTACKER, ATTACKER)
+    data = {f"f{i}.bin": os.urandom(5000) for i in range(40)}
+    for name, content in data.items():
+        attacker_file(src, name, content)
+    m = mountd_factory(workdir=shared_workdir, cache_dir=os.path.join(shared_workdir, "cache"),
+                       extra_args=("--threads", "4"))
+    os.chmod(m.cache_dir, 0o755)
+    assert call_as(ATTACKER, ATTACKER, m.socket, {"op": "mount", "name": "base",
+                                                  "digest": make_digest(src, "base")})["ok"]
+    # items whose files are the mount's own: each read would wait on a worker reading it
+    inner = os.path.join(m.root, "base")
+    items = [digest_format.NewItem(path=f"g{name}", digest=hashlib.sha256(c).digest(),
+                                   size=len(c), key=name) for name, c in data.items()]
+    looped = digest_format.encode("looped", "file://" + inner, items)
+    refused = call_as(ATTACKER, ATTACKER, m.socket, {"op": "mount", "name": "looped",
+                                                     "digest": looped})
+    assert not refused["ok"] and refused["code"] == 6
+    assert "mountd's own mount" in refused["error"]
+    # root's registrations are not checked for access: their reads refuse it instead
+    m.call({"op": "mount", "name": "looped", "digest": looped})
+    paths = [f"{m.root}/looped/{it.path}" for it in items]
+    with concurrent.futures.ThreadPoolExecutor(len(paths)) as pool:  # more than 4 at once
+        got = list(pool.map(lambda p: read_as(0, [p]), paths))
+    assert got == [{p: 5} for p in paths]
+    assert dataset_counters(m, "looped")["bucket_errors"] == len(items)
+    assert read_as_attacker([f"{m.root}/base/f1.bin"]) == {
+        f"{m.root}/base/f1.bin": data["f1.bin"].hex()}
 
 
 def test_the_store_is_root_only(shared_workdir, mountd_factory, tmp_path):

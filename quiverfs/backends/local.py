@@ -9,7 +9,7 @@ from typing import BinaryIO
 
 from quiverfs.backends.base import Backend, ObjectInfo, check_key
 from quiverfs.errors import ExitCode, QuietError
-from quiverfs.fs_identity import (PROC_REFUSED, IdentityUnavailable, UserIdentity, acting_as,
+from quiverfs.fs_identity import (IdentityUnavailable, PathRefused, UserIdentity, acting_as,
                                   open_regular)
 
 log = logging.getLogger(__name__)
@@ -23,8 +23,8 @@ def os_error(exc: OSError, what: str) -> QuietError:
         return QuietError(str(exc), ExitCode.PERMISSION)
     if exc.errno in (errno.ENOENT, errno.ENOTDIR):
         return QuietError(f"{what} does not exist: check the path", ExitCode.NOT_FOUND)
-    if exc.strerror == PROC_REFUSED:
-        return QuietError(f"{what} is {PROC_REFUSED}: name a file of the dataset",
+    if isinstance(exc, PathRefused):
+        return QuietError(f"{what} is {exc.strerror}: name a file of the dataset",
                           ExitCode.PERMISSION)
     if exc.errno in (errno.EACCES, errno.EPERM):
         return QuietError(f"{what} is not readable (permission denied): fix its permissions",
