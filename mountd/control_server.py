@@ -7,12 +7,14 @@ so no local user can take the daemon's descriptors.
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import logging
 import os
 import socket
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import trio
@@ -27,6 +29,14 @@ log = logging.getLogger(__name__)
 _UCRED = struct.Struct("3i")
 MAX_CONNECTIONS = 512  # control connections open at once, all users together
 MAX_CONNECTIONS_PER_UID = 16  # and of one uid (root is not limited)
+# Bytes of request frames held at once, from the header's arrival until the request is
+# answered (a frame is held about three times over while it is received and decoded):
+# one uid's (root is not limited) and all users'. A frame waits for room. Frames under
+# SMALL_FRAME are not counted: the connections bound them.
+FRAME_BYTES_PER_UID = wire.MAX_FRAME
+FRAME_BYTES_TOTAL = 4 * wire.MAX_FRAME
+SMALL_FRAME = 1 << 20
+FRAME_TIMEOUT = 60.0  # seconds a counted frame's body may take to arrive
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +69,38 @@ def peer_groups(pid: int, gid: int) -> frozenset[int]:
     return frozenset(groups)
 
 
+class FrameBytes:
+    """Bytes of large request frames held at once, per uid and in all."""
+
+    def __init__(self, per_uid: int, total: int) -> None:
+        self.per_uid = per_uid
+        self.total = total
+        self.held: collections.Counter[int] = collections.Counter()
+        self._released = trio.Event()
+
+    def _fits(self, uid: int, n: int) -> bool:
+        return (sum(self.held.values()) + n <= self.total
+                and (uid == 0 or self.held[uid] + n <= self.per_uid))
+
+    @contextlib.asynccontextmanager
+    async def hold(self, uid: int, n: int) -> AsyncIterator[None]:
+        """Hold ``n`` bytes for ``uid`` in the body, once they fit (small frames at once)."""
+        if n < SMALL_FRAME:
+            yield
+            return
+        while not self._fits(uid, n):
+            await self._released.wait()
+        self.held[uid] += n
+        try:
+            yield
+        finally:
+            self.held[uid] -= n
+            if not self.held[uid]:
+                del self.held[uid]
+            self._released.set()
+            self._released = trio.Event()
+
+
 def peer_of(sock: trio.socket.SocketType) -> Peer:
     pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                   _UCRED.size))
@@ -68,10 +110,14 @@ def peer_of(sock: trio.socket.SocketType) -> Peer:
 class ControlServer:
     """Serves one request per frame on a unix socket, dispatching by ``op``."""
 
-    def __init__(self, path: str, handlers: dict[str, Handler]) -> None:
+    def __init__(self, path: str, handlers: dict[str, Handler],
+                 frames: FrameBytes | None = None, frame_timeout: float = FRAME_TIMEOUT
+                 ) -> None:
         self.path = path
         self.handlers = handlers
         self._slots = ConnectionSlots(MAX_CONNECTIONS_PER_UID, MAX_CONNECTIONS)
+        self.frames = frames or FrameBytes(FRAME_BYTES_PER_UID, FRAME_BYTES_TOTAL)
+        self.frame_timeout = frame_timeout
         self._socket: socket.socket | None = None  # bound by ``bind``
 
     def bind(self) -> None:
@@ -125,19 +171,32 @@ class ControlServer:
     async def _serve_peer(self, stream: trio.SocketStream, peer: Peer) -> None:
         while True:
             try:
-                body = await wire.recv_frame(stream)
+                length = await wire.recv_length(stream)
+                async with self.frames.hold(peer.uid, length):
+                    reply = await self._answer(stream, peer, length)
             except EOFError:
                 return
             except wire.FrameError as exc:
                 await self._reply_error(stream, str(exc), ExitCode.USAGE)
                 return
+            except trio.TooSlowError:
+                await self._reply_error(stream, f"the request did not arrive within "
+                                        f"{self.frame_timeout:g} s", ExitCode.USAGE)
+                return
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return
-            reply = await self._dispatch(peer, body)
             try:
                 await wire.send_msg(stream, reply)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return
+
+    async def _answer(self, stream: trio.SocketStream, peer: Peer, length: int
+                      ) -> dict[str, Any]:
+        """Receive a request of ``length`` bytes and answer it (its bytes are freed on
+        return, with the room they held)."""
+        with trio.fail_after(self.frame_timeout):
+            body = await wire.recv_body(stream, length)
+        return await self._dispatch(peer, body)
 
     async def _dispatch(self, peer: Peer, body: bytes) -> dict[str, Any]:
         try:

@@ -47,11 +47,22 @@ async def _recv_exactly(stream: trio.abc.ReceiveStream, n: int) -> bytes:
     return bytes(buf)
 
 
-async def recv_frame(stream: trio.abc.ReceiveStream, limit: int = MAX_FRAME) -> bytes:
-    """Receive one frame's body (EOFError when the peer closed cleanly between frames)."""
+async def recv_length(stream: trio.abc.ReceiveStream, limit: int = MAX_FRAME) -> int:
+    """Receive one frame's header: the length of its body, at most ``limit`` (EOFError
+    when the peer closed cleanly between frames)."""
     (length,) = HEADER.unpack(await _recv_exactly(stream, HEADER.size))
     check_length(length, limit)
+    return length
+
+
+async def recv_body(stream: trio.abc.ReceiveStream, length: int) -> bytes:
+    """Receive the ``length`` bytes of body that a frame's header announced."""
     return await _recv_exactly(stream, length)
+
+
+async def recv_frame(stream: trio.abc.ReceiveStream, limit: int = MAX_FRAME) -> bytes:
+    """Receive one frame's body (EOFError when the peer closed cleanly between frames)."""
+    return await recv_body(stream, await recv_length(stream, limit))
 
 
 async def send_msg(stream: trio.abc.SendStream, obj: Any) -> None:

@@ -10,8 +10,10 @@ from typing import Any
 import pyfuse3
 import pytest
 import trio
+import trio.testing
 
-from mountd.control_server import MAX_CONNECTIONS_PER_UID, ControlServer, Peer
+from mountd.control_server import (MAX_CONNECTIONS_PER_UID, SMALL_FRAME, ControlServer,
+                                   FrameBytes, Peer)
 from mountd.fs import QuiverFS
 from mountd.job_registry import MAX_JOBS_PER_USER, JobLimit, JobRegistry
 from mountd.mount_table import FIRST_DATASET_INODE, MountTable
@@ -127,6 +129,63 @@ async def test_one_uid_cannot_take_all_control_connections(shared_workdir):
         # another user (root here) is still served
         reply = await trio.to_thread.run_sync(control_client.call, path, {"op": "echo"})
         assert reply["uid"] == 0
+        nursery.cancel_scope.cancel()
+
+
+MiB = 1 << 20
+
+
+async def test_large_frames_wait_for_room_per_uid_and_in_all():
+    frames = FrameBytes(per_uid=3 * MiB, total=5 * MiB)
+    inside: list[str] = []
+    done = {tag: trio.Event() for tag in ("a", "b", "c", "root", "small")}
+
+    async def hold(tag: str, uid: int, n: int) -> None:
+        async with frames.hold(uid, n):
+            inside.append(tag)
+            await done[tag].wait()
+
+    async with trio.open_nursery() as nursery:
+        for tag, uid, n in (("a", 1000, 2 * MiB), ("b", 1000, 2 * MiB), ("c", 1001, 3 * MiB),
+                            ("root", 0, 2 * MiB), ("small", 1000, SMALL_FRAME - 1)):
+            nursery.start_soon(hold, tag, uid, n)
+            await trio.testing.wait_all_tasks_blocked()
+        # b waits for its uid's room, root for the total's; a small frame never waits
+        assert inside == ["a", "c", "small"] and dict(frames.held) == {1000: 2 * MiB,
+                                                                       1001: 3 * MiB}
+        done["c"].set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert inside[3:] == ["root"]  # b still over its uid's 3 MiB
+        done["a"].set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert inside[4:] == ["b"]
+        for event in done.values():
+            event.set()
+    assert not frames.held
+
+
+async def test_a_request_that_trickles_is_dropped_and_the_waiting_one_served(tmp_path):
+    path = str(tmp_path / "control.sock")
+    timeout = 1.0
+    server = ControlServer(path, {"echo": echo}, FrameBytes(4 * MiB, 4 * MiB), timeout)
+    server.bind()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        with socket.socket(socket.AF_UNIX) as slow:
+            slow.connect(path)
+            started = trio.current_time()
+            slow.sendall(wire.HEADER.pack(3 * MiB) + b"\x81")  # and nothing more
+            with trio.fail_after(10):
+                while server.frames.held[0] != 3 * MiB:
+                    await trio.sleep(0.01)
+            # a whole request of 3 MiB does not fit beside it: it waits for the drop
+            reply = await trio.to_thread.run_sync(control_client.call, path, {
+                "op": "echo", "pad": b"\0" * (3 * MiB - 100)})
+            assert reply["uid"] == 0
+            assert trio.current_time() - started >= timeout
+            dropped = await trio.to_thread.run_sync(wire.sock_recv_msg, slow)
+        assert not dropped["ok"] and "did not arrive within 1 s" in dropped["error"]
+        assert not server.frames.held
         nursery.cancel_scope.cancel()
 
 
