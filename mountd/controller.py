@@ -173,17 +173,18 @@ class Controller:
     async def _decode(self, data: bytes) -> Digest:
         """The copy in use of the digest file ``data``, else ``data`` decoded if the
         decoding fits in mountd's memory limit."""
-        in_use = self.shared.find(data)
+        # in a worker: telling a repeat from another digest compares up to the whole file
+        in_use = await trio.to_thread.run_sync(self.shared.find, data, limiter=self.limiter)
         if in_use is not None:
             return in_use
         self.memory.check_decode(self._held(), digest_format.decode_peak(data))
         return await trio.to_thread.run_sync(digest_format.decode, data,
                                              "registered digest", limiter=self.limiter)
 
-    def _check_memory(self, uid: int, digest: Digest, view: str) -> DigestCost:
+    async def _check_memory(self, uid: int, digest: Digest, view: str) -> DigestCost:
         """The estimated cost of registering ``digest`` in ``view`` for ``uid``, if it
         keeps the uid and everyone within their memory limits (else QuietError)."""
-        cost = digest_cost(digest)
+        cost = await trio.to_thread.run_sync(digest_cost, digest, limiter=self.limiter)
         self.memory.check(self._held(), Held(uid, digest.identity, view == "substitutable",
                                              cost))
         return cost
@@ -224,7 +225,7 @@ class Controller:
             # Nothing is written before every check has passed: a refused registration
             # leaves nothing behind on root's disk (and nothing is built in memory).
             digest = await self._decode(data)
-            cost = self._check_memory(user.uid, digest, view)
+            cost = await self._check_memory(user.uid, digest, view)
             self._check_gcs_credentials(digest, options, peer)
             self._check_item_sizes(digest)
             if view == "substitutable" and not has_labels(digest):

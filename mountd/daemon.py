@@ -35,6 +35,7 @@ from quiverfs import sd_notify
 from quiverfs.chunk_plan import CACHE_CHUNKS
 from quiverfs.fs_identity import (NOBODY, IdentityUnavailable, UserIdentity, acting_as,
                                   refuse_device)
+from quiverfs.heartbeat import NODE_ID
 from quiverfs.metrics_server import MetricsServer
 from quiverfs.process_limits import raise_open_file_limit
 from quiverfs.mount_point import is_mounted, mount_device
@@ -85,8 +86,6 @@ class MountdConfig:
 def check_cluster_config(cfg: MountdConfig) -> None:
     """Refuse (exit 2) a node id or a peer server address that the coordinator would
     refuse at every heartbeat."""
-    from quiverfs.heartbeat import NODE_ID
-
     if not NODE_ID.fullmatch(cfg.node_id):
         raise QuietError(f"node id {cfg.node_id!r} is not valid: give --node-id of letters, "
                          "digits, '.', '_' and '-' (at most 253)", ExitCode.USAGE)
@@ -160,6 +159,7 @@ class Mountd:
                         if cfg.metrics else None)
         self.control = ControlServer(cfg.control_socket, self.controller.handlers())
         self.control.bind()
+        self.device: str | None = None  # MAJOR:MINOR of the mount, once mounted
         self._terminated = False
 
     def run(self) -> None:
@@ -174,9 +174,9 @@ class Mountd:
         # Not "ro": the control area ROOT/.quiver/jobs takes writes; datasets refuse them.
         options |= {"fsname=quiver", "subtype=quiver", "allow_other"}
         pyfuse3.init(self.fs, self.root, options)
-        device = mount_device(self.root)
-        if device is not None:  # a dataset's files in this mount would read themselves
-            refuse_device(os.makedev(*map(int, device.split(":"))))
+        self.device = mount_device(self.root)
+        if self.device is not None:  # a dataset's files in this mount would read themselves
+            refuse_device(os.makedev(*map(int, self.device.split(":"))))
         log.info("mounted %s (cache %s, %d bytes)", self.root, self.cfg.cache_dir,
                  self.cfg.cache_size)
         try:
@@ -243,7 +243,7 @@ class Mountd:
         concurrent readers exceed the limit, and the kernel falls back to reading a
         page per request."""
         await self.fs.initialized.wait()
-        device = mount_device(self.root)
+        device = self.device
         settings = {f"/sys/class/bdi/{device}/read_ahead_kb": READAHEAD_KB}
         if device is not None:
             await trio.to_thread.run_sync(_mount_fusectl, limiter=self.limiter)

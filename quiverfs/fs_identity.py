@@ -159,7 +159,7 @@ def open_regular(path: str) -> int:
     The path is resolved to an O_PATH descriptor, which opens nothing, and checked
     before the file is opened through it: no FIFO blocks the open, and no OPEN reaches
     mountd's own mount."""
-    pinned = _open_no_magic(path, os.O_PATH | os.O_CLOEXEC)
+    pinned = _pin(path)
     try:
         st = os.fstat(pinned)
         if not stat.S_ISREG(st.st_mode):
@@ -178,12 +178,12 @@ def open_regular(path: str) -> int:
 _have_openat2 = True  # until the kernel says ENOSYS (before 5.6, or a seccomp filter)
 
 
-def _open_no_magic(path: str, flags: int) -> int:
-    """``open(path, flags)`` that never follows a magic link: openat2 with
-    RESOLVE_NO_MAGICLINKS where the kernel has it, else a walk by hand."""
+def _pin(path: str) -> int:
+    """An O_PATH descriptor of ``path``, resolved without following a magic link:
+    openat2 with RESOLVE_NO_MAGICLINKS where the kernel has it, else a walk by hand."""
     global _have_openat2
     if _have_openat2:
-        how = _OpenHow(flags, 0, _RESOLVE_NO_MAGICLINKS)
+        how = _OpenHow(os.O_PATH | os.O_CLOEXEC, 0, _RESOLVE_NO_MAGICLINKS)
         fd = _libc.syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_long(_AT_FDCWD),
                            ctypes.c_char_p(os.fsencode(path)), ctypes.byref(how),
                            ctypes.c_size_t(ctypes.sizeof(how)))
@@ -193,14 +193,15 @@ def _open_no_magic(path: str, flags: int) -> int:
         if err != errno.ENOSYS:
             raise OSError(err, os.strerror(err), path)
         _have_openat2 = False
-    return open_walking(path, flags)
+    return _pin_walking(path)
 
 
-def open_walking(path: str, flags: int) -> int:
+def _pin_walking(path: str) -> int:
     """What openat2's RESOLVE_NO_MAGICLINKS does, for kernels without it: resolve
     ``path`` one component at a time with O_NOFOLLOW, following ordinary symlinks by
-    their text, and refuse to enter procfs, where every magic link lives. The kernel
-    checks each step with the thread's credentials, as in a plain open."""
+    their text, and refuse to enter procfs, where every magic link lives (or mountd's
+    own mount). The kernel checks each step with the thread's credentials, as in a
+    plain open."""
     pending = _components(path)
     dirfd = os.open("/" if path.startswith("/") else ".", _DIR_FLAGS)
     links = 0
@@ -217,17 +218,16 @@ def open_walking(path: str, flags: int) -> int:
                     os.close(dirfd)
                     dirfd = os.open("/", _DIR_FLAGS)
                 continue
-            if not pending:  # a link swapped in since the stat is opened as a link
-                return os.open(name, flags | os.O_NOFOLLOW, dir_fd=dirfd)
+            if not pending:  # a link swapped in since the stat is pinned as a link
+                return os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
             parent, dirfd = dirfd, os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=dirfd)
             os.close(parent)
             why = _refusal(dirfd, os.fstat(dirfd).st_dev)
             if why is not None:
                 raise PathRefused(errno.EACCES, why, path)
-        return os.open(".", flags, dir_fd=dirfd)
+        return os.open(".", os.O_PATH | os.O_CLOEXEC, dir_fd=dirfd)
     finally:
         os.close(dirfd)
-
 
 
 def _components(path: str) -> list[str]:
