@@ -67,3 +67,18 @@ def test_synthetic_sizes_look_like_imagenet() -> None:
     sizes = synthetic_sizes(20_000, seed=0)
     assert 100_000 <= sizes.mean() <= 120_000
     assert sizes.min() >= MIN_SIZE and sizes.max() <= MAX_SIZE
+
+
+def test_synthetic_tree_of_small_files_honours_mean_and_range(tmp_path) -> None:
+    tree = write_synthetic_tree(str(tmp_path / "small"), 300, 10, seed=3, mean_size=4_000,
+                                size_range=(1_000, 12_000))
+    sizes = [os.path.getsize(os.path.join(d, n)) for d, _, ns in os.walk(tree.root)
+             for n in ns]
+    assert len(sizes) == tree.files == 300 and sum(sizes) == tree.bytes
+    assert 3_600 <= tree.bytes / tree.files <= 4_400
+    assert min(sizes) >= 1_000 and max(sizes) <= 12_000
+    for d, _, names in os.walk(tree.root):
+        for n in names:
+            with Image.open(os.path.join(d, n)) as img:
+                assert img.format == "JPEG"
+                img.load()

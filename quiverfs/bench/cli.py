@@ -17,7 +17,8 @@ from quiverfs.option_types import FloatAtLeast
 
 # name -> ("module:function", help). Each function takes (quick: bool, workdir: str),
 # plot: str | None if it draws a figure, latency_ms: float if its bucket can have a
-# first-byte latency, and returns a dict holding at least "summary".
+# first-byte latency, model: str and device: str if it trains a model, and returns a
+# dict holding at least "summary".
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "digest": ("quiverfs.bench.digest:run",
                "digest load time and memory at 1.3 M entries, hashing throughput"),
@@ -33,7 +34,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                "chunk-load objects/s with 1 and 2 loader processes; read latency meanwhile"),
     "compare": ("quiverfs.bench.compare:run",
                 "Quiver vs direct reads and rclone, cache 10-100%"),
+    "train": ("quiverfs.bench.train:run",
+              "a torchvision model trained through the mount vs from local files"),
 }
+# options that only some benchmarks take: passed to those that do
+OPTIONAL = ("plot", "model", "device")
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -53,6 +58,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="delay the first byte of every response from the benchmark's "
                    "bucket by MS milliseconds, as a cloud bucket's time to first byte "
                    "(compare: default 0; loader: default 30)")
+    p.add_argument("--model", metavar="NAME", help="train: the torchvision.models "
+                   "classifier to train (default: resnet50; --quick: resnet18)")
+    p.add_argument("--device", choices=("cuda", "cpu"), help="train: where the model "
+                   "trains (default: cuda if torch sees one, else cpu)")
     p.set_defaults(func=cmd_bench)
 
 
@@ -73,12 +82,12 @@ def takes(name: str, option: str) -> bool:
     return option in inspect.signature(_function(name)).parameters
 
 
-def run_one(name: str, quick: bool, workdir: str | None, plot: str | None = None,
-            latency_ms: float | None = None) -> dict:
+def run_one(name: str, quick: bool, workdir: str | None,
+            options: dict[str, object] | None = None) -> dict:
+    """Run benchmark ``name``, passing it those of ``options`` (latency_ms and OPTIONAL,
+    the ones given) that it takes."""
     fn = _function(name)
-    extra: dict[str, object] = {"plot": plot} if plot and takes(name, "plot") else {}
-    if latency_ms is not None:
-        extra["latency_ms"] = latency_ms
+    extra = {k: v for k, v in (options or {}).items() if takes(name, k)}
     with tempfile.TemporaryDirectory(prefix=f"quiver-bench-{name}-", dir=workdir) as tmp:
         started = time.time()
         report = fn(quick=quick, workdir=tmp, **extra)
@@ -92,16 +101,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.workdir and not os.path.isdir(args.workdir):
         raise QuietError(f"--workdir {args.workdir} is not a directory", ExitCode.NOT_FOUND)
     names = sorted(BENCHMARKS) if args.name == "all" else [args.name]
-    if args.plot and not any(takes(n, "plot") for n in names):
-        raise QuietError(f"--plot: the {args.name} benchmark draws no figure (these do: "
-                         f"{', '.join(n for n in sorted(BENCHMARKS) if takes(n, 'plot'))})",
-                         ExitCode.USAGE)
+    options = {k: getattr(args, k) for k in ("latency_ms", *OPTIONAL)
+               if getattr(args, k) is not None}
+    for option in OPTIONAL:
+        if option in options and not any(takes(n, option) for n in names):
+            raise QuietError(f"--{option}: the {args.name} benchmark takes no --{option} "
+                             f"(these do: "
+                             f"{', '.join(n for n in sorted(BENCHMARKS) if takes(n, option))})",
+                             ExitCode.USAGE)
     if args.latency_ms is not None and not all(takes(n, "latency_ms") for n in names):
         raise QuietError(f"--latency-ms: only these benchmarks have a bucket latency: "
                          f"{', '.join(n for n in sorted(BENCHMARKS) if takes(n, 'latency_ms'))}",
                          ExitCode.USAGE)
-    reports = {n: run_one(n, args.quick, args.workdir, args.plot, args.latency_ms)
-               for n in names}
+    reports = {n: run_one(n, args.quick, args.workdir, options) for n in names}
     out = reports[names[0]] if len(names) == 1 else {"summary": {
         n: r["summary"] for n, r in reports.items()}, "reports": reports}
     tmp = args.json + ".tmp"

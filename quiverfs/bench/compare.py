@@ -289,6 +289,7 @@ class Target:
     daemon_pid: int | None  # mountd or rclone, whose CPU time is counted
     cache_used: Callable[[], int] | None = None  # bytes the cache holds now (sampled)
     mountd_counters: Callable[[], MountdCounters] | None = None
+    cache_dir: str | None = None  # where the cache keeps its files (rclone's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,18 +352,19 @@ def rclone_available() -> bool:
 
 
 @contextlib.contextmanager
-def rclone_mount(proxy: ThrottleProxy, cache_bytes: int, workdir: str, name: str
-                 ) -> Iterator[Target]:
-    """``rclone mount`` of the dataset's prefix with a full VFS cache of ``cache_bytes``,
-    its GCS backend pointed at the proxy; unmounted, stopped and its cache removed on exit."""
+def rclone_mount(endpoint: str, cache_bytes: int, workdir: str, name: str,
+                 remote: str = f"{BUCKET}/{DATASET}") -> Iterator[Target]:
+    """``rclone mount`` of ``remote`` (bucket/prefix) with a full VFS cache of
+    ``cache_bytes``, its GCS backend pointed at ``endpoint`` (the proxy's URL, or the
+    emulator's); unmounted, stopped and its cache removed on exit."""
     root = os.path.join(workdir, f"{name}-mnt")
     cache_dir = os.path.join(workdir, f"{name}-cache")
     config = os.path.join(workdir, f"{name}.conf")
     os.makedirs(root)
     with open(config, "w", encoding="utf-8") as f:
         f.write(f"[bucket]\ntype = google cloud storage\nanonymous = true\n"
-                f"endpoint = {proxy.url}\n")
-    argv = ["rclone", "--config", config, "mount", f"bucket:{BUCKET}/{DATASET}", root,
+                f"endpoint = {endpoint}\n")
+    argv = ["rclone", "--config", config, "mount", f"bucket:{remote}", root,
             "--read-only", "--vfs-cache-mode", "full",
             "--vfs-cache-max-size", f"{cache_bytes}B", "--vfs-cache-poll-interval",
             RCLONE_POLL, "--cache-dir", cache_dir,
@@ -379,7 +381,8 @@ def rclone_mount(proxy: ThrottleProxy, cache_bytes: int, workdir: str, name: str
                 raise RuntimeError(f"rclone did not mount {root} in {MOUNT_TIMEOUT:.0f} s")
             time.sleep(0.05)
         # sampled: rclone evicts only when it polls (mountd's store on every insert)
-        yield Target(root, proc.pid, cache_used=lambda: disk_usage(cache_dir))
+        yield Target(root, proc.pid, cache_used=lambda: disk_usage(cache_dir),
+                     cache_dir=cache_dir)
     finally:
         unmount(root)  # rclone exits once its mount is gone
         terminate(proc)
@@ -538,7 +541,7 @@ def run_config(mode: str, fraction: float | None, jobs: list[JobChild], data: Da
     if mode == "direct":
         target_cm = direct_reads(proxy)
     elif mode == "rclone":
-        target_cm = rclone_mount(proxy, cache_bytes, workdir, name)
+        target_cm = rclone_mount(proxy.url, cache_bytes, workdir, name)
     else:
         target_cm = quiver_mount(mode, data, proxy, cache_bytes, workdir, name)
     n_epochs = size.epochs_direct if mode == "direct" else size.epochs

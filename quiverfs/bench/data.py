@@ -1,10 +1,10 @@
 """Datasets for tests, demos and benchmarks, written as ImageFolder trees.
 
 ``write_digits_tree`` exports scikit-learn's handwritten digits (real data, 1797 PNGs).
-``write_synthetic_tree`` writes decodable JPEGs with ImageNet-like sizes: each item is
-one of a few pre-encoded random-noise images, padded with JPEG comment segments of
-random bytes up to the item's drawn size, so gigabytes take seconds and every item
-has distinct content.
+``write_synthetic_tree`` writes decodable JPEGs with ImageNet-like sizes (or another mean
+and range, down to about a kilobyte): each item is one of a few pre-encoded random-noise
+images, padded with JPEG comment segments of random bytes up to the item's drawn size,
+so gigabytes take seconds and every item has distinct content.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ MIN_SIZE = 20_000
 MAX_SIZE = 300_000
 SIZE_SIGMA = 0.45
 JPEG_QUALITY = 90
-_BASE_SIDES = range(128, 616, 8)  # noise images from ~15 KB to ~320 KB at JPEG_QUALITY
+_BASE_SIDES = range(8, 616, 8)  # noise images from ~0.7 KB to ~320 KB at JPEG_QUALITY
 _COM_MAX = 65_533  # payload bytes of one JPEG COM segment (its length field is u16)
 _COM_OVERHEAD = 4  # marker (FF FE) + length field
 _MIN_PAD = _COM_OVERHEAD + 32  # 32 random bytes make every item's content distinct
@@ -80,17 +80,20 @@ def _padded(base: bytes, size: int, rng: np.random.Generator) -> bytes:
     return base[:2] + b"".join(segments) + base[2:]
 
 
-def synthetic_sizes(n_items: int, seed: int, mean_size: int = 110_000) -> np.ndarray:
-    """Item sizes in bytes: log-normal with mean ~``mean_size``, within MIN_SIZE..MAX_SIZE."""
+def synthetic_sizes(n_items: int, seed: int, mean_size: int = 110_000,
+                    size_range: tuple[int, int] = (MIN_SIZE, MAX_SIZE)) -> np.ndarray:
+    """Item sizes in bytes: log-normal with mean ~``mean_size``, clipped to ``size_range``."""
     rng = np.random.default_rng(seed)
     median = mean_size / math.exp(SIZE_SIGMA ** 2 / 2)
     sizes = rng.lognormal(math.log(median), SIZE_SIGMA, n_items)
-    return np.clip(np.rint(sizes), MIN_SIZE, MAX_SIZE).astype(np.int64)
+    return np.clip(np.rint(sizes), *size_range).astype(np.int64)
 
 
 def write_synthetic_tree(dest: str, n_items: int, n_classes: int = 10, seed: int = 0,
-                         mean_size: int = 110_000) -> Tree:
-    """Write ``n_items`` JPEGs as ``dest/nCCCCCCCC/nCCCCCCCC_I.JPEG``; same seed, same bytes."""
+                         mean_size: int = 110_000,
+                         size_range: tuple[int, int] = (MIN_SIZE, MAX_SIZE)) -> Tree:
+    """Write ``n_items`` JPEGs as ``dest/nCCCCCCCC/nCCCCCCCC_I.JPEG``; same seed, same bytes.
+    Sizes as ``synthetic_sizes``; the smallest a JPEG here can be is about 0.8 KB."""
     if n_classes < 1 or n_items < n_classes:
         raise ValueError(f"need at least one item per class ({n_items} items, "
                          f"{n_classes} classes)")
@@ -100,7 +103,7 @@ def write_synthetic_tree(dest: str, n_items: int, n_classes: int = 10, seed: int
     total = 0
     for c in range(n_classes):
         os.makedirs(os.path.join(dest, f"n{c:08d}"), exist_ok=True)
-    for i, size in enumerate(synthetic_sizes(n_items, seed, mean_size).tolist()):
+    for i, size in enumerate(synthetic_sizes(n_items, seed, mean_size, size_range).tolist()):
         # the largest base that leaves room for the padding
         data = _padded(bases[max(0, bisect.bisect_right(base_lens, size - _MIN_PAD) - 1)],
                        size, rng)

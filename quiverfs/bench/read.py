@@ -3,16 +3,26 @@
 Warm (every item already in mountd's store), three ways, each against reading the
 same files from a local directory with the same number of threads:
 
-- ``ssd`` (the headline ``warm_ratio_N``): no page cache on either side; local files and
-  the store's files are dropped from it with posix_fadvise(DONTNEED) and the dataset is
-  mounted afresh. Both sides read the SSD, as with a dataset larger than RAM.
-- ``store``: the store's files are in the page cache, the mount's pages are not (a fresh
-  mount name): what mountd's own read path costs.
-- ``hot``: both sides in the page cache; the mount's pages kept by the kernel
-  (``keep_cache``) from a previous pass.
+- ``ssd`` (the headline ``warm_ratio_N``, N = 1, 4, 16 and 64 threads): no page cache on
+  either side; local files and the store's files are written back and dropped from it
+  with posix_fadvise(DONTNEED) and the dataset is mounted afresh. Both sides read the
+  SSD, as with a dataset larger than RAM.
+- ``store`` (16 threads): the store's files are in the page cache, the mount's pages are
+  not (a fresh mount name): what mountd's own read path costs.
+- ``hot`` (16 and 64 threads): both sides in the page cache; the mount's pages kept by
+  the kernel (``keep_cache``) from the ``ssd`` pass just before.
+
+Small files: a second tree of 4 KB JPEGs, its own mountd, the ``ssd`` pass at 16
+threads (``warm_ratio_small_16``), where a request's cost outweighs its bytes.
 
 Cold: an empty store, items behind the GCS emulator; the baseline reads the bucket with
 the google-cloud-storage client, same number of threads.
+
+The peer: ``rclone mount --vfs-cache-mode full`` of a subset of the same files, uploaded
+to the emulator (uploads are slow there); a first pass fills rclone's cache, then the
+local files, rclone's cache files and the mount's pages are dropped from the page
+cache and every file is read at 16 and 64 threads, against the same subset read
+locally (``rclone_warm_ratio_N``). Without rclone the pass is skipped with a note.
 
 Each warm pass also counts the FUSE requests mountd received per file, by opcode; the
 headline ``fuse_requests_per_file`` is the ``hot`` pass at 16 threads (the second pass
@@ -22,22 +32,39 @@ over the same mounted files). Both report mountd's bucket fetches by cause
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import random
 import shutil
 import time
 from collections import Counter
+from collections.abc import Callable
 
 from digest_tools.create import create_digest
 from quiverfs.backends import StorageOptions, open_backend
+from quiverfs.bench.compare import rclone_available, rclone_mount
 from quiverfs.bench.cpu_time import process_cpu_seconds
-from quiverfs.bench.data import write_synthetic_tree
+from quiverfs.bench.data import Tree, write_synthetic_tree
 from quiverfs.bench.emulator import running_emulator, upload_tree
 from quiverfs.bench.processes import MountdProcess, running_mountd
 
+log = logging.getLogger(__name__)
+
 FULL_ITEMS, QUICK_ITEMS = 19_000, 1_500  # x 110 KB: 2.1 GB and 165 MB
-COLD_FULL, COLD_QUICK = 2_000, 300  # items uploaded to the emulator (uploads are slow there)
-THREADS = (4, 16)
+SMALL_FULL, SMALL_QUICK = 20_000, 1_000  # x 4 KB: 80 MB and 4 MB
+SMALL_MEAN, SMALL_RANGE = 4_000, (1_000, 12_000)  # bytes
+# subsets of the tree uploaded to the emulator (uploads are slow there)
+COLD_FULL, COLD_QUICK = 2_000, 300
+RCLONE_FULL, RCLONE_QUICK = 6_000, 300
+SSD_THREADS = (1, 4, 16, 64)
+STORE_THREADS = (16,)
+HOT_THREADS = (16, 64)
+SMALL_THREADS = 16
+RCLONE_THREADS = (16, 64)
+FILL_THREADS = 16
+BUCKET = "bench"
+RCLONE_MISSING = ("rclone is not installed (Debian: apt-get install rclone): the rclone pass "
+                  "and its rclone_warm_ratio_N keys are left out")
 
 
 def _read_file(path: str) -> int:
@@ -53,69 +80,176 @@ def read_all(paths: list[str], threads: int, reader=_read_file) -> tuple[int, fl
     return total, time.perf_counter() - start
 
 
-def _remount(m: MountdProcess, data: bytes, name: str, host: str | None = None) -> str:
+def remount(m: MountdProcess, data: bytes, name: str, host: str | None = None) -> str:
     """Register ``data`` under a fresh name: new inodes, so no kernel page cache."""
     m.call({"op": "mount", "name": name, "digest": data, "emulator_host": host})
     return os.path.join(m.root, name)
 
 
 def drop_page_cache(paths: list[str]) -> None:
-    """Evict files' clean pages from the page cache (no privileges needed)."""
+    """Evict files' pages from the page cache (no privileges needed); each file is
+    written back first, since dirty pages (a tree or a cache just written) stay."""
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
+            os.fdatasync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
 
 
-def _files_under(directory: str) -> list[str]:
+def files_under(directory: str) -> list[str]:
     return [os.path.join(d, f) for d, _, fs in os.walk(directory) for f in fs]
+
+
+def _shuffled_files(src: str) -> list[str]:
+    """Every file under ``src``, relative to it, in a fixed random order."""
+    rels = [os.path.relpath(path, src) for path in files_under(src)]
+    random.Random(0).shuffle(rels)
+    return rels
+
+
+def _copy_subset(src: str, rels: list[str], dest: str) -> str:
+    """Copy ``rels`` from ``src`` to ``dest`` (the same relative paths); ``dest``."""
+    for r in rels:
+        os.makedirs(os.path.dirname(os.path.join(dest, r)), exist_ok=True)
+        shutil.copyfile(os.path.join(src, r), os.path.join(dest, r))
+    return dest
 
 
 def _requests(m: MountdProcess) -> Counter[str]:
     return Counter(m.status()["fuse_requests"])
 
 
-def _compare(direct: list[str], mounted: list[str], threads: int, m: MountdProcess) -> dict:
+def _compare(direct: list[str], mounted: list[str], threads: int, daemon_pid: int,
+             requests: Callable[[], Counter[str]] | None = None) -> dict:
+    """Read ``direct`` then ``mounted`` (the same files) with ``threads`` threads; rates,
+    the mount's daemon's CPU and, given ``requests``, its FUSE requests per file."""
     direct_bytes, direct_s = read_all(direct, threads)
-    requests0 = _requests(m)
-    cpu0 = process_cpu_seconds(m.proc.pid)
+    requests0 = requests() if requests else Counter()
+    cpu0 = process_cpu_seconds(daemon_pid)
     mount_bytes, mount_s = read_all(mounted, threads)
-    cpu = process_cpu_seconds(m.proc.pid) - cpu0
+    cpu = process_cpu_seconds(daemon_pid) - cpu0
     if mount_bytes != direct_bytes:
-        raise RuntimeError("the mount returned a different number of bytes")
-    time.sleep(0.2)  # the kernel sends RELEASE after close returns
-    requests = _requests(m) - requests0
-    return {"direct_mb_s": round(direct_bytes / direct_s / 1e6, 1),
-            "mount_mb_s": round(mount_bytes / mount_s / 1e6, 1),
-            "ratio": round(direct_s / mount_s, 3), "mountd_cpu_s": round(cpu, 2),
-            "cpu_s_per_gb": round(cpu / (mount_bytes / 1e9), 3),
-            "fuse_requests_per_file": round(sum(requests.values()) / len(mounted), 3),
-            "fuse_requests": {op: round(n / len(mounted), 3)
-                              for op, n in sorted(requests.items())}}
+        raise RuntimeError(f"the mount returned {mount_bytes} bytes, the local files "
+                           f"{direct_bytes}")
+    out = {"files": len(mounted), "direct_bytes": direct_bytes, "mount_bytes": mount_bytes,
+           "direct_mb_s": round(direct_bytes / direct_s / 1e6, 1),
+           "mount_mb_s": round(mount_bytes / mount_s / 1e6, 1),
+           "direct_files_s": round(len(direct) / direct_s),
+           "mount_files_s": round(len(mounted) / mount_s),
+           "ratio": round(direct_s / mount_s, 3), "daemon_cpu_s": round(cpu, 2),
+           "cpu_s_per_gb": round(cpu / (mount_bytes / 1e9), 3)}
+    if requests:
+        time.sleep(0.2)  # the kernel sends RELEASE after close returns
+        counted = requests() - requests0
+        out["fuse_requests_per_file"] = round(sum(counted.values()) / len(mounted), 3)
+        out["fuse_requests"] = {op: round(n / len(mounted), 3)
+                                for op, n in sorted(counted.items())}
+    return out
 
 
-def _warm(src: str, rels: list[str], data: bytes, size: int, workdir: str) -> dict:
+def _ssd_pass(m: MountdProcess, data: bytes, rels: list[str], direct: list[str],
+              threads: int, name: str) -> tuple[dict, list[str]]:
+    """The ``ssd`` comparison under a fresh mount ``name``; it and the mounted paths."""
+    drop_page_cache(direct)
+    drop_page_cache(files_under(os.path.join(m.cache_dir, "store")))
+    root = remount(m, data, name)
+    mounted = [os.path.join(root, r) for r in rels]
+    return _compare(direct, mounted, threads, m.proc.pid, lambda: _requests(m)), mounted
+
+
+def _fill(m: MountdProcess, data: bytes, rels: list[str]) -> None:
+    """Read every item once through the mount, so that all are in the store."""
+    root = remount(m, data, "fill")
+    read_all([os.path.join(root, r) for r in rels], FILL_THREADS)
+
+
+def _cache_size(tree: Tree) -> str:
+    return str(tree.bytes * 2 + (64 << 20))
+
+
+def _warm(src: str, rels: list[str], data: bytes, tree: Tree, workdir: str) -> dict:
     direct = [os.path.join(src, r) for r in rels]
     out: dict = {"ssd": {}, "store": {}, "hot": {}}
-    with running_mountd(workdir, cache_size=str(size * 2 + (64 << 20)), name="warm") as m:
-        store_dir = os.path.join(m.cache_dir, "store")
-        fill = _remount(m, data, "fill")
-        read_all([os.path.join(fill, r) for r in rels], 16)
-        for threads in THREADS:
-            drop_page_cache(direct)
-            drop_page_cache(_files_under(store_dir))
-            root = _remount(m, data, f"ssd{threads}")
-            mounted = [os.path.join(root, r) for r in rels]
-            out["ssd"][threads] = _compare(direct, mounted, threads, m)
-            # the store's files are in the page cache now; a fresh name has no pages
-            root = _remount(m, data, f"store{threads}")
-            out["store"][threads] = _compare(direct, [os.path.join(root, r) for r in rels],
-                                             threads, m)
-            # the ssd pass left that mount's pages in the kernel
-            out["hot"][threads] = _compare(direct, mounted, threads, m)
+    with running_mountd(workdir, cache_size=_cache_size(tree), name="warm") as m:
+        _fill(m, data, rels)
+        for threads in SSD_THREADS:
+            out["ssd"][threads], mounted = _ssd_pass(m, data, rels, direct, threads,
+                                                     f"ssd{threads}")
+            if threads in STORE_THREADS:
+                # the store's files are in the page cache now; a fresh name has no pages
+                root = remount(m, data, f"store{threads}")
+                out["store"][threads] = _compare(direct, [os.path.join(root, r) for r in rels],
+                                                 threads, m.proc.pid, lambda: _requests(m))
+            if threads in HOT_THREADS:
+                # the ssd pass left that mount's pages in the kernel
+                out["hot"][threads] = _compare(direct, mounted, threads, m.proc.pid,
+                                               lambda: _requests(m))
         out["bucket_fetch_causes"] = m.status()["bucket_fetch_causes"]
+    shutil.rmtree(m.cache_dir, ignore_errors=True)
+    return out
+
+
+def _small(n_items: int, workdir: str) -> dict:
+    """The ``ssd`` pass over a tree of small files, in a mountd of its own."""
+    src = os.path.join(workdir, "small-src")
+    tree = write_synthetic_tree(src, n_items, n_classes=100, seed=12, mean_size=SMALL_MEAN,
+                                size_range=SMALL_RANGE)
+    data = create_digest(src, "small", workers=os.cpu_count() or 1)
+    rels = _shuffled_files(src)
+    with running_mountd(workdir, cache_size=_cache_size(tree), name="small") as m:
+        _fill(m, data, rels)
+        ssd, _ = _ssd_pass(m, data, rels, [os.path.join(src, r) for r in rels],
+                           SMALL_THREADS, f"ssd{SMALL_THREADS}")
+    shutil.rmtree(m.cache_dir, ignore_errors=True)
+    return {"dataset": {"items": tree.files, "bytes": tree.bytes},
+            "ssd": {SMALL_THREADS: ssd}}
+
+
+def _cold(host: str, src: str, rels: list[str], cache_size: str, workdir: str) -> dict:
+    """Items fetched through mountd from the emulator against the bucket read directly."""
+    subset = _copy_subset(src, rels, os.path.join(workdir, "cold-src"))
+    upload_tree(host, BUCKET, "syn", subset)
+    options = StorageOptions(emulator_host=host)
+    cold_data = create_digest(f"gs://{BUCKET}/syn", "syn", workers=4, options=options)
+    backend = open_backend(f"gs://{BUCKET}/syn", options)
+    threads = 16
+    direct_bytes, direct_s = read_all(rels, threads, lambda k: len(backend.read(k)))
+    backend.close()
+    with running_mountd(workdir, cache_size=cache_size, name="cold") as m:
+        root = remount(m, cold_data, "cold", host)
+        mount_bytes, mount_s = read_all([os.path.join(root, r) for r in rels], threads)
+        causes = m.status()["bucket_fetch_causes"]
+    return {"items": len(rels), "threads": threads,
+            "direct_mb_s": direct_bytes / direct_s / 1e6,
+            "mount_mb_s": mount_bytes / mount_s / 1e6,
+            "ratio": direct_s / mount_s, "bucket_fetch_causes": causes}
+
+
+def _rclone(host: str, src: str, rels: list[str], workdir: str) -> dict:
+    """``rclone mount --vfs-cache-mode full`` of ``rels``, its cache filled, against the
+    same files read locally, at each of RCLONE_THREADS."""
+    if not rclone_available():
+        log.warning("%s", RCLONE_MISSING)
+        return {"skipped": RCLONE_MISSING}
+    subset = _copy_subset(src, rels, os.path.join(workdir, "rclone-src"))
+    started = time.perf_counter()
+    upload_tree(host, BUCKET, "rclone", subset)
+    out: dict = {"items": len(rels), "upload_s": round(time.perf_counter() - started, 1)}
+    direct = [os.path.join(src, r) for r in rels]
+    size = sum(os.path.getsize(p) for p in direct)
+    with rclone_mount(host, size * 2 + (64 << 20), workdir, "rclone",
+                      remote=f"{BUCKET}/rclone") as target:
+        mounted = [os.path.join(target.source, r) for r in rels]
+        fill_bytes, fill_s = read_all(mounted, FILL_THREADS)
+        if fill_bytes != size:
+            raise RuntimeError(f"rclone's first pass read {fill_bytes} bytes of {size}")
+        out["fill_mb_s"] = round(fill_bytes / fill_s / 1e6, 1)
+        cache_files = files_under(target.cache_dir)
+        for threads in RCLONE_THREADS:
+            drop_page_cache(direct + cache_files + mounted)
+            out[threads] = _compare(direct, mounted, threads, target.daemon_pid)
     return out
 
 
@@ -124,47 +258,38 @@ def run(quick: bool, workdir: str) -> dict:
     src = os.path.join(workdir, "src")
     tree = write_synthetic_tree(src, n_items, n_classes=100, seed=11)
     data = create_digest(src, "syn", workers=os.cpu_count() or 1)
-    rels = [os.path.relpath(os.path.join(d, f), src) for d, _, fs in os.walk(src) for f in fs]
-    random.Random(0).shuffle(rels)
+    rels = _shuffled_files(src)
     report: dict = {"dataset": {"items": tree.files, "bytes": tree.bytes},
-                    "warm": _warm(src, rels, data, tree.bytes, workdir)}
-    shutil.rmtree(os.path.join(workdir, "warm-cache"), ignore_errors=True)
-
-    cold_rels = rels[:COLD_QUICK if quick else COLD_FULL]
-    cold_src = os.path.join(workdir, "cold-src")
-    for r in cold_rels:
-        os.makedirs(os.path.dirname(os.path.join(cold_src, r)), exist_ok=True)
-        shutil.copyfile(os.path.join(src, r), os.path.join(cold_src, r))
+                    "warm": _warm(src, rels, data, tree, workdir),
+                    "small": _small(SMALL_QUICK if quick else SMALL_FULL, workdir)}
     with running_emulator(concurrent=True) as emu:
-        emu.create_bucket("bench")
-        upload_tree(emu.host, "bench", "syn", cold_src)
-        options = StorageOptions(emulator_host=emu.host)
-        cold_data = create_digest("gs://bench/syn", "syn", workers=4, options=options)
-        backend = open_backend("gs://bench/syn", options)
-        threads = 16
-        direct_bytes, direct_s = read_all(cold_rels, threads, lambda k: len(backend.read(k)))
-        backend.close()
-        with running_mountd(workdir, cache_size=str(tree.bytes), name="cold") as m:
-            root = _remount(m, cold_data, "cold", emu.host)
-            mount_bytes, mount_s = read_all([os.path.join(root, r) for r in cold_rels],
-                                            threads)
-            causes = m.status()["bucket_fetch_causes"]
-        report["cold"] = {"items": len(cold_rels), "threads": threads,
-                          "direct_mb_s": direct_bytes / direct_s / 1e6,
-                          "mount_mb_s": mount_bytes / mount_s / 1e6,
-                          "ratio": direct_s / mount_s, "bucket_fetch_causes": causes}
+        emu.create_bucket(BUCKET)
+        report["cold"] = _cold(emu.host, src, rels[:COLD_QUICK if quick else COLD_FULL],
+                               str(tree.bytes), workdir)
+        report["rclone"] = _rclone(emu.host, src,
+                                   rels[:RCLONE_QUICK if quick else RCLONE_FULL], workdir)
+    report["summary"] = summary(report)
+    return report
+
+
+def summary(report: dict) -> dict:
+    """The headline numbers of a report; the rclone keys only where rclone ran."""
     warm = report["warm"]
-    report["summary"] = {
-        "warm_ratio_4": warm["ssd"][4]["ratio"],
-        "warm_ratio_16": warm["ssd"][16]["ratio"],
+    out = {f"warm_ratio_{n}": warm["ssd"][n]["ratio"] for n in SSD_THREADS}
+    out.update({
+        "warm_ratio_small_16": report["small"]["ssd"][SMALL_THREADS]["ratio"],
         "cold_ratio": round(report["cold"]["ratio"], 3),
         "cpu_s_per_gb_hit": warm["store"][16]["cpu_s_per_gb"],
         "store_ratio_16": warm["store"][16]["ratio"],
         "hot_ratio_16": warm["hot"][16]["ratio"],
+        "hot_ratio_64": warm["hot"][64]["ratio"],
         # the second pass over the same mounted files: all cached, pages kept
         "fuse_requests_per_file": warm["hot"][16]["fuse_requests_per_file"],
         "fuse_requests_per_file_store": warm["store"][16]["fuse_requests_per_file"],
         "warm_mount_mb_s_16": warm["ssd"][16]["mount_mb_s"],
         "warm_direct_mb_s_16": warm["ssd"][16]["direct_mb_s"],
-    }
-    return report
+    })
+    if "skipped" not in report["rclone"]:
+        out.update({f"rclone_warm_ratio_{n}": report["rclone"][n]["ratio"]
+                    for n in RCLONE_THREADS})
+    return out

@@ -1,0 +1,99 @@
+"""``quiver bench read`` keeps working: the quick run end to end, real mounts, the
+emulator and rclone."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from quiverfs.bench import read
+from quiverfs.bench.compare import rclone_available
+from quiverfs.bench.emulator import emulator_available
+from quiverfs.mount_point import is_mounted
+
+pytestmark = [
+    pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse"),
+    pytest.mark.skipif(not emulator_available(), reason="gcp-storage-emulator is not installed"),
+]
+
+SUMMARY_KEYS = {"warm_ratio_1", "warm_ratio_4", "warm_ratio_16", "warm_ratio_64",
+                "warm_ratio_small_16", "cold_ratio", "cpu_s_per_gb_hit", "store_ratio_16",
+                "hot_ratio_16", "hot_ratio_64", "fuse_requests_per_file",
+                "fuse_requests_per_file_store", "warm_mount_mb_s_16", "warm_direct_mb_s_16"}
+RCLONE_KEYS = {"rclone_warm_ratio_16", "rclone_warm_ratio_64"}
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+    workdir = str(tmp_path_factory.mktemp("read"))
+    return read.run(quick=True, workdir=workdir), workdir
+
+
+def _bytes_under(directory: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, n)) for d, _, ns in os.walk(directory)
+               for n in ns)
+
+
+@pytest.mark.timeout(300)  # the quick run (about 100 s on 2 busy cores)
+def test_summary_has_every_key_and_each_is_positive(quick_report):
+    summary = quick_report[0]["summary"]
+    expected = SUMMARY_KEYS | (RCLONE_KEYS if rclone_available() else set())
+    assert set(summary) == expected
+    # the hot pass may send mountd no request at all: pages kept, no OPEN
+    positive = set(summary) - {"fuse_requests_per_file"}
+    assert all(isinstance(summary[k], (int, float)) and summary[k] > 0 for k in positive), \
+        summary
+    assert summary["fuse_requests_per_file"] >= 0
+
+
+def test_every_warm_pass_read_the_whole_tree(quick_report):
+    report, workdir = quick_report
+    total = _bytes_under(os.path.join(workdir, "src"))
+    assert report["dataset"] == {"items": read.QUICK_ITEMS, "bytes": total}
+    warm = report["warm"]
+    passes = ([warm["ssd"][n] for n in read.SSD_THREADS]
+              + [warm["store"][n] for n in read.STORE_THREADS]
+              + [warm["hot"][n] for n in read.HOT_THREADS])
+    for p in passes:
+        assert p["files"] == read.QUICK_ITEMS
+        assert p["direct_bytes"] == p["mount_bytes"] == total
+
+
+def test_small_tree_holds_4_kb_files_read_whole(quick_report):
+    report, workdir = quick_report
+    small = report["small"]
+    total = _bytes_under(os.path.join(workdir, "small-src"))
+    assert small["dataset"] == {"items": read.SMALL_QUICK, "bytes": total}
+    assert 3_600 <= total / read.SMALL_QUICK <= 4_400
+    ssd = small["ssd"][read.SMALL_THREADS]
+    assert ssd["files"] == read.SMALL_QUICK
+    assert ssd["direct_bytes"] == ssd["mount_bytes"] == total
+    assert ssd["mount_files_s"] > 0 and ssd["direct_files_s"] > 0
+
+
+@pytest.mark.skipif(not rclone_available(), reason="rclone is not installed")
+def test_rclone_read_the_same_bytes_as_the_local_files(quick_report):
+    report, workdir = quick_report
+    rclone = report["rclone"]
+    # the subset uploaded for rclone, as copied from the source tree
+    subset = _bytes_under(os.path.join(workdir, "rclone-src"))
+    assert rclone["items"] == read.RCLONE_QUICK
+    for n in read.RCLONE_THREADS:
+        assert rclone[n]["files"] == read.RCLONE_QUICK
+        assert rclone[n]["direct_bytes"] == rclone[n]["mount_bytes"] == subset
+
+
+def test_without_rclone_its_keys_are_left_out_with_a_note(quick_report, monkeypatch,
+                                                          tmp_path):
+    monkeypatch.setattr(read, "rclone_available", lambda: False)
+    # nothing is uploaded or mounted: the host is never asked
+    skipped = read._rclone("http://127.0.0.1:9", str(tmp_path), ["a.JPEG"], str(tmp_path))
+    assert skipped == {"skipped": read.RCLONE_MISSING}
+    assert os.listdir(tmp_path) == []
+    summary = read.summary({**quick_report[0], "rclone": skipped})
+    assert set(summary) == SUMMARY_KEYS
+
+
+def test_nothing_stays_mounted(quick_report):
+    _, workdir = quick_report
+    assert not any(is_mounted(os.path.join(workdir, d)) for d in os.listdir(workdir))
