@@ -5,6 +5,12 @@ CRC32C tag (hardware accelerated) that is checked on every read; an entry is als
 hashed in full the first time it is served after a start, so a file corrupted on
 disk (even with a matching tag) is dropped and fetched again instead of served.
 
+A hit costs no SQLite query: the store keeps in memory where each value file is and
+its tag (``_ValueFiles``), read from the index once at open and kept by its own writes
+and by the loader processes' replies. That is a hint, not the truth: a file another
+process culled is not found, and the read asks the index. A hit whose pages are in
+the page cache is served on mountd's loop (``get_nowait``) without a worker thread.
+
 Eviction is least-recently-used. With diskcache's LRU policy every hit is a SQLite
 write transaction, which caps hits at about a thousand a second; so hits go through a
 second handle whose policy (in memory only) takes diskcache's lock-free read path, and
@@ -26,6 +32,7 @@ stored and could not store (``stored_elsewhere``, ``write_failed_elsewhere``).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import fcntl
@@ -56,8 +63,14 @@ CULL_LIMIT = 8  # items evicted at once when an insert goes over the bound
 DISK_MIN_FILE_SIZE = 4 << 10
 SQLITE_MMAP_SIZE = 256 << 20  # bytes of the index mapped into memory
 TIMEOUT = 60  # seconds a writer waits for SQLite's lock
-MAX_KNOWN_FILES = 1_000_000  # entries whose file path is remembered (about 150 B each)
+# Value files whose place is held in memory (``_ValueFiles``: about 155 B each, so at
+# most 155 MB); a store of more is served the rest through its index.
+MAX_KNOWN_FILES = 1_000_000
 MAX_VERIFIED = 1_000_000  # digests remembered as hashed in full (about 100 B each)
+# Bytes: an item up to this size whose content was not yet hashed in full in this run
+# is hashed on mountd's loop, which costs the loop less than handing it to a worker
+# thread; a larger one is hashed in a worker.
+VERIFY_ON_LOOP_MAX = 32 << 10
 # Seconds between tries of a store that could not write or open (a full disk).
 WRITE_RETRY_INTERVAL = 5.0
 KEEP_DAMAGED = 2  # damaged indexes kept for a post-mortem (each as large as the index)
@@ -69,6 +82,13 @@ PROCESS_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 DAMAGE_CODES = frozenset({sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB})
 # What a store operation may raise when the disk or the index fails.
 STORE_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
+_TAG_MASK = (1 << 32) - 1  # a CRC32C
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_SYS_OPENAT2 = ctypes.c_long(437)  # openat2(2): the same number on every architecture
+_AT_FDCWD = ctypes.c_long(-100)
+_RESOLVE_CACHED = 0x20  # Linux 5.12: EAGAIN where the path walk would wait for the disk
+_READ_FLAGS = os.O_RDONLY | os.O_NOATIME | os.O_CLOEXEC
 
 
 class IntegrityError(Exception):
@@ -86,6 +106,15 @@ class IndexDamaged(StoreError):
 class StoreBusy(StoreError):
     """The other side of the directory lock holds it: mountd opening or rebuilding the
     index, or a loader process writing while mountd wants to."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueFile:
+    """Where a put left an item kept in a file: its name, relative to the store, and
+    its CRC32C tag (what a loader process tells mountd's store)."""
+
+    name: str
+    tag: int
 
 
 @dataclasses.dataclass
@@ -148,6 +177,100 @@ class _Index:
         self.cache.close()
 
 
+class _ValueFiles:
+    """Where the store's value files are: digest -> the file's name (its 128 random
+    bits) and CRC32C tag, packed in one int. A hint that may be stale (another process
+    culls and stores): a read that finds no file asks the index, and the tag and hash
+    are checked as ever. Lock-free: each step is one dict operation, atomic under the
+    GIL, and a race at worst leaves a hint stale or forgets one.
+
+    Two generations bound it to MAX_KNOWN_FILES: when the newer is full it becomes the
+    older, and the older is forgotten; an entry of the older that is read moves to the
+    newer."""
+
+    def __init__(self, directory: str) -> None:
+        self._prefix = os.fsencode(directory) + b"/"
+        self._new: dict[bytes, int] = {}
+        self._old: dict[bytes, int] = {}
+
+    def locate(self, digest: bytes) -> tuple[bytes, int] | None:
+        """The value file's path and tag for ``digest``, if known."""
+        entry = self._new.get(digest)
+        if entry is None:
+            entry = self._old.get(digest)
+            if entry is None:
+                return None
+            self._add(digest, entry)
+        name = b"%032x" % (entry >> 32)
+        return (b"%s%s/%s/%s.val" % (self._prefix, name[:2], name[2:4], name[4:]),
+                entry & _TAG_MASK)
+
+    def learn(self, digest: bytes, name: str, tag: object) -> None:
+        """Remember that ``digest``'s value is the file ``name`` (relative to the store)
+        tagged ``tag``; a name or tag not of diskcache's making is forgotten instead."""
+        bits = _random_bits(name)
+        if bits is None or not isinstance(tag, int) or not 0 <= tag <= _TAG_MASK:
+            self.forget(digest)
+            return
+        self._add(digest, bits << 32 | tag)
+
+    def _add(self, digest: bytes, entry: int) -> None:
+        if len(self._new) >= MAX_KNOWN_FILES // 2:
+            self._old, self._new = self._new, {}
+        self._new[digest] = entry
+
+    def forget(self, digest: bytes) -> None:
+        self._new.pop(digest, None)
+        self._old.pop(digest, None)
+
+    def clear(self) -> None:
+        self._new, self._old = {}, {}
+
+
+def _random_bits(name: str) -> int | None:
+    """The 128 random bits that name a value file (diskcache's ``ab/cd/<28 hex
+    digits>.val``); None for any other name. Done by hand, not by a regular expression:
+    opening a store does it for every value file."""
+    if len(name) != 38 or name[2] != "/" or name[5] != "/" or not name.endswith(VALUE_SUFFIX):
+        return None
+    digits = name[:2] + name[3:5] + name[6:34]
+    try:
+        bits = int(digits, 16)
+    except ValueError:
+        return None
+    return bits if "%032x" % bits == digits else None  # not "+", "_", spaces, capitals
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
+                ("resolve", ctypes.c_uint64)]
+
+
+_CACHED_READ = _OpenHow(_READ_FLAGS, 0, _RESOLVE_CACHED)
+_HOW_SIZE = ctypes.c_size_t(ctypes.sizeof(_CACHED_READ))
+_resolve_cached = True  # until the kernel lacks openat2 (before 5.6) or RESOLVE_CACHED
+
+
+def _open_cached(path: bytes) -> int:
+    """A read-only descriptor of ``path``, found without waiting for the disk: openat2
+    with RESOLVE_CACHED fails (EAGAIN) unless every component is in the kernel's dentry
+    cache. Where the kernel lacks it, a plain open (the dentry of a file whose pages
+    are cached is almost always cached too)."""
+    global _resolve_cached
+    if _resolve_cached:
+        fd = _libc.syscall(_SYS_OPENAT2, _AT_FDCWD, ctypes.c_char_p(path),
+                           ctypes.byref(_CACHED_READ), _HOW_SIZE)
+        if fd >= 0:
+            return fd
+        err = ctypes.get_errno()
+        if err not in (errno.ENOSYS, errno.EINVAL):
+            raise OSError(err, os.strerror(err))
+        log.debug("openat2's RESOLVE_CACHED is not available (%s): hits open their "
+                  "files plainly", os.strerror(err))
+        _resolve_cached = False
+    return os.open(path, _READ_FLAGS)
+
+
 def is_damage(exc: BaseException) -> bool:
     """Whether ``exc`` says the SQLite index is damaged (not busy, full or unreadable)."""
     code = getattr(exc, "sqlite_errorcode", None)
@@ -198,9 +321,8 @@ class ContentStore:
         # leave them the first to evict.
         self._spent_marked: set[bytes] = set()
         self._unspent: set[bytes] = set()  # marked entries wanted since the last record_hits
-        # Where large values live, learnt on first read: later hits read the file
-        # directly, without a query. A file evicted since is simply not found.
-        self._files: dict[bytes, tuple[str, int]] = {}
+        # Where values kept in files live: hits read the file without a query.
+        self._files = _ValueFiles(directory)
         # Digests whose content was hashed in full in this run (put, or served once).
         self._verified: set[bytes] = set()
         self._damage: str | None = None  # why the index must be moved aside
@@ -215,8 +337,9 @@ class ContentStore:
     def _db_path(self) -> str:
         return os.path.join(self.directory, DBNAME)
 
-    def _connect(self) -> tuple[_Index, set[str]]:
-        """Open the index, check it page by page, and list the value files it names.
+    def _connect(self) -> tuple[_Index, set[str], _ValueFiles]:
+        """Open the index, check it page by page, and list the value files it names,
+        and where each item's is (the most recently used, if more than MAX_KNOWN_FILES).
         Raises IndexDamaged if SQLite finds it damaged."""
         cache = _open_cache(self.directory, self._size_limit)
         try:
@@ -233,15 +356,20 @@ class ContentStore:
                 problems = [row[0] for row in con.execute("PRAGMA quick_check")]
                 if problems != ["ok"]:
                     raise IndexDamaged(f"quick_check: {'; '.join(problems[:3])}")
-                named = {row[0] for row in con.execute(
-                    "SELECT filename FROM Cache WHERE filename IS NOT NULL")}
+                named, files = set(), _ValueFiles(self.directory)
+                for key, raw, name, tag in con.execute(
+                        "SELECT key, raw, filename, tag FROM Cache "
+                        "WHERE filename IS NOT NULL ORDER BY access_time"):
+                    named.add(name)
+                    if raw:  # keys are bytes, stored raw: another key is none of ours
+                        files.learn(key, name, tag)
                 with con:  # items kept in SQLite by a version that counted them as 0
                     con.execute("UPDATE Cache SET size = length(value) "
                                 "WHERE filename IS NULL AND size = 0 AND value IS NOT NULL")
         except BaseException:
             index.close()
             raise
-        return index, named
+        return index, named, files
 
     def _open(self) -> None:
         """Open the index (moving a damaged one aside first), and remove the value files
@@ -263,7 +391,7 @@ class ContentStore:
             # cycle: free it now rather than hold its descriptors until a collection.
             gc.collect()
             return
-        self._index, reclaimed = opened
+        self._index, self._files, reclaimed = opened
         if self._damage is not None:
             log.warning("store %s: the index was damaged (%s): moved it to %s and started "
                         "with an empty store (%d value files removed)", self.directory,
@@ -276,9 +404,9 @@ class ContentStore:
         if self.write_error is not None:
             self._writable_again()
 
-    def _open_index(self) -> tuple[_Index, int] | None:
-        """The open index and how many value files were removed; None while a damaged
-        index cannot be moved aside yet."""
+    def _open_index(self) -> tuple[_Index, _ValueFiles, int] | None:
+        """The open index, where its value files are, and how many value files were
+        removed; None while a damaged index cannot be moved aside yet."""
         opened = None
         if self._damage is None:
             try:
@@ -290,9 +418,9 @@ class ContentStore:
                 self._note_error("the index is damaged: rebuilding the store")
                 return None
             opened = self._connect()
-        index, named = opened
+        index, named, files = opened
         _make_private(self.directory)
-        return index, self._reclaim(index, named)
+        return index, files, self._reclaim(index, named)
 
     def _move_aside(self) -> bool:
         """Rename the damaged index (and its WAL) to DBNAME.damaged-STAMP, keeping the
@@ -400,12 +528,13 @@ class ContentStore:
         return self._index is not None and (self.write_error is None
                                             or time.monotonic() >= self._retry_at)
 
-    def stored_elsewhere(self, digest: bytes) -> None:
-        """Record a put a loader process made (it hashed the content in full). Never
-        blocks: a write failure it ends is cleared now, or by the next put."""
-        if len(self._verified) >= MAX_VERIFIED:
-            self._verified.clear()
-        self._verified.add(digest)
+    def stored_elsewhere(self, digest: bytes, file: ValueFile | None) -> None:
+        """Record a put a loader process made (it hashed the content in full), and its
+        value ``file`` (None for an item kept in the index). Never blocks: a write
+        failure it ends is cleared now, or by the next put."""
+        if file is not None:
+            self._files.learn(digest, file.name, file.tag)
+        self._mark_verified(digest)
         self._stored(digest)
         if self.write_error is not None and self._write_lock.acquire(blocking=False):
             try:
@@ -443,14 +572,14 @@ class ContentStore:
     def get(self, digest: bytes) -> bytes | None:
         """The content for ``digest``, or None if absent (or found corrupted and dropped,
         or while the store cannot be opened). Raises StoreError if the store fails."""
-        known = self._files.get(digest)
+        known = self._files.locate(digest)
         if known is not None:
             path, tag = known
             try:
                 with open(path, "rb", buffering=0) as f:
                     value = f.read()
             except FileNotFoundError:  # evicted since: ask the index
-                self._files.pop(digest, None)
+                self._files.forget(digest)
             except OSError as exc:
                 self._read_failed(self._index, digest, exc)
             else:
@@ -468,28 +597,30 @@ class ContentStore:
                 value = handle.read()
         except STORE_ERRORS as exc:
             self._read_failed(index, digest, exc)
-        if len(self._files) >= MAX_KNOWN_FILES:
-            self._files.clear()
-        self._files[digest] = (handle.name, tag)
+        self._files.learn(digest, os.path.relpath(handle.name, self.directory), tag)
         return self._checked(digest, value, tag)
 
     def get_nowait(self, digest: bytes, size: int) -> bytes | None:
-        """The content for ``digest`` if it can be had without waiting for the disk:
-        an entry already served in this run (its file known, its content hashed in
-        full), whose ``size`` bytes are all in the page cache and match its CRC32C.
-        None otherwise; ``get`` (in a worker thread) then decides.
+        """The content for ``digest`` if it can be had without waiting: an entry whose
+        value file is known, whose ``size`` bytes are all in the page cache and match
+        its CRC32C, and whose content was hashed in full in this run or is hashed now
+        (up to VERIFY_ON_LOOP_MAX). None otherwise; ``get`` (in a worker thread) then
+        decides, and drops what is corrupt.
 
-        The caller is an event loop, so this never reads the disk: the file's pages
-        come with RWF_NOWAIT, and the open is of a file whose path was resolved by an
-        earlier read (its directory entry is cached). Nothing here writes."""
-        known = self._files.get(digest)
-        if known is None or digest not in self._verified:
+        The caller is an event loop, so this never waits for the disk or the index: the
+        path is resolved only from the dentry cache (``_open_cached``) and the pages
+        come with RWF_NOWAIT. Nothing here writes."""
+        known = self._files.locate(digest)
+        if known is None:
+            return None
+        verified = digest in self._verified
+        if not verified and size > VERIFY_ON_LOOP_MAX:
             return None
         path, tag = known
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOATIME)
+            fd = _open_cached(path)
         except OSError:
-            return None  # evicted since, or not ours to open without O_NOATIME rights
+            return None  # evicted since, its path not cached, or no O_NOATIME rights
         try:
             value = bytearray(size + 1)  # one byte more: a longer file reads it
             if os.preadv(fd, [value], 0, os.RWF_NOWAIT) != size:
@@ -500,7 +631,11 @@ class ContentStore:
             os.close(fd)
         data = bytes(memoryview(value)[:size])  # crc32c wants read-only bytes
         if google_crc32c.value(data) != tag:
-            return None  # ``get`` drops it
+            return None
+        if not verified:
+            if hashlib.sha256(data).digest() != digest:
+                return None
+            self._mark_verified(digest)
         with self._hits_lock:
             self._hits.add(digest)
         return data
@@ -521,9 +656,7 @@ class ContentStore:
         elif digest not in self._verified and hashlib.sha256(value).digest() != digest:
             why = "does not hash to its digest"
         else:
-            if len(self._verified) >= MAX_VERIFIED:
-                self._verified.clear()  # costs a hash per entry again, never a wrong byte
-            self._verified.add(digest)
+            self._mark_verified(digest)
             with self._hits_lock:
                 self._hits.add(digest)
             return value
@@ -531,6 +664,11 @@ class ContentStore:
         self.corrupt_dropped += 1
         self.discard(digest)
         return None
+
+    def _mark_verified(self, digest: bytes) -> None:
+        if len(self._verified) >= MAX_VERIFIED:
+            self._verified.clear()  # costs a hash per entry again, never a wrong byte
+        self._verified.add(digest)
 
     def __contains__(self, digest: bytes) -> bool:
         """Whether ``digest`` is stored (False while the store cannot answer)."""
@@ -587,7 +725,11 @@ class ContentStore:
                 return False
             if self.write_error is not None:
                 self._writable_again()
-        self._verified.add(digest)
+            if index.disk.last_file is None:  # kept in the index itself
+                self._files.forget(digest)
+            else:
+                self._files.learn(digest, index.disk.last_file, tag)
+        self._mark_verified(digest)
         self._stored(digest)
         return True
 
@@ -650,7 +792,7 @@ class ContentStore:
 
     def discard(self, digest: bytes) -> None:
         """Drop ``digest``'s entry (left for LRU to evict while the store cannot write)."""
-        self._files.pop(digest, None)
+        self._files.forget(digest)
         self._verified.discard(digest)
         self._write(lambda index, key: int(index.cache.delete(key)), digest, "drop an entry")
 
@@ -702,10 +844,10 @@ class StoreWriter:
         self._lock: contextlib.ExitStack | None = None
         self._cache: diskcache.Cache | None = None
 
-    def put(self, digest: bytes, data: bytes) -> None:
-        """Store ``data`` under ``digest`` after checking that it hashes to it. Raises
-        IntegrityError, IndexDamaged, or StoreError (StoreBusy while mountd opens the
-        index)."""
+    def put(self, digest: bytes, data: bytes) -> ValueFile | None:
+        """Store ``data`` under ``digest`` after checking that it hashes to it; its value
+        file (None if kept in the index). Raises IntegrityError, IndexDamaged, or
+        StoreError (StoreBusy while mountd opens the index)."""
         if hashlib.sha256(data).digest() != digest:
             raise IntegrityError(f"content does not hash to {digest.hex()}")
         tag = google_crc32c.value(data)
@@ -722,6 +864,7 @@ class StoreWriter:
             if isinstance(exc, StoreError):
                 raise
             raise StoreError(describe(exc)) from exc
+        return None if disk.last_file is None else ValueFile(disk.last_file, tag)
 
     def _acquire(self) -> diskcache.Cache:
         if self._cache is not None:

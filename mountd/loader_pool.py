@@ -168,7 +168,7 @@ class LoaderPool:
         async with self._slots:
             reply = await self._ask(source, key, offset, length, digest)
         if reply.outcome is Outcome.STORED:
-            self.store.stored_elsewhere(digest)
+            self.store.stored_elsewhere(digest, reply.file)
             return reply.nbytes
         if reply.outcome is Outcome.MISMATCH:
             raise LoadMismatch(digest.hex())

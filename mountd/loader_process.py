@@ -26,7 +26,8 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from mountd.content_store import IndexDamaged, IntegrityError, StoreError, StoreWriter
+from mountd.content_store import (IndexDamaged, IntegrityError, StoreError, StoreWriter,
+                                  ValueFile)
 from quiverfs.backends import StorageOptions
 from quiverfs.errors import QuietError
 
@@ -89,13 +90,14 @@ class Outcome(enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class LoadReply:
     """What became of request ``id``: ``data`` comes back only when it was not stored;
-    ``reason`` says why it failed or was not stored."""
+    ``reason`` says why it failed or was not stored; ``file`` is where it was stored."""
 
     id: int
     outcome: Outcome
     nbytes: int = 0
     data: bytes | None = None
     reason: str = ""
+    file: ValueFile | None = None
 
 
 def write_frame(out: BinaryIO, message: Any) -> None:
@@ -195,14 +197,14 @@ class Loader:
 
     def _put(self, request: LoadRequest, data: bytes) -> LoadReply:
         try:
-            self.writer.put(request.digest, data)
+            file = self.writer.put(request.digest, data)
         except IntegrityError:
             return LoadReply(request.id, Outcome.MISMATCH, len(data))
         except IndexDamaged as exc:
             return LoadReply(request.id, Outcome.DAMAGED, len(data), data, str(exc))
         except StoreError as exc:
             return LoadReply(request.id, Outcome.UNSTORED, len(data), data, str(exc))
-        return LoadReply(request.id, Outcome.STORED, len(data))
+        return LoadReply(request.id, Outcome.STORED, len(data), file=file)
 
 
 def main() -> None:

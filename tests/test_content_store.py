@@ -18,7 +18,8 @@ import pytest
 
 from mountd import content_store
 from mountd.content_store import (DAMAGED_SUFFIX, DISK_MIN_FILE_SIZE, KEEP_DAMAGED,
-                                  ContentStore, IntegrityError, StoreError)
+                                  VERIFY_ON_LOOP_MAX, ContentStore, IntegrityError,
+                                  StoreError, StoreWriter)
 from mountd.job_registry import JobRegistry
 from mountd.metrics import MountdCollector
 from mountd.mount_table import MountTable
@@ -225,7 +226,8 @@ def test_a_store_that_counted_inline_items_as_nothing_counts_them_when_opened(tm
 
 # -- a full hash check on the first read after a start --------------------------------
 
-@pytest.mark.parametrize("size", [40_000, 1_000], ids=["value-file", "in-index"])
+@pytest.mark.parametrize("size", [40_000, VERIFY_ON_LOOP_MAX + 4096, 1_000],
+                         ids=["value-file", "value-file-hashed-in-a-worker", "in-index"])
 def test_an_edit_with_a_matching_crc_is_not_served_after_a_restart(tmp_path, size):
     directory = str(tmp_path / "store")
     digest, data = item(4, size)
@@ -248,6 +250,8 @@ def test_an_edit_with_a_matching_crc_is_not_served_after_a_restart(tmp_path, siz
 
     store = ContentStore(directory, 10 << 20)
     try:
+        assert store.get_nowait(digest, len(data)) is None
+        assert store.corrupt_dropped == 0  # the loop leaves dropping it to ``get``
         assert store.get(digest) is None
         assert store.corrupt_dropped == 1 and digest not in store
         assert store.get(other[0]) == other[1]
@@ -365,8 +369,10 @@ def test_a_value_file_that_cannot_be_read_fails_the_read(store, monkeypatch, cod
 
 
 def test_an_index_that_cannot_be_read_fails_the_read(store, monkeypatch):
-    digest, data = item(17)
+    digest, data = item(17, 1_000)  # kept in the index: its read asks it
     store.put(digest, data)
+    in_file = item(18)
+    store.put(*in_file)
 
     def failing_get(*args: object, **kwargs: object) -> None:
         raise sqlite3.OperationalError("disk I/O error")
@@ -376,6 +382,7 @@ def test_an_index_that_cannot_be_read_fails_the_read(store, monkeypatch):
     monkeypatch.setattr(content_store._ContentBoundCache, "volume", failing_get)
     with pytest.raises(StoreError, match="disk I/O error"):
         store.get(digest)
+    assert store.get(in_file[0]) == in_file[1]  # its file is known: no query
     # lookups answer (nothing), not raise: status, metrics and statfs ask them
     assert digest not in store and store.volume() == 0 and len(store) == 0
     monkeypatch.undo()
@@ -550,14 +557,12 @@ def test_metrics_show_a_store_that_cannot_write(store, monkeypatch, tmp_path):
     assert samples() == {"quiver_store_writable": 0, "quiver_store_write_failures_total": 2}
 
 
-def test_get_nowait_serves_only_served_entries_whose_pages_are_cached(store):
+def test_get_nowait_serves_only_entries_whose_pages_are_cached(store):
     digest, data = item(7)
     store.put(digest, data)
-    assert store.get_nowait(digest, len(data)) is None  # its file not known yet
-    assert store.get(digest) == data
-    assert store.get_nowait(digest, len(data)) == data
+    assert store.get_nowait(digest, len(data)) == data  # stored here: file known, hashed
     assert store.get_nowait(digest, len(data) - 1) is None  # not the item's size
-    path = store._files[digest][0]
+    path, _ = store._files.locate(digest)
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -571,3 +576,156 @@ def test_get_nowait_serves_only_served_entries_whose_pages_are_cached(store):
     assert store.get_nowait(digest, len(data)) is None
     assert store.get(digest) is None and store.corrupt_dropped == 1
     assert store.get_nowait(digest, len(data)) is None
+
+
+# -- hits without the index: where value files are is kept in memory ------------------
+
+@pytest.fixture
+def sqlite_statements(monkeypatch) -> list[str]:
+    """Every SQL statement run on a connection opened from now on, in any thread (the
+    store's own and diskcache's)."""
+    statements: list[str] = []
+    connect = sqlite3.connect
+
+    def traced(*args: object, **kwargs: object) -> sqlite3.Connection:
+        con = connect(*args, **kwargs)
+        con.set_trace_callback(statements.append)
+        return con
+
+    monkeypatch.setattr(sqlite3, "connect", traced)
+    return statements
+
+
+def reopened(directory: str, items: list[tuple[bytes, bytes]]) -> ContentStore:
+    """A store that held ``items`` (stored in this order), closed and opened again."""
+    store = ContentStore(directory, 10 << 20)
+    for digest, data in items:
+        assert store.put(digest, data)
+    store.close()
+    return ContentStore(directory, 10 << 20)
+
+
+def test_a_reopened_store_serves_hits_without_a_query(tmp_path, sqlite_statements):
+    items = [item(30 + i, 20_000 + 1_000 * i) for i in range(4)]  # up to VERIFY_ON_LOOP_MAX
+    store = reopened(str(tmp_path / "store"), items)
+    try:
+        at_open = len(sqlite_statements)
+        for digest, data in items:  # first reads in this run: hashed in full, on the loop
+            assert store.get_nowait(digest, len(data)) == data
+        for digest, data in items:
+            assert store.get_nowait(digest, len(data)) == data
+        assert len(sqlite_statements) == at_open
+        assert store.get(item(39)[0]) is None  # a miss asks the index: the trace sees it
+        assert len(sqlite_statements) > at_open
+    finally:
+        store.close()
+
+
+def test_a_large_item_is_first_hashed_in_a_worker_without_a_query(tmp_path,
+                                                                  sqlite_statements):
+    digest, data = item(35, VERIFY_ON_LOOP_MAX + 4096)
+    store = reopened(str(tmp_path / "store"), [(digest, data)])
+    try:
+        at_open = len(sqlite_statements)
+        assert store.get_nowait(digest, len(data)) is None  # not hashed in full yet
+        assert store.get(digest) == data  # what the worker does: its file is known
+        assert store.get_nowait(digest, len(data)) == data
+        assert len(sqlite_statements) == at_open
+    finally:
+        store.close()
+
+
+def test_an_item_a_loader_process_stored_is_served_without_a_query(tmp_path,
+                                                                   sqlite_statements):
+    directory = str(tmp_path / "store")
+    store = ContentStore(directory, 10 << 20)
+    writer = StoreWriter(directory, 10 << 20)
+    digest, data = item(36)
+    small = item(37, 1_000)
+    try:
+        file = writer.put(digest, data)
+        assert writer.put(*small) is None  # kept in the index: no file to tell of
+        writer.release()
+        before = len(sqlite_statements)
+        store.stored_elsewhere(digest, file)
+        store.stored_elsewhere(small[0], None)
+        assert store.get_nowait(digest, len(data)) == data
+        assert len(sqlite_statements) == before
+        assert store.get(small[0]) == small[1]
+    finally:
+        store.close()
+    assert_consistent(directory)
+
+
+def test_value_files_culled_or_stored_again_by_another_process_are_read_right(tmp_path):
+    directory = str(tmp_path / "store")
+    culled, stored_again = item(40), item(41)
+    store = reopened(directory, [culled, stored_again])
+    try:
+        with diskcache.Cache(directory) as other:  # another process culls one
+            assert other.delete(culled[0])
+        writer = StoreWriter(directory, 10 << 20)  # and stores the other anew: a new file
+        writer.put(*stored_again)
+        writer.release()
+        assert store.get_nowait(culled[0], len(culled[1])) is None
+        assert store.get(culled[0]) is None
+        assert store.get_nowait(stored_again[0], len(stored_again[1])) is None
+        assert store.get(stored_again[0]) == stored_again[1]  # found through the index
+        assert store.get_nowait(stored_again[0], len(stored_again[1])) == stored_again[1]
+        assert store.corrupt_dropped == 0
+    finally:
+        store.close()
+    assert_consistent(directory)
+
+
+def test_puts_and_drops_keep_the_index_of_value_files(store):
+    large, small = item(42), item(43, 1_000)
+    assert store.put(*large) and store.put(*small)
+    assert store.get_nowait(large[0], len(large[1])) == large[1]
+    assert store._files.locate(small[0]) is None  # kept in the index: read by a worker
+    assert store.get_nowait(small[0], len(small[1])) is None
+    store.discard(large[0])
+    assert store._files.locate(large[0]) is None
+    assert store.get_nowait(large[0], len(large[1])) is None
+    assert store.put(*large)
+    assert store.get_nowait(large[0], len(large[1])) == large[1]
+    store.clear()
+    assert store._files.locate(large[0]) is None
+    assert store.get_nowait(large[0], len(large[1])) is None
+    assert store.get(large[0]) is None and store.get(small[0]) is None
+
+
+def test_the_index_of_value_files_is_bounded_and_keeps_the_most_recent(tmp_path,
+                                                                       monkeypatch):
+    monkeypatch.setattr(content_store, "MAX_KNOWN_FILES", 4)
+    items = [item(i) for i in range(50, 56)]
+    store = reopened(str(tmp_path / "store"), items)
+
+    def known() -> list[bool]:
+        files = store._files
+        return [d in files._new or d in files._old for d, _ in items]
+
+    try:
+        assert known() == [False, False, True, True, True, True]
+        for digest, data in items:  # the others are read through the index
+            assert store.get(digest) == data
+            assert sum(known()) <= 4
+        assert store.get_nowait(items[-1][0], len(items[-1][1])) == items[-1][1]
+    finally:
+        store.close()
+
+
+@pytest.mark.skipif(tuple(map(int, os.uname().release.split(".")[:2])) < (5, 12),
+                    reason="openat2's RESOLVE_CACHED came in Linux 5.12")
+def test_a_path_not_in_the_dentry_cache_is_not_waited_for(tmp_path):
+    path = os.fsencode(tmp_path / "never-looked-up")
+    with pytest.raises(BlockingIOError):  # EAGAIN: the kernel would have to look
+        content_store._open_cached(path)
+    assert content_store._resolve_cached  # this kernel has RESOLVE_CACHED (5.12)
+
+
+def test_hits_are_served_where_the_kernel_lacks_resolve_cached(store, monkeypatch):
+    monkeypatch.setattr(content_store, "_resolve_cached", False)
+    digest, data = item(44)
+    store.put(digest, data)
+    assert store.get_nowait(digest, len(data)) == data

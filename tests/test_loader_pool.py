@@ -134,9 +134,9 @@ def test_a_loader_process_stores_only_what_hashes_to_its_digest(tmp_path):
     digest = hashlib.sha256(data).digest()
     with pytest.raises(IntegrityError):
         writer.put(digest, data[:-1] + bytes([data[-1] ^ 1]))
-    writer.put(digest, data)
+    file = writer.put(digest, data)
     writer.release()
-    store.stored_elsewhere(digest)
+    store.stored_elsewhere(digest, file)
     assert store.get(digest) == data
     assert len(store) == 1 and store.check() == []
     store.close()
