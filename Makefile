@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
-APT_PACKAGES := fuse3 libfuse3-dev pkg-config rclone systemd
+APT_PACKAGES := fuse3 libfuse3-dev pkg-config gcc patch rclone systemd
 PYTEST_ARGS ?=
 
 .PHONY: all deps apt demo test bench clean
@@ -22,9 +22,20 @@ apt:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
-$(STAMP): requirements.lock pyproject.toml
+# pyfuse3 is built from its pinned sdist with mountd's patch (mountd/patches/README.md),
+# by the Cython, setuptools and setuptools-scm pinned in requirements.lock.
+PYFUSE3_PATCH := mountd/patches/pyfuse3-read-with-inode.patch
+PYFUSE3_BUILD := $(VENV)/build-pyfuse3
+
+$(STAMP): requirements.lock pyproject.toml mountd/patches/pyfuse3.txt $(PYFUSE3_PATCH)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q -r requirements.lock
+	rm -rf $(PYFUSE3_BUILD) && mkdir -p $(PYFUSE3_BUILD)
+	$(VENV)/bin/pip download -q --no-deps --no-binary :all: --no-build-isolation \
+	  -r mountd/patches/pyfuse3.txt -d $(PYFUSE3_BUILD)
+	tar -xzf $(PYFUSE3_BUILD)/pyfuse3-*.tar.gz -C $(PYFUSE3_BUILD)
+	patch -d $(PYFUSE3_BUILD)/pyfuse3-3.5.0 -p1 --forward --quiet < $(PYFUSE3_PATCH)
+	$(VENV)/bin/pip install -q --no-deps --no-build-isolation $(PYFUSE3_BUILD)/pyfuse3-3.5.0
 	$(VENV)/bin/pip install -q --no-deps -e .
 	touch $@
 

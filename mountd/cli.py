@@ -73,7 +73,12 @@ def add_parsers(sub: argparse._SubParsersAction,
                    default=PUSH_MEMORY,
                    help="bytes of substitutable jobs' planned items pushed into the "
                    "kernel's page cache ahead of their reads and not yet opened, at most; "
-                   "0 pushes nothing (default 256M)")
+                   "0 pushes nothing (default 256M). Only with --fuse-opens: without "
+                   "opens mountd cannot see a pushed item read")
+    d.add_argument("--fuse-opens", action="store_true",
+                   help="serve dataset files with FUSE OPEN and RELEASE requests, as with a "
+                   "pyfuse3 without mountd's patch (by default mountd runs without them "
+                   "where its pyfuse3 allows: fewer requests per file)")
     d.add_argument("--memory-per-user", metavar="BYTES", type=ByteSize("--memory-per-user"),
                    default=MEMORY_PER_USER,
                    help="memory the registrations of one user (root excepted) may take: "
@@ -154,7 +159,7 @@ def cmd_mountd(args: argparse.Namespace, embedded_coordinator: EmbeddedFactory) 
                        cache_size=args.cache_size,
                        control_socket=args.control_socket or control_client.default_socket(root),
                        threads=args.threads, loader_processes=args.loader_processes,
-                       push_memory=args.push_memory,
+                       push_memory=args.push_memory, fuse_opens=args.fuse_opens,
                        memory_per_uid=args.memory_per_user, memory_total=args.memory_total,
                        chunk_bytes=args.chunk_size, metrics=args.metrics,
                        force_evict_after=args.force_evict_after,

@@ -49,6 +49,7 @@ class Controller:
                  peer_service: PeerService | None, prefetch_concurrency: int,
                  memory: MemoryBudget) -> None:
         self.root = root
+        self.fuse_mode = "open"  # how dataset files are served: "no-open" or "open" (mountd.fs)
         self.table = table
         self.registry = registry
         self.reader = reader
@@ -331,6 +332,7 @@ class Controller:
                           "write_failures": health.write_failures},
                 "counters": dict(self.reader.stats.counters),
                 "bucket_fetch_causes": ReadStats.by_cause(self.reader.stats.counters),
+                "fuse_mode": self.fuse_mode,
                 "fuse_requests": dict(self.reader.stats.fuse_requests),
                 "push": {"budget": self.reader.push.budget, "held": self.reader.push.held},
                 "memory": self.memory.status(self._held(), peer.uid),

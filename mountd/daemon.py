@@ -20,7 +20,9 @@ from mountd.cluster import Cluster, EmbeddedFactory, RemoteCoordinator
 from mountd.content_store import ContentStore
 from mountd.control_server import ControlServer
 from mountd.controller import Controller
-from mountd.fs import QuiverFS
+from mountd.control_fs import ControlFS
+from mountd.control_mount import ControlMount
+from mountd.fs import QuiverFS, no_open_available
 from mountd.item_reader import ItemReader
 from mountd.job_files import ControlFiles
 from mountd.job_registry import JobRegistry
@@ -80,6 +82,7 @@ class MountdConfig:
     memory_total: int | None = None  # and of all users'; None: a quarter of physical memory
     node_id: str = dataclasses.field(default_factory=socket.gethostname)
     fuse_tasks: int = 64  # FUSE requests handled at once
+    fuse_opens: bool = False  # dataset files opened with a handle even where no-open works
     prefetch_concurrency: int = 16  # items a prefetch fetches at once
 
 
@@ -134,7 +137,11 @@ class Mountd:
         self.peer_server: RpcServer | None = None
         self.coordinator_client: RpcClient | None = None
         self.cluster = self._cluster(embedded_coordinator)
-        self.reader = ItemReader(self.store, self.limiter, self.cluster, cfg.push_memory)
+        no_open = not cfg.fuse_opens and no_open_available()
+        # Without OPEN, mountd cannot see a pushed item being read, so it cannot bound
+        # what it pushed and nobody read yet: it pushes only where files are opened.
+        self.reader = ItemReader(self.store, self.limiter, self.cluster,
+                                 0 if no_open else cfg.push_memory)
         # A lone node sizes chunks so that several fit its cache; in a cluster every node
         # must compute the same plan, so the default stays 10% (or --chunk-size).
         self.jobs = JobRegistry(self.table, self.limiter, cfg.chunk_bytes,
@@ -151,8 +158,15 @@ class Mountd:
                                      MemoryBudget(MemoryLimits(
                                          cfg.memory_per_uid,
                                          cfg.memory_total or default_total())))
-        self.fs = QuiverFS(self.table, self.reader, ControlFiles(self.jobs, self.planner),
-                           self.views)
+        if not (cfg.fuse_opens or no_open):
+            log.warning("this pyfuse3 does not pass the inode to read (mountd/patches): "
+                        "dataset files are served with OPEN and RELEASE")
+        self.fs = QuiverFS(self.table, self.reader, no_open)
+        self.controller.fuse_mode = "no-open" if no_open else "open"
+        self.control_mount = ControlMount(
+            self.root, ControlFS(self.table, self.reader,
+                                 ControlFiles(self.jobs, self.planner), self.views),
+            self.reader.stats.fuse_requests)
         # Bound now, so that a taken port fails before mounting.
         self.metrics = (MetricsServer(cfg.metrics, MountdCollector(self.reader, self.table,
                                                                    self.jobs))
@@ -171,12 +185,11 @@ class Mountd:
             log.warning("%s: other users' file:// datasets cannot be read", exc)
         self.controller.restore()
         options = set(pyfuse3.default_options)
-        # Not "ro": the control area ROOT/.quiver/jobs takes writes; datasets refuse them.
-        options |= {"fsname=quiver", "subtype=quiver", "allow_other"}
+        # Read-only: the kernel then never marks a file's attributes stale after a read
+        # (no GETATTR at the next open). ROOT/.quiver, which takes writes, is another mount.
+        options |= {"fsname=quiver", "subtype=quiver", "allow_other", "ro"}
         pyfuse3.init(self.fs, self.root, options)
-        self.device = mount_device(self.root)
-        if self.device is not None:  # a dataset's files in this mount would read themselves
-            refuse_device(os.makedev(*map(int, self.device.split(":"))))
+        self.device = self._refuse_own(self.root)
         log.info("mounted %s (cache %s, %d bytes)", self.root, self.cfg.cache_dir,
                  self.cfg.cache_size)
         try:
@@ -199,19 +212,34 @@ class Mountd:
                 await nursery.start(self.cluster.peers.tasks.run)
                 await nursery.start(self.coordinator_client.tasks.run)
             await nursery.start(self.loader.run)
-            await nursery.start(self.control.serve)
             if self.metrics is not None:
                 await nursery.start(self.metrics.serve)
-            await nursery.start(self._on_signals)  # before READY=1: systemd may stop us next
             nursery.start_soon(self._record_hits)
             nursery.start_soon(self.views.run)
             nursery.start_soon(self._tune_kernel)
+            nursery.start_soon(self._serve_fuse, nursery.cancel_scope)
+            # ROOT/.quiver's mount looks it up here: it starts once requests are served
+            await nursery.start(self.control_mount.run)
+            self._refuse_own(self.control_mount.mountpoint)
+            await nursery.start(self.control.serve)  # a client sees ROOT/.quiver mounted
+            await nursery.start(self._on_signals)  # before READY=1: systemd may stop us next
             sd_notify.notify("READY=1")
-            await pyfuse3.main(min_tasks=1, max_tasks=self.cfg.fuse_tasks)
-            nursery.cancel_scope.cancel()
         if not self._terminated:
             raise QuietError(f"the FUSE session at {self.root} ended unexpectedly "
                              "(unmounted from outside?)", ExitCode.MOUNT)
+
+    async def _serve_fuse(self, done: trio.CancelScope) -> None:
+        await pyfuse3.main(min_tasks=1, max_tasks=self.cfg.fuse_tasks)
+        done.cancel()
+
+    @staticmethod
+    def _refuse_own(mountpoint: str) -> str | None:
+        """The ``MAJOR:MINOR`` of the mount at ``mountpoint``, one of mountd's own: a
+        dataset's files there would be read by the workers that serve them."""
+        device = mount_device(mountpoint)
+        if device is not None:
+            refuse_device(os.makedev(*map(int, device.split(":"))))
+        return device
 
     def _cluster(self, embedded_coordinator: EmbeddedFactory) -> Cluster:
         """This node's cluster: with --coordinator, the peer server's port is bound now
@@ -272,6 +300,7 @@ class Mountd:
             async for signum in sigs:
                 log.info("%s: unmounting", signal.Signals(signum).name)
                 self._terminated = True
+                await self.control_mount.stop()  # its unmount looks ROOT/.quiver up here
                 pyfuse3.terminate()
 
 

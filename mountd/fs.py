@@ -1,4 +1,13 @@
-"""The FUSE operations: thin async handlers over the mount table and the item reader.
+"""The datasets' FUSE connection: thin async handlers over the mount table and the item
+reader. It is mounted read-only at ROOT; ``ROOT/.quiver`` is a second connection
+(mountd.control_mount), and each view's name here is a link to it.
+
+No-open mode: with pyfuse3's ``read_with_inode`` (mountd/patches), OPEN is answered
+ENOSYS, and the kernel sends no OPEN and no RELEASE from then on; a READ names its
+inode. A dataset's content per inode never changes, so the kernel keeps its pages: a
+cached file costs mountd its LOOKUP and its READs the first time, and nothing while the
+kernel holds it (the mount is read-only, so reads do not make its attributes stale).
+Without the patch, or with ``--fuse-opens``, files are opened with a handle, as before.
 
 Every handler answers: an exception that is not a FUSEError is a bug or a fault below
 (the store, a backend), so it is logged and answered with EIO, and mountd keeps serving
@@ -6,6 +15,7 @@ every other request. Left to propagate, it would end pyfuse3's main loop for all
 """
 from __future__ import annotations
 
+import collections
 import errno
 import functools
 import inspect
@@ -20,12 +30,11 @@ from typing import Any
 import pyfuse3
 import trio
 
+from mountd.control_fs import VIEWS_NAME
 from mountd.dataset import MountedDataset
 from mountd.item_reader import ItemReader, ReadFailed
-from mountd.job_files import CONTROL_INODE, CONTROL_NAME, ControlFiles, ControlHandle
+from mountd.job_files import CONTROL_INODE, CONTROL_NAME
 from mountd.mount_table import MountTable
-from mountd.read_stats import FetchCause
-from mountd.view import ViewJobs
 
 log = logging.getLogger(__name__)
 
@@ -34,26 +43,31 @@ log = logging.getLogger(__name__)
 DATASET_TIMEOUT = 3600.0
 ROOT_ENTRY_TIMEOUT = 1.0
 XATTR_HASH = b"user.quiver.sha256"
-# On a view's open file: what the opening process was served (its SHA-256, hex, and path).
-XATTR_SERVED_HASH = b"user.quiver.served.sha256"
-XATTR_SERVED_PATH = b"user.quiver.served.path"
+# No-open mode: an item's bytes between the READs of one file (the kernel reads a file
+# larger than one READ in several), at most this much in all, oldest dropped first.
+READING_BYTES = 64 << 20
+# No-open mode: after a failed read of a file, its READs fail without another fetch for
+# this long: the kernel retries a failed readahead page by page, and each retry would
+# fetch (and count a failure) again. Beyond it, a read tries afresh.
+FAILED_HOLD = 1.0
+
+
+def no_open_available() -> bool:
+    """Whether this pyfuse3 passes the inode to ``read`` (mountd/patches)."""
+    return hasattr(pyfuse3.Operations, "read_with_inode")
 
 
 class _OpenFile:
-    """An open file: which item, and its bytes once the first read fetched them."""
+    """An open file (with opens only): which item, and its bytes once read."""
 
-    __slots__ = ("ds", "index", "data", "failed", "pushed", "cause", "keep", "opener")
+    __slots__ = ("ds", "index", "data", "failed", "pushed")
 
-    def __init__(self, ds: MountedDataset, index: int, pushed: bool = False,
-                 cause: FetchCause = FetchCause.EXACT, keep: bool = True,
-                 opener: tuple[int, int] | None = None) -> None:
+    def __init__(self, ds: MountedDataset, index: int, pushed: bool) -> None:
         self.ds = ds
         self.index = index
         self.data: bytes | None = None
         self.failed = False
         self.pushed = pushed  # its pages were pushed ahead (mountd.page_push)
-        self.cause, self.keep = cause, keep  # how a miss of it is fetched, and whether kept
-        self.opener = opener  # in a view: (pid, inode) of the open
 
 
 class QuiverFS(pyfuse3.Operations):
@@ -63,19 +77,18 @@ class QuiverFS(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, table: MountTable, reader: ItemReader, control: ControlFiles,
-                 views: ViewJobs) -> None:
+    def __init__(self, table: MountTable, reader: ItemReader, no_open: bool) -> None:
         super().__init__()
         self.table = table
         self.reader = reader
-        self.control = control
-        self.views = views
-        # (pid, inode) -> the handle of that process's latest open of a view file: its
-        # fstat and fgetxattr (which FUSE sends by inode) answer for the item it got.
-        self._served: dict[tuple[int, int], int] = {}
+        self.no_open = no_open
+        self.read_with_inode = no_open  # pyfuse3 (patched) then passes READ's inode
         self._fh = itertools.count(1)
         self._dir_handles: dict[int, list[tuple[bytes, int]]] = {}
-        self._files: dict[int, _OpenFile | ControlHandle] = {}
+        self._files: dict[int, _OpenFile] = {}
+        self._reading: collections.OrderedDict[int, bytes] = collections.OrderedDict()
+        self._reading_bytes = 0
+        self._failed: collections.OrderedDict[int, float] = collections.OrderedDict()
         self.started_ns = time.time_ns()
         self.initialized = trio.Event()  # the kernel's INIT answered: its settings are made
 
@@ -83,18 +96,24 @@ class QuiverFS(pyfuse3.Operations):
         self.initialized.set()
 
     # -- attributes -------------------------------------------------------------------
-    def _root_attr(self) -> pyfuse3.EntryAttributes:
+    def _dir_attr(self, inode: int, timeout: float) -> pyfuse3.EntryAttributes:
         attr = pyfuse3.EntryAttributes()
-        attr.st_ino = pyfuse3.ROOT_INODE
+        attr.st_ino = inode
         attr.st_mode = stat.S_IFDIR | 0o755
         attr.st_nlink = 2
         attr.st_uid = attr.st_gid = 0
         attr.st_atime_ns = attr.st_mtime_ns = attr.st_ctime_ns = self.started_ns
-        attr.attr_timeout = attr.entry_timeout = ROOT_ENTRY_TIMEOUT
+        attr.attr_timeout = attr.entry_timeout = timeout
         return attr
 
+    def _root_attr(self) -> pyfuse3.EntryAttributes:
+        return self._dir_attr(pyfuse3.ROOT_INODE, ROOT_ENTRY_TIMEOUT)
+
     @staticmethod
-    def _node_attr(ds: MountedDataset, node: int) -> pyfuse3.EntryAttributes:
+    def _view_link(ds: MountedDataset) -> bytes:
+        return os.fsencode(os.path.join(CONTROL_NAME, VIEWS_NAME, ds.name))
+
+    def _node_attr(self, ds: MountedDataset, node: int) -> pyfuse3.EntryAttributes:
         attr = pyfuse3.EntryAttributes()
         attr.st_ino = ds.inode_base + node
         attr.st_uid = ds.reg.uid
@@ -102,7 +121,13 @@ class QuiverFS(pyfuse3.Operations):
         ns = int(ds.reg.registered_at * 1e9)
         attr.st_atime_ns = attr.st_mtime_ns = attr.st_ctime_ns = ns
         attr.st_blksize = 1 << 17
-        if ds.tree.is_dir(node):
+        if ds.pools is not None:  # a view: its name links to where it is served
+            if node != 0:
+                raise pyfuse3.FUSEError(errno.ENOENT)
+            attr.st_mode = stat.S_IFLNK | 0o777
+            attr.st_nlink = 1
+            attr.st_size = len(self._view_link(ds))
+        elif ds.tree.is_dir(node):
             attr.st_mode = stat.S_IFDIR | (0o700 if node == 0 else 0o555)
             attr.st_nlink = 2
         else:
@@ -113,14 +138,7 @@ class QuiverFS(pyfuse3.Operations):
             attr.st_blocks = (size + 511) // 512
         timeout = ROOT_ENTRY_TIMEOUT if node == 0 else DATASET_TIMEOUT
         attr.attr_timeout = attr.entry_timeout = timeout
-        if ds.pools is not None and not ds.tree.is_dir(node):
-            attr.attr_timeout = 0  # a view file's size is the served item's: ask each time
         return attr
-
-    def _served_file(self, pid: int, inode: int) -> _OpenFile | None:
-        """The view file ``pid`` has open at ``inode`` (its latest open), if any."""
-        f = self._files.get(self._served.get((pid, inode), 0))
-        return f if isinstance(f, _OpenFile) else None
 
     def _resolve(self, inode: int) -> tuple[MountedDataset, int]:
         found = self.table.resolve(inode)
@@ -128,22 +146,17 @@ class QuiverFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENOENT)
         return found
 
-    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None
-                      ) -> pyfuse3.EntryAttributes:
-        attr = self._attr(inode)
-        served = self._served_file(ctx.pid, inode) if ctx is not None else None
-        if served is not None:  # fstat of an open view file: the size of what it reads
-            attr.st_size = served.ds.digest.sizes[served.index]
-            attr.st_blocks = (attr.st_size + 511) // 512
-        return attr
-
     def _attr(self, inode: int) -> pyfuse3.EntryAttributes:
         if self.table.is_root(inode):
             return self._root_attr()
-        if self.control.owns(inode):
-            return self.control.getattr(inode)
+        if inode == CONTROL_INODE:  # seen only until the control mount covers it
+            return self._dir_attr(CONTROL_INODE, DATASET_TIMEOUT)
         ds, node = self._resolve(inode)
         return self._node_attr(ds, node)
+
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None
+                      ) -> pyfuse3.EntryAttributes:
+        return self._attr(inode)
 
     async def lookup(self, parent_inode: int, name: bytes,
                      ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
@@ -152,13 +165,13 @@ class QuiverFS(pyfuse3.Operations):
             if text in (".", ".."):
                 return self._root_attr()
             if text == CONTROL_NAME:
-                return self.control.getattr(CONTROL_INODE)
+                return self._attr(CONTROL_INODE)
             ds = self.table.by_name.get(text)
             if ds is None:
                 raise pyfuse3.FUSEError(errno.ENOENT)
             return self._node_attr(ds, 0)
-        if self.control.owns(parent_inode):
-            return self.control.lookup(parent_inode, text)
+        if parent_inode == CONTROL_INODE:
+            raise pyfuse3.FUSEError(errno.ENOENT)
         ds, node = self._resolve(parent_inode)
         if text == ".":
             return self._node_attr(ds, node)
@@ -171,16 +184,22 @@ class QuiverFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENOENT)
         return self._node_attr(ds, child)
 
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        ds, node = self._resolve(inode)
+        if ds.pools is None or node != 0:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        return self._view_link(ds)
+
     # -- directories ------------------------------------------------------------------
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         if self.table.is_root(inode):
             entries = [(CONTROL_NAME.encode(), CONTROL_INODE)]
             entries += [(ds.name.encode(), ds.inode_base) for ds in self.table.visible_to(ctx.uid)]
-        elif self.control.owns(inode):
-            entries = self.control.entries(inode, ctx.uid)
+        elif inode == CONTROL_INODE:
+            entries = []
         else:
             ds, node = self._resolve(inode)
-            if not ds.tree.is_dir(node):
+            if ds.pools is not None or not ds.tree.is_dir(node):
                 raise pyfuse3.FUSEError(errno.ENOTDIR)
             entries = [(name.encode(), ds.inode_base + child)
                        for name, child in ds.tree.sorted_children[node]]
@@ -204,92 +223,86 @@ class QuiverFS(pyfuse3.Operations):
 
     # -- files ------------------------------------------------------------------------
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
-        if self.control.owns(inode):
-            fh = next(self._fh)
-            self._files[fh] = self.control.open(inode, flags)
-            return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
+        if self.no_open:
+            raise pyfuse3.FUSEError(errno.ENOSYS)  # no OPEN nor RELEASE from now on
         if flags & os.O_ACCMODE != os.O_RDONLY:
             raise pyfuse3.FUSEError(errno.EROFS)
         ds, node = self._resolve(inode)
-        if ds.tree.is_dir(node):
+        if ds.pools is not None or ds.tree.is_dir(node):
             raise pyfuse3.FUSEError(errno.EISDIR)
         fh = next(self._fh)
-        if ds.pools is not None:
-            # A view: the item this job gets in place of the path's. Another opener gets
-            # other bytes under the same inode, so none of them may go to the page cache.
-            choice = await self.views.choose(ds, ds.tree.entry_index(node), ctx.pid, ctx.uid)
-            opener = (ctx.pid, inode)
-            self._files[fh] = _OpenFile(ds, choice.index, cause=choice.cause,
-                                        keep=choice.keep, opener=opener)
-            self._served[opener] = fh
-            return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
-        pushed = self.reader.push.opened(inode)
-        self._files[fh] = _OpenFile(ds, ds.tree.entry_index(node), pushed)
+        self._files[fh] = _OpenFile(ds, ds.tree.entry_index(node),
+                                    self.reader.push.opened(inode))
         # Content per inode never changes, so the kernel may keep its pages; a re-read
         # it serves from its page cache costs mountd an open and a release, nothing more.
         return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)
 
-    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+    async def read(self, fh: int, off: int, size: int, inode: int | None = None
+                   ) -> bytes | memoryview:
+        if inode is not None:
+            return await self._read_inode(inode, off, size)
         f = self._files[fh]
-        if isinstance(f, ControlHandle):
-            return await f.read(off, size)
         if f.data is None:
             if f.failed:  # one fetch attempt per open, however often the kernel retries
                 raise pyfuse3.FUSEError(errno.EIO)
             try:
-                f.data = await self.reader.read(f.ds, f.index, f.cause, f.keep)
+                f.data = await self.reader.read(f.ds, f.index)
             except ReadFailed:
                 f.failed = True
                 raise pyfuse3.FUSEError(errno.EIO) from None
         return memoryview(f.data)[off:off + size]  # no copy: pyfuse3 takes any buffer
 
+    async def _read_inode(self, inode: int, off: int, size: int) -> bytes | memoryview:
+        """A no-open READ: the item's bytes, kept between the READs of a file that takes
+        more than one, until its last byte is read."""
+        data = self._reading.get(inode)
+        if data is None:
+            ds, node = self._resolve(inode)
+            if ds.pools is not None or ds.tree.is_dir(node):
+                raise pyfuse3.FUSEError(errno.EISDIR)
+            if self._recently_failed(inode):
+                raise pyfuse3.FUSEError(errno.EIO)
+            try:
+                data = await self.reader.read(ds, ds.tree.entry_index(node))
+            except ReadFailed:
+                self._failed.pop(inode, None)
+                self._failed[inode] = time.monotonic()
+                raise pyfuse3.FUSEError(errno.EIO) from None
+            if off + size < len(data) and inode not in self._reading:
+                self._keep_reading(inode, data)
+        elif off + size >= len(data):
+            self._reading_bytes -= len(self._reading.pop(inode))
+        return memoryview(data)[off:off + size]
+
+    def _recently_failed(self, inode: int) -> bool:
+        now = time.monotonic()
+        while self._failed and now - next(iter(self._failed.values())) > FAILED_HOLD:
+            self._failed.popitem(last=False)
+        return inode in self._failed
+
+    def _keep_reading(self, inode: int, data: bytes) -> None:
+        self._reading[inode] = data
+        self._reading_bytes += len(data)
+        while self._reading_bytes > READING_BYTES:
+            _, dropped = self._reading.popitem(last=False)
+            self._reading_bytes -= len(dropped)
+
     async def release(self, fh: int) -> None:
         f = self._files.pop(fh, None)
-        if isinstance(f, _OpenFile) and f.opener is not None:
-            if self._served.get(f.opener) == fh:
-                del self._served[f.opener]
-            return
-        if isinstance(f, _OpenFile) and f.data is None and not (f.failed or f.pushed):
+        if f is not None and f.data is None and not (f.failed or f.pushed):
             # opened and closed without a read reaching us: the kernel's page cache
             # served it (keep_cache), or nothing was read
             self.reader.stats.count(f.ds, "page_cache_opens")
 
-    async def write(self, fh: int, off: int, buf: bytes) -> int:
-        f = self._files[fh]
-        if not isinstance(f, ControlHandle):
-            raise pyfuse3.FUSEError(errno.EROFS)
-        return await f.write(off, buf)
-
-    # -- the control area is the only writable place ----------------------------------
-    async def mkdir(self, parent_inode: int, name: bytes, mode: int,
-                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self.control.mkdir(parent_inode, os.fsdecode(name), ctx)
-
-    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        self.control.rmdir(parent_inode, os.fsdecode(name), ctx)
-
-    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes,
-                      fields: pyfuse3.SetattrFields, fh: int | None,
-                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        if not self.control.owns(inode):
-            raise pyfuse3.FUSEError(errno.EROFS)
-        return self.control.getattr(inode)  # truncating a control file changes nothing
-
     async def _read_only(self, *args: object) -> None:
         raise pyfuse3.FUSEError(errno.EROFS)
 
-    create = mknod = unlink = rename = symlink = link = _read_only
+    create = mknod = unlink = rename = symlink = link = mkdir = rmdir = _read_only
+    setattr = write = _read_only
 
     # -- metadata ---------------------------------------------------------------------
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
-        if name in (XATTR_SERVED_HASH, XATTR_SERVED_PATH):
-            served = self._served_file(ctx.pid, inode)
-            if served is None:
-                raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
-            digest = served.ds.digest
-            return (digest.hash(served.index).hex().encode() if name == XATTR_SERVED_HASH
-                    else digest.path(served.index).encode())
-        if name != XATTR_HASH or self.table.is_root(inode):
+        if name != XATTR_HASH or self.table.is_root(inode) or inode == CONTROL_INODE:
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
         ds, node = self._resolve(inode)
         if ds.tree.is_dir(node) or ds.pools is not None:  # a view's path has no one content
@@ -298,11 +311,8 @@ class QuiverFS(pyfuse3.Operations):
 
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
         found = None if self.table.is_root(inode) else self.table.resolve(inode)
-        if found is None or found[0].tree.is_dir(found[1]):
+        if found is None or found[0].pools is not None or found[0].tree.is_dir(found[1]):
             return []
-        if found[0].pools is not None:
-            served = self._served_file(ctx.pid, inode)
-            return [] if served is None else [XATTR_SERVED_HASH, XATTR_SERVED_PATH]
         return [XATTR_HASH]
 
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:

@@ -3,13 +3,17 @@ and hits served without a worker thread still exact and still checked."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import os
+import sqlite3
 import subprocess
 import time
 
+import google_crc32c
 import pytest
 
+from mountd.content_store import VERIFY_ON_LOOP_MAX
 from mountd.daemon import FUSECTL, MAX_BACKGROUND, READAHEAD_KB
 from quiverfs.mount_point import mount_device
 from tests.mountd_helpers import make_digest, mount, mountd_factory, tree_hashes  # noqa: F401
@@ -39,9 +43,11 @@ def _requests_after(m, before: dict[str, int], releases: int) -> dict[str, int]:
         time.sleep(0.05)
 
 
+@pytest.mark.parametrize("mode", ["no-open", "open"])
 def test_requests_per_file_are_counted_and_each_item_is_one_read(mountd_factory,
-                                                                 synthetic_tree):
-    m = mountd_factory()
+                                                                 synthetic_tree, mode):
+    m = mountd_factory(extra_args=("--fuse-opens",) if mode == "open" else ())
+    assert m.status()["fuse_mode"] == mode
     data = make_digest(synthetic_tree.root, "syn")
     expected = tree_hashes(synthetic_tree.root)
     rels = sorted(expected)
@@ -58,20 +64,22 @@ def test_requests_per_file_are_counted_and_each_item_is_one_read(mountd_factory,
 
     mount(m, data, "syn")  # a fresh name: new inodes, nothing in the kernel's caches
     root = os.path.join(m.root, "syn")
+    opens = len(rels) if mode == "open" else 0
     before = m.status()["fuse_requests"]
     assert _read_all(root, rels) == expected
-    first = _requests_after(m, before, len(rels))
-    # a name, an open, one READ (items are up to 300 KB) and a release per file; a
-    # lookup of the dataset and of each class directory
-    assert first == {"lookup": 1 + len(classes) + len(rels), "open": len(rels),
-                     "read": len(rels), "release": len(rels)}
+    first = _requests_after(m, before, opens)
+    # a name and one READ per file (items are up to 300 KB), and, with opens, an open
+    # and a release; a lookup of the dataset and of each class directory
+    lookups = {"lookup": 1 + len(classes) + len(rels), "read": len(rels)}
+    assert first == (lookups | {"open": opens, "release": opens} if opens else lookups)
 
     before = m.status()["fuse_requests"]
     assert _read_all(root, rels) == expected
-    second = _requests_after(m, before, len(rels))
-    # the kernel kept the pages, so no READ; Python's open() fstat()s the file, and the
-    # first pass's READs marked its atime stale (on a mount that is not read-only)
-    assert second == {"open": len(rels), "getattr": len(rels), "release": len(rels)}
+    second = _requests_after(m, before, opens)
+    # the kernel kept the pages, so no READ, and its attributes (a read-only mount's
+    # reads leave them current), so no GETATTR at Python's fstat: without opens,
+    # nothing reaches mountd at all
+    assert second == ({"open": opens, "release": opens} if opens else {})
 
 
 def test_a_hit_corrupted_on_disk_after_it_was_served_is_refetched(mountd_factory,
@@ -97,6 +105,43 @@ def test_a_hit_corrupted_on_disk_after_it_was_served_is_refetched(mountd_factory
     st = m.status()
     assert st["cache"]["corrupt_dropped"] == 1
     assert st["counters"]["bucket_fetches"] == len(rels) + 1
+
+
+def _forge(store: str, order: str) -> int:
+    """Edit the first bytes of the first value file by size in ``order`` (ASC or DESC),
+    and its row's CRC32C tag to match, so that only a full hash tells; its size."""
+    with contextlib.closing(sqlite3.connect(os.path.join(store, "cache.db"))) as con, con:
+        (key, name, size), = con.execute("SELECT key, filename, size FROM Cache WHERE "
+                                         f"filename IS NOT NULL ORDER BY size {order} LIMIT 1")
+        path = os.path.join(store, name)
+        with open(path, "r+b") as f:
+            f.write(b"forged!!")
+        with open(path, "rb") as f:
+            con.execute("UPDATE Cache SET tag = ? WHERE key = ?",
+                        (google_crc32c.value(f.read()), key))
+    return size
+
+
+def test_a_restarted_mountd_never_serves_an_item_forged_with_a_matching_crc(mountd_factory,
+                                                                            synthetic_tree):
+    """After a restart the store knows its value files from the start; an item's first
+    read in the run hashes it in full, on the loop or in a worker by its size."""
+    m = mountd_factory()
+    data = make_digest(synthetic_tree.root, "syn")
+    expected = tree_hashes(synthetic_tree.root)
+    rels = sorted(expected)
+    mount(m, data, "a")
+    assert _read_all(os.path.join(m.root, "a"), rels) == expected  # now all cached
+    assert m.stop() == 0
+    store = os.path.join(m.cache_dir, "store")
+    assert _forge(store, "ASC") <= VERIFY_ON_LOOP_MAX < _forge(store, "DESC")
+
+    m = mountd_factory(cache_dir=m.cache_dir)
+    assert _read_all(os.path.join(m.root, "a"), rels) == expected
+    st = m.status()
+    assert st["cache"]["corrupt_dropped"] == 2
+    assert st["counters"]["bucket_fetches"] == 2
+    assert st["counters"]["local_hits"] == len(rels) - 2
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting the FUSE control filesystem needs root")

@@ -47,8 +47,9 @@ def _run_job(root: str, seed: int, epochs: int, pool: concurrent.futures.Executo
 def test_pushed_pages_hold_each_items_bytes_within_the_bound(mountd_factory, digits_tree):
     # a cache of 100K holds a few chunks of the 220K digits: chunks load and are
     # evicted, and the store culls, while two jobs' planned hits are pushed
+    # pushes are made where files are opened (mountd.daemon)
     m = mountd_factory(cache_size="100K", extra_args=("--push-memory", str(PUSH_MEMORY),
-                                                      "--chunk-size", "20K"))
+                                                      "--chunk-size", "20K", "--fuse-opens"))
     mount(m, make_digest(digits_tree.root, "digits"), "digits")
     root = os.path.join(m.root, "digits")
     for _ in os.walk(root):  # as ImageFolder does: the kernel learns every inode

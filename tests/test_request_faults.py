@@ -37,33 +37,31 @@ class NoReader:
         self.stats = ReadStats()
 
 
-class NoControlFiles:
-    @staticmethod
-    def owns(inode: int) -> bool:
-        return False
-
-
-async def test_fuse_handler_fault_answers_eio_and_is_logged(caplog):
-    fs = QuiverFS(BrokenTable(), NoReader(), NoControlFiles(),  # type: ignore[arg-type]
-                  None)  # type: ignore[arg-type]
-    for call in (fs.getattr(FIRST_DATASET_INODE), fs.open(FIRST_DATASET_INODE, os.O_RDONLY,
-                                                          None),
-                 fs.lookup(FIRST_DATASET_INODE, b"x")):
+@pytest.mark.parametrize("no_open", [False, True])
+async def test_fuse_handler_fault_answers_eio_and_is_logged(caplog, no_open):
+    fs = QuiverFS(BrokenTable(), NoReader(), no_open)  # type: ignore[arg-type]
+    last = (fs.read(0, 0, 4096, FIRST_DATASET_INODE) if no_open
+            else fs.open(FIRST_DATASET_INODE, os.O_RDONLY, None))
+    for call in (fs.getattr(FIRST_DATASET_INODE), fs.lookup(FIRST_DATASET_INODE, b"x"), last):
         with pytest.raises(pyfuse3.FUSEError) as info:
             await call
         assert info.value.errno == errno.EIO
+    op = "read" if no_open else "open"
     assert [r.getMessage() for r in caplog.records if r.name == "mountd.fs"] == [
-        f"FUSE {op} failed: answered EIO" for op in ("getattr", "open", "lookup")]
+        f"FUSE {name} failed: answered EIO" for name in ("getattr", "lookup", op)]
     assert caplog.text.count("RuntimeError: injected fault") == 3
-    assert fs.reader.stats.fuse_requests == {"getattr": 1, "open": 1, "lookup": 1}
+    assert fs.reader.stats.fuse_requests == {"getattr": 1, "lookup": 1, op: 1}
 
 
 async def test_fuse_errors_pass_through_unchanged():
-    fs = QuiverFS(MountTable(), NoReader(), NoControlFiles(),  # type: ignore[arg-type]
-                  None)  # type: ignore[arg-type]
-    with pytest.raises(pyfuse3.FUSEError) as info:
-        await fs.getattr(FIRST_DATASET_INODE)
-    assert info.value.errno == errno.ENOENT
+    fs = QuiverFS(MountTable(), NoReader(), True)  # type: ignore[arg-type]
+    for call in (fs.getattr(FIRST_DATASET_INODE), fs.read(0, 0, 1, FIRST_DATASET_INODE)):
+        with pytest.raises(pyfuse3.FUSEError) as info:
+            await call
+        assert info.value.errno == errno.ENOENT
+    with pytest.raises(pyfuse3.FUSEError) as info:  # no-open mode: the kernel opens alone
+        await fs.open(FIRST_DATASET_INODE, os.O_RDONLY, None)
+    assert info.value.errno == errno.ENOSYS
 
 
 async def failing(peer: Peer, req: dict[str, Any]) -> dict[str, Any]:
