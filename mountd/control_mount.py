@@ -63,6 +63,7 @@ class ControlMount:
         self.requests = requests  # counted by opcode, "control." before it
         self._proc: trio.Process | None = None
         self._stopping = False
+        self._mounted = False  # the child said its mount is made
 
     async def run(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         """Serve the connection until stopped; started once it is mounted."""
@@ -76,12 +77,13 @@ class ControlMount:
                          str(theirs.fileno()), self.mountpoint], pass_fds=(theirs.fileno(),),
                         start_new_session=True)  # a terminal's ^C is mountd's to pass on
                 stream = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
-                mounted = trio.Event()
+                self._mounted = False
+                said = trio.Event()  # mounted, or the child ended first
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._answer, stream, mounted)
+                    nursery.start_soon(self._answer, stream, said)
                     with trio.move_on_after(START_TIMEOUT):
-                        await mounted.wait()
-                    if not mounted.is_set():
+                        await said.wait()
+                    if not self._mounted:
                         self._proc.kill()
                         raise QuietError(f"cannot mount {self.mountpoint}: see the log",
                                          ExitCode.MOUNT)
@@ -113,8 +115,9 @@ class ControlMount:
         await proc.wait()
         await trio.to_thread.run_sync(_detach, self.mountpoint)
 
-    async def _answer(self, stream: trio.SocketStream, mounted: trio.Event) -> None:
-        """Answer the child's requests until it closes the socket (it ended)."""
+    async def _answer(self, stream: trio.SocketStream, said: trio.Event) -> None:
+        """Answer the child's requests until it closes the socket (it ended); set
+        ``said`` once it has mounted, or when it ends before."""
         unpacker = msgpack.Unpacker(max_buffer_size=MAX_MESSAGE)
         send_lock = trio.Lock()
         async with trio.open_nursery() as nursery:
@@ -124,13 +127,15 @@ class ControlMount:
                     for rid, op, args, who in unpacker:
                         if rid == 0:
                             if op == "mounted":
-                                mounted.set()
+                                self._mounted = True
+                                said.set()
                             continue
                         nursery.start_soon(self._reply, stream, send_lock, rid, op, args, who)
             except (trio.BrokenResourceError, ValueError, TypeError) as exc:
                 log.error("the link to the process serving %s failed: %s",
                           self.mountpoint, exc)
             nursery.cancel_scope.cancel()
+        said.set()
 
     async def _reply(self, stream: trio.SocketStream, send_lock: trio.Lock, rid: int,
                      op: str, args: list[Any], who: list[int] | None) -> None:

@@ -6,6 +6,9 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import os
+import signal
+import subprocess
+import time
 
 import pyfuse3
 import pytest
@@ -94,3 +97,23 @@ def test_the_control_area_and_views_are_their_own_mount(mountd_factory, digits_t
         os.listdir(digits_tree.root))
     with pytest.raises(OSError):  # the datasets' mount is read-only
         open(os.path.join(m.root, "new"), "wb")
+
+
+def test_the_control_mount_comes_back_when_its_process_dies(mountd_factory):
+    m = mountd_factory()
+    control = os.path.join(m.root, ".quiver")
+    found = subprocess.run(["pgrep", "-f", f"mountd.control_mount_process .* {control}$"],
+                           capture_output=True, text=True, check=True)
+    (pid,) = found.stdout.split()
+    os.kill(int(pid), signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while True:  # mountd detaches the dead mount and mounts it again
+        try:
+            os.mkdir(os.path.join(control, "jobs", "after"))
+            break
+        except OSError:
+            assert time.monotonic() < deadline, m.log_tail(20)
+            time.sleep(0.2)
+    assert os.listdir(os.path.join(control, "jobs")) == ["after"]
+    assert "mounting it again" in m.log_tail(50)
+    assert m.status()["fuse_mode"] == "no-open"  # and the datasets' mount served on
