@@ -11,10 +11,12 @@ import json
 import os
 import shutil
 import subprocess
+import time
 
 import pytest
 
 from mountd.controller import MAX_DATASETS_PER_USER, MAX_ITEM_BYTES
+from mountd.fs import FAILED_HOLD
 from mountd.integrity_budget import MAX_INTEGRITY_FAILURES_PER_USER
 from quiverfs import digest as digest_format
 from tests.mountd_helpers import call_as, dataset_counters, make_digest, mountd_factory  # noqa: F401
@@ -228,6 +230,7 @@ def test_a_uid_whose_hashes_keep_failing_is_stopped(shared_workdir, mountd_facto
     fetched = {n: dataset_counters(m, n).get("bucket_fetches", 0) for n in sizes}
     later = [f"{m.root}/{n}/later" for n in sizes]  # the store holds their bytes
     assert read_as_attacker(later) == {later[0]: 5, later[1]: 5, later[2]: "00"}
+    time.sleep(FAILED_HOLD)  # a file that just failed fails again without a new try
     assert set(read_as_attacker(paths["b"][:10]).values()) == {5}
     assert {n: dataset_counters(m, n).get("bucket_fetches", 0) for n in sizes} == fetched
     assert dataset_counters(m, "b")["suspended_reads"] == 11
