@@ -22,7 +22,7 @@ import pyfuse3
 import trio
 
 from mountd.control_fs import ControlFS
-from mountd.control_mount_process import ATTR_FIELDS, MAX_MESSAGE
+from mountd.control_mount_process import MAX_MESSAGE, attr_to_wire
 from mountd.job_files import CONTROL_INODE, CONTROL_NAME
 from quiverfs.errors import ExitCode, QuietError
 
@@ -48,7 +48,7 @@ def _inode(inode: int) -> int:
 
 
 def _attr(attr: pyfuse3.EntryAttributes) -> list[Any]:
-    values = [getattr(attr, name) for name in ATTR_FIELDS]
+    values = attr_to_wire(attr)
     if values[0] == CONTROL_INODE:
         values[0] = pyfuse3.ROOT_INODE
     return values
