@@ -42,12 +42,18 @@ log = logging.getLogger(__name__)
 CHUNK_WAIT = 20.0
 PROBE_LOOKUPS = 1024  # pending items of a chunk looked up for a probe batch, at most
 WAIT_POLL = 0.25  # seconds between looks at what other nodes loaded, while waiting
-# Batches one reply may hand out as a segment. The job asks again only after them, so an
-# allotment that leaves ``full``, or a probe the coordinator asks for, reaches it up to a
-# segment later (a segment planned ahead and not yet handed out is handed out batch by
-# batch instead). More saves little: at 64 the manifest's read and planning are already
+# Batches one reply may hand out as a segment. The job asks again only after them (and
+# QuiverBatchSampler reads the next segment as one starts), so an allotment that leaves
+# ``full``, or a probe the coordinator asks for, reaches it up to two segments later (a
+# segment planned ahead and not yet handed out is handed out batch by batch instead). More saves little: at 64 the manifest's read and planning are already
 # spread over 64 batches, and a reply stays around 0.5 MB for batches of 256.
 SEGMENT_BATCHES = 64
+# A segment is at most as long as the batches of the epoch planned before it, and at
+# least this: the job waits for an epoch's first segment, so that one is short (on the
+# 2-core machine 64 batches of 8 took 16 ms to plan), and each later one is planned while
+# the job reads the one before (the sampler reads it as that one starts), so it must
+# not take longer to plan than that one to read.
+FIRST_SEGMENT_BATCHES = 8
 MIN_SEGMENT = 2  # fewer cached batches ahead are planned one at a time
 
 
@@ -76,6 +82,9 @@ class BatchPlanner:
             while sampler.planned <= index:
                 await self._plan(job, group, sampler)
             reply, handed = job.manifests[index], 1
+            if isinstance(reply, Batch):  # a segment's batch, read on its own
+                reply = job.manifests[index] = json.dumps(self._manifest(
+                    job, group.ds.digest, reply, len(reply.items))).encode()
             segment = job.segments.get(index)
             if segment is not None and self._segments_allowed(job, group):
                 reply, handed = segment
@@ -131,17 +140,14 @@ class BatchPlanner:
         (up to SEGMENT_BATCHES) as the cache holds from the first on; False, placing
         nothing, where that is fewer than MIN_SEGMENT."""
         ref, size = job.ref, sampler.batch_size
-        items = sampler.pending_in_order(min(SEGMENT_BATCHES * size, sampler.remaining))
+        most = min(SEGMENT_BATCHES, max(FIRST_SEGMENT_BATCHES, sampler.planned))
+        items = sampler.pending_in_order(min(most * size, sampler.remaining))
         digest = group.ds.digest
         hashes = [digest.hash(int(i)) for i in items]
-        cached, block = 0, MIN_SEGMENT * size
-        while cached < len(items):  # a short look first: a miss near the head ends it
-            held = await self.bulk.held(hashes[cached:cached + block])
-            if not all(held):
-                cached += held.index(False)
-                break
-            cached += len(held)
-            block *= 2
+        # segments are planned on a lone node only (_segments_allowed): its store is
+        # where every item is, and a miss near the head ends the look
+        cached = await trio.to_thread.run_sync(self.reader.store.leading_held, hashes,
+                                               limiter=self.reader.limiter)
         n = math.ceil(cached / size) if cached == len(items) else cached // size
         if n < MIN_SEGMENT:
             return False
@@ -151,20 +157,22 @@ class BatchPlanner:
             self._account(job, group, ref, batch, len(batch.items))
         self.reader.staging.planned(hashes[:n * size])
         self.reader.push.enqueue(group.ds, [int(i) for i in items[:n * size]])
-        manifests, reply = await trio.to_thread.run_sync(
-            self._segment_replies, job, digest, batches, limiter=self.reader.limiter)
-        job.manifests.update(zip((batch.index for batch in batches), manifests))
+        reply = await trio.to_thread.run_sync(
+            self._segment_reply, job, digest, batches, limiter=self.reader.limiter)
+        # each batch's own manifest is made only if a reader asks for it
+        job.manifests.update((batch.index, batch) for batch in batches)
         job.segments[batches[0].index] = (reply, n)
         return True
 
     @classmethod
-    def _segment_replies(cls, job: Job, digest: Digest, batches: list[Batch]
-                         ) -> tuple[list[bytes], bytes]:
-        """The manifests of a segment's batches, and the reply that hands out all of
-        them (the first one's, with the others' paths as its ``segment``)."""
-        manifests = [cls._manifest(job, digest, batch, len(batch.items)) for batch in batches]
-        reply = {**manifests[0], "segment": [m["paths"] for m in manifests[1:]]}
-        return [json.dumps(m).encode() for m in manifests], json.dumps(reply).encode()
+    def _segment_reply(cls, job: Job, digest: Digest, batches: list[Batch]) -> bytes:
+        """The reply that hands out a segment: its first batch's manifest, with the
+        other batches' paths as its ``segment``."""
+        cut = cls._prefix_cut(job)
+        reply = {**cls._manifest(job, digest, batches[0], len(batches[0].items)),
+                 "segment": [[digest.path(i)[cut:] for i in batch.items]
+                             for batch in batches[1:]]}
+        return json.dumps(reply).encode()
 
     async def _plan_next(self, job: Job, group: DatasetJobs, sampler: EpochSampler) -> None:
         ref = job.ref
@@ -255,10 +263,15 @@ class BatchPlanner:
         job.counters["fetched"] += len(batch.items) - hits
 
     @staticmethod
+    def _prefix_cut(job: Job) -> int:
+        """How much of a digest path to cut: the job's prefix and its slash."""
+        prefix = job.config.prefix.strip("/")
+        return len(prefix) + 1 if prefix else 0
+
+    @staticmethod
     def _manifest(job: Job, digest: Digest, batch: Batch, hits: int) -> dict[str, Any]:
         """A batch's manifest (the module docstring says what is in it)."""
-        prefix = job.config.prefix.strip("/")
-        cut = len(prefix) + 1 if prefix else 0
+        cut = BatchPlanner._prefix_cut(job)
         items = batch.items
         return {"epoch": job.epoch, "batch": batch.index, "hits": hits,
                 "paths": [digest.path(i)[cut:] for i in items],

@@ -43,7 +43,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NoReturn
 
 import diskcache
@@ -671,8 +671,21 @@ class ContentStore:
         self._verified.add(digest)
 
     def __contains__(self, digest: bytes) -> bool:
-        """Whether ``digest`` is stored (False while the store cannot answer)."""
+        """Whether ``digest`` is stored (False while the store cannot answer). A value
+        file known in memory that is on disk answers without a query of the index (a
+        planner asks this of every item of a segment). May block on the disk."""
+        known = self._files.locate(digest)
+        if known is not None and os.path.exists(known[0]):
+            return True
         return bool(self._query(lambda index: digest in index.reader))
+
+    def leading_held(self, digests: Sequence[bytes]) -> int:
+        """How many of ``digests``, from the first, are stored (up to the first that is
+        not). May block on the disk."""
+        for n, digest in enumerate(digests):
+            if digest not in self:
+                return n
+        return len(digests)
 
     def volume(self) -> int:
         """Bytes of the items held (what ``size_limit`` bounds; the index is on top); 0

@@ -22,7 +22,7 @@ from mountd.dataset_jobs import DatasetJobs
 from mountd.dataset_tree import DatasetTree
 from mountd.mount_table import MountTable
 from mountd.probing import BenefitProbe
-from mountd.substitution import DEFAULT_SCAN_FACTOR, EpochSampler
+from mountd.substitution import DEFAULT_SCAN_FACTOR, Batch, EpochSampler
 from quiverfs.chunk_cycle import EpochRef
 from quiverfs.heartbeat import JobReport, to_wire
 
@@ -220,7 +220,8 @@ class Job:
         self.epoch = -1
         self.sampler: EpochSampler | None = None
         self.ref: EpochRef | None = None
-        self.manifests: dict[int, bytes] = {}
+        # batch -> its manifest; a segment's batch until a reader asks for its own
+        self.manifests: dict[int, bytes | Batch] = {}
         # first batch -> (the reply handing out a segment from it, batches it covers)
         self.segments: dict[int, tuple[bytes, int]] = {}
         self.lock = trio.Lock()

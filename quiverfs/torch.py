@@ -16,11 +16,15 @@ ValueError. Each epoch yields every item of this rank's shard exactly once, in b
 mountd fills with whatever is cached (paper §4.7). Batches are read as manifests from
 ``ROOT/.quiver/jobs/JOB/eE-bI``; the time between batches is reported back to mountd.
 Where the dataset is cached in full, one manifest hands out a segment of several
-batches (``mountd.batch_planner``): they are yielded without asking mountd again, and
-their times are reported together when the next manifest is read.
+batches (``mountd.batch_planner``): they are yielded without asking mountd again, their
+times are reported together when the next manifest is read, and the reports and the
+next segment's manifest are written and read by a thread while this one's batches are
+yielded (mountd plans it ahead anyway), so the loader does not wait for them. A single batch's manifest (items
+still being cached, or a probe timing the job) is read when the batch is asked for.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import json
 import math
@@ -33,6 +37,7 @@ from typing import Any
 from torch.utils.data import Sampler
 
 CONTROL = os.path.join(".quiver", "jobs")
+MANIFEST_READ = 4 << 20  # bytes asked per read of a manifest (mountd's files are direct_io)
 
 
 def find_mount(path: str) -> tuple[str, str, str]:
@@ -182,8 +187,16 @@ class QuiverBatchSampler(Sampler[list[int]]):
         """The manifest (paths, labels, hashes, hits) of one batch of this epoch."""
         path = os.path.join(self.job_dir, f"e{self.epoch}-b{batch}")
         try:
-            with open(path, "rb") as f:
-                return json.loads(f.read())
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                chunks = [os.read(fd, MANIFEST_READ)]
+                # a job file is read past its end on the first short read: no read
+                # (a request to mountd) just to see EOF
+                while len(chunks[-1]) == MANIFEST_READ:
+                    chunks.append(os.read(fd, MANIFEST_READ))
+            finally:
+                os.close(fd)
+            return json.loads(b"".join(chunks))
         except OSError as exc:
             if exc.errno == errno.EINVAL:
                 raise RuntimeError(f"quiver: {self._error()}") from None
@@ -197,25 +210,44 @@ class QuiverBatchSampler(Sampler[list[int]]):
                                "list: the dataset changed under the mount?") from None
 
     def _flush_reports(self) -> None:
-        if self._reports:
-            os.write(self._report, "".join(self._reports).encode())
-            self._reports = []
+        self._write_reports(self._take_reports())
+
+    def _take_reports(self) -> bytes:
+        reports, self._reports = "".join(self._reports).encode(), []
+        return reports
+
+    def _write_reports(self, reports: bytes) -> None:
+        if reports:
+            os.write(self._report, reports)
+
+    def _report_and_read(self, reports: bytes, batch: int) -> dict[str, Any]:
+        self._write_reports(reports)
+        return self.manifest(batch)
 
     def __iter__(self) -> Iterator[list[int]]:
         self._last = None
         batch = 0
-        while batch < len(self):
-            m = self.manifest(batch)
-            for i, paths in enumerate([m["paths"], *m.get("segment", ())]):
-                indices = self._indices(paths)
-                now = time.monotonic()  # the loader asked for this batch then (code after
-                if self._last is not None:  # the yield runs only when it asks for the next)
-                    self._reports.append(f"{self.epoch} {batch} {now - self._last:.6f}\n")
-                self._last = now
-                if i == 0:
-                    self._flush_reports()
-                batch += 1
-                yield indices
+        with concurrent.futures.ThreadPoolExecutor(1, "quiver-manifest") as ahead:
+            next_manifest: concurrent.futures.Future[dict[str, Any]] | None = None
+            while batch < len(self):
+                m = self.manifest(batch) if next_manifest is None else next_manifest.result()
+                batches = [m["paths"], *m.get("segment", ())]
+                after = batch + len(batches)
+                for i, paths in enumerate(batches):
+                    indices = self._indices(paths)
+                    now = time.monotonic()  # the loader asked for this batch then (code
+                    if self._last is not None:  # after the yield runs when it asks again)
+                        self._reports.append(f"{self.epoch} {batch} {now - self._last:.6f}\n")
+                    self._last = now
+                    if i == 0 and len(batches) > 1 and after < len(self):
+                        # the reports so far, then the next manifest, in the thread
+                        next_manifest = ahead.submit(self._report_and_read,
+                                                     self._take_reports(), after)
+                    elif i == 0:
+                        next_manifest = None
+                        self._flush_reports()
+                    batch += 1
+                    yield indices
         self._flush_reports()
 
     def close(self) -> None:

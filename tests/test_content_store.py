@@ -678,6 +678,27 @@ def test_value_files_culled_or_stored_again_by_another_process_are_read_right(tm
     assert_consistent(directory)
 
 
+def test_membership_of_known_files_asks_no_query_and_a_culled_one_is_not_held(
+        tmp_path, sqlite_statements):
+    directory = str(tmp_path / "store")
+    items = [item(50 + i) for i in range(4)]
+    small = item(54, 1_000)  # kept in the index, not in a file: asked of the index
+    store = reopened(directory, items + [small])
+    try:
+        digests = [d for d, _ in items]
+        before = len(sqlite_statements)
+        assert all(d in store for d in digests) and store.leading_held(digests) == 4
+        assert len(sqlite_statements) == before
+        assert small[0] in store and len(sqlite_statements) > before
+        with diskcache.Cache(directory) as other:  # another process culls the third
+            assert other.delete(digests[2])
+        assert digests[2] not in store
+        assert store.leading_held(digests) == 2
+        assert store.leading_held([item(55)[0], *digests]) == 0
+    finally:
+        store.close()
+
+
 def test_puts_and_drops_keep_the_index_of_value_files(store):
     large, small = item(42), item(43, 1_000)
     assert store.put(*large) and store.put(*small)
