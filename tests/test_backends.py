@@ -9,6 +9,7 @@ import socket
 from collections.abc import Callable, Iterator
 
 import pytest
+import requests
 
 from quiverfs.backends import Backend, StorageOptions, open_backend
 from quiverfs.backends.gcs import GCSBackend
@@ -192,6 +193,44 @@ def test_unreachable_storage_fails_after_retries() -> None:
         b.read("a")
     assert err.value.exitcode == ExitCode.BACKEND
     assert "after retries" in err.value.message
+
+
+def test_requests_read_the_environment_once_per_client(gcs_emulator: Emulator, upload,
+                                                      tmp_path, files: dict[str, bytes],
+                                                      monkeypatch) -> None:
+    write_files(str(tmp_path), files)
+    b = gcs(gcs_emulator, upload(str(tmp_path), "env"))
+    looked_up: list[str] = []
+    lookup = requests.utils.get_environ_proxies
+
+    def counted(url: str, no_proxy: str | None = None) -> dict[str, str]:
+        looked_up.append(url)
+        return lookup(url, no_proxy)
+
+    monkeypatch.setattr(requests.utils, "get_environ_proxies", counted)
+    monkeypatch.setattr(requests.sessions, "get_environ_proxies", counted)
+    try:
+        for key, data in files.items():
+            assert b.read(key) == data
+            assert b.read(key) == data
+    finally:
+        b.close()
+    assert looked_up == [gcs_emulator.host]  # when the client was made, not per request
+
+
+def test_a_proxy_in_the_environment_is_used(gcs_emulator: Emulator, gcs_bucket: str,
+                                            monkeypatch) -> None:
+    with socket.socket() as s:  # a proxy port that refuses connections
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{port}")
+    b = GCSBackend(f"gs://{gcs_bucket}/x", StorageOptions(emulator_host=gcs_emulator.host),
+                   retry_deadline=1.0)
+    with pytest.raises(QuietError) as err:
+        b.read("a")
+    assert err.value.exitcode == ExitCode.BACKEND  # the emulator alone would say not found
 
 
 @pytest.mark.parametrize("kind", ["file", "gs"])
