@@ -45,8 +45,9 @@ WAIT_POLL = 0.25  # seconds between looks at what other nodes loaded, while wait
 # Batches one reply may hand out as a segment. The job asks again only after them (and
 # QuiverBatchSampler reads the next segment as one starts), so an allotment that leaves
 # ``full``, or a probe the coordinator asks for, reaches it up to two segments later (a
-# segment planned ahead and not yet handed out is handed out batch by batch instead). More saves little: at 64 the manifest's read and planning are already
-# spread over 64 batches, and a reply stays around 0.5 MB for batches of 256.
+# segment planned ahead and not yet handed out is handed out batch by batch instead).
+# More saves little: at 64 the manifest's read and planning are already spread over 64
+# batches, and a reply stays around 0.5 MB for batches of 256.
 SEGMENT_BATCHES = 64
 # A segment is at most as long as the batches of the epoch planned before it, and at
 # least this: the job waits for an epoch's first segment, so that one is short (on the
@@ -82,13 +83,13 @@ class BatchPlanner:
             while sampler.planned <= index:
                 await self._plan(job, group, sampler)
             reply, handed = job.manifests[index], 1
-            if isinstance(reply, Batch):  # a segment's batch, read on its own
-                reply = job.manifests[index] = json.dumps(self._manifest(
-                    job, group.ds.digest, reply, len(reply.items))).encode()
             segment = job.segments.get(index)
             if segment is not None and self._segments_allowed(job, group):
                 reply, handed = segment
                 job.counters["segments"] += 1
+            elif isinstance(reply, Batch):  # a segment's batch, read on its own
+                reply = job.manifests[index] = json.dumps(self._manifest(
+                    job, group.ds.digest, reply, len(reply.items))).encode()
             job.counters["manifests"] += 1
             if sampler.planned == index + handed < sampler.n_batches:
                 # plan the next batch while the job's workers read this one
@@ -168,10 +169,8 @@ class BatchPlanner:
     def _segment_reply(cls, job: Job, digest: Digest, batches: list[Batch]) -> bytes:
         """The reply that hands out a segment: its first batch's manifest, with the
         other batches' paths as its ``segment``."""
-        cut = cls._prefix_cut(job)
         reply = {**cls._manifest(job, digest, batches[0], len(batches[0].items)),
-                 "segment": [[digest.path(i)[cut:] for i in batch.items]
-                             for batch in batches[1:]]}
+                 "segment": [cls._paths(job, digest, batch.items) for batch in batches[1:]]}
         return json.dumps(reply).encode()
 
     async def _plan_next(self, job: Job, group: DatasetJobs, sampler: EpochSampler) -> None:
@@ -263,18 +262,18 @@ class BatchPlanner:
         job.counters["fetched"] += len(batch.items) - hits
 
     @staticmethod
-    def _prefix_cut(job: Job) -> int:
-        """How much of a digest path to cut: the job's prefix and its slash."""
+    def _paths(job: Job, digest: Digest, items: list[int]) -> list[str]:
+        """The items' paths relative to the job's prefix."""
         prefix = job.config.prefix.strip("/")
-        return len(prefix) + 1 if prefix else 0
+        cut = len(prefix) + 1 if prefix else 0
+        return [digest.path(i)[cut:] for i in items]
 
     @staticmethod
     def _manifest(job: Job, digest: Digest, batch: Batch, hits: int) -> dict[str, Any]:
         """A batch's manifest (the module docstring says what is in it)."""
-        cut = BatchPlanner._prefix_cut(job)
         items = batch.items
         return {"epoch": job.epoch, "batch": batch.index, "hits": hits,
-                "paths": [digest.path(i)[cut:] for i in items],
+                "paths": BatchPlanner._paths(job, digest, items),
                 "labels": [digest.label(i) for i in items],
                 "hashes": [digest.hash(i).hex() for i in items]}
 

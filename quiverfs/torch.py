@@ -19,8 +19,9 @@ Where the dataset is cached in full, one manifest hands out a segment of several
 batches (``mountd.batch_planner``): they are yielded without asking mountd again, their
 times are reported together when the next manifest is read, and the reports and the
 next segment's manifest are written and read by a thread while this one's batches are
-yielded (mountd plans it ahead anyway), so the loader does not wait for them. A single batch's manifest (items
-still being cached, or a probe timing the job) is read when the batch is asked for.
+yielded (mountd plans it ahead anyway), so the loader does not wait for them. A single
+batch's manifest (items still being cached, or a probe timing the job) is read when the
+batch is asked for.
 """
 from __future__ import annotations
 
