@@ -19,14 +19,16 @@ pytestmark = [
 SUMMARY_KEYS = {"warm_ratio_1", "warm_ratio_4", "warm_ratio_16", "warm_ratio_64",
                 "warm_ratio_small_16", "cold_ratio", "cpu_s_per_gb_hit", "store_ratio_16",
                 "hot_ratio_16", "hot_ratio_64", "fuse_requests_per_file",
-                "fuse_requests_per_file_store", "warm_mount_mb_s_16", "warm_direct_mb_s_16"}
+                "fuse_requests_per_file_store", "warm_mount_mb_s_16", "warm_direct_mb_s_16",
+                "cold_latency_ms"}
 RCLONE_KEYS = {"rclone_warm_ratio_16", "rclone_warm_ratio_64"}
+LATENCY_MS = 20.0  # the cold pass's bucket latency: the option reaches the proxy
 
 
 @pytest.fixture(scope="module")
 def quick_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
     workdir = str(tmp_path_factory.mktemp("read"))
-    return read.run(quick=True, workdir=workdir), workdir
+    return read.run(quick=True, workdir=workdir, latency_ms=LATENCY_MS), workdir
 
 
 def _bytes_under(directory: str) -> int:
@@ -57,6 +59,17 @@ def test_every_warm_pass_read_the_whole_tree(quick_report):
     for p in passes:
         assert p["files"] == read.QUICK_ITEMS
         assert p["direct_bytes"] == p["mount_bytes"] == total
+
+
+def test_the_cold_pass_read_the_subset_through_the_slow_bucket(quick_report):
+    report, workdir = quick_report
+    cold = report["cold"]
+    total = _bytes_under(os.path.join(workdir, "cold-src"))
+    assert cold["items"] == read.COLD_QUICK and cold["latency_ms"] == LATENCY_MS
+    assert cold["direct_bytes"] == cold["mount_bytes"] == total
+    assert cold["bucket_fetch_causes"]["exact"]["fetches"] == read.COLD_QUICK
+    # 16 threads, each response at least LATENCY_MS late
+    assert cold["direct_s"] >= read.COLD_QUICK / 16 * LATENCY_MS / 1000
 
 
 def test_small_tree_holds_4_kb_files_read_whole(quick_report):

@@ -57,7 +57,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--latency-ms", type=FloatAtLeast("--latency-ms", 0), metavar="MS",
                    help="delay the first byte of every response from the benchmark's "
                    "bucket by MS milliseconds, as a cloud bucket's time to first byte "
-                   "(compare: default 0; loader: default 30)")
+                   "(compare, read: default 0; loader: default 30)")
     p.add_argument("--model", metavar="NAME", help="train: the torchvision.models "
                    "classifier to train (default: resnet50; --quick: resnet18)")
     p.add_argument("--device", choices=("cuda", "cpu"), help="train: where the model "

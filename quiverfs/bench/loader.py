@@ -42,11 +42,10 @@ from quiverfs.bench.cpu_time import machine_busy_seconds, process_cpu_seconds
 from quiverfs.bench.emulator import running_emulator
 from quiverfs.bench.processes import MountdProcess, running_mountd
 from quiverfs.bench.reading_job import read_dropping_pages
-from quiverfs.bench.throttle_proxy import throttled
+from quiverfs.bench.throttle_proxy import UNCAPPED, throttled
 
 PROCESSES = (1, 2)
 LATENCY_MS = 30.0  # the bucket's time to first byte, as GCS's
-UNCAPPED = 1e12  # bytes/s: the proxy delays responses, it caps nothing
 ITEM_BYTES = 25_000  # mean item size: small objects, where a request's CPU dominates
 # (hits items, loads items) at each size
 SIZES = {"full": (500, 20_000), "quick": (200, 2_400), "tiny": (60, 600)}

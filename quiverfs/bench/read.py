@@ -16,7 +16,9 @@ Small files: a second tree of 4 KB JPEGs, its own mountd, the ``ssd`` pass at 16
 threads (``warm_ratio_small_16``), where a request's cost outweighs its bytes.
 
 Cold: an empty store, items behind the GCS emulator; the baseline reads the bucket with
-the google-cloud-storage client, same number of threads.
+the google-cloud-storage client, same number of threads. With ``latency_ms`` both sides
+read it through a proxy (``throttle_proxy``, uncapped) that holds the first byte of
+every response that long, as a cloud bucket's time to first byte.
 
 The peer: ``rclone mount --vfs-cache-mode full`` of a subset of the same files, uploaded
 to the emulator (uploads are slow there); a first pass fills rclone's cache, then the
@@ -47,6 +49,7 @@ from quiverfs.bench.cpu_time import process_cpu_seconds
 from quiverfs.bench.data import Tree, write_synthetic_tree
 from quiverfs.bench.emulator import running_emulator, upload_tree
 from quiverfs.bench.processes import MountdProcess, running_mountd
+from quiverfs.bench.throttle_proxy import UNCAPPED, throttled
 
 log = logging.getLogger(__name__)
 
@@ -207,10 +210,19 @@ def _small(n_items: int, workdir: str) -> dict:
             "ssd": {SMALL_THREADS: ssd}}
 
 
-def _cold(host: str, src: str, rels: list[str], cache_size: str, workdir: str) -> dict:
-    """Items fetched through mountd from the emulator against the bucket read directly."""
+def _cold(emulator: str, src: str, rels: list[str], cache_size: str, workdir: str,
+          latency_ms: float) -> dict:
+    """Items fetched through mountd from the emulator against the bucket read directly,
+    each response's first byte ``latency_ms`` late."""
     subset = _copy_subset(src, rels, os.path.join(workdir, "cold-src"))
-    upload_tree(host, BUCKET, "syn", subset)
+    upload_tree(emulator, BUCKET, "syn", subset)
+    if not latency_ms:
+        return _cold_reads(emulator, rels, cache_size, workdir)
+    with throttled(emulator, UNCAPPED, latency=latency_ms / 1000) as proxy:
+        return _cold_reads(proxy.url, rels, cache_size, workdir)
+
+
+def _cold_reads(host: str, rels: list[str], cache_size: str, workdir: str) -> dict:
     options = StorageOptions(emulator_host=host)
     cold_data = create_digest(f"gs://{BUCKET}/syn", "syn", workers=4, options=options)
     backend = open_backend(f"gs://{BUCKET}/syn", options)
@@ -221,7 +233,11 @@ def _cold(host: str, src: str, rels: list[str], cache_size: str, workdir: str) -
         root = remount(m, cold_data, "cold", host)
         mount_bytes, mount_s = read_all([os.path.join(root, r) for r in rels], threads)
         causes = m.status()["bucket_fetch_causes"]
-    return {"items": len(rels), "threads": threads,
+    if mount_bytes != direct_bytes:
+        raise RuntimeError(f"the mount returned {mount_bytes} bytes, the bucket "
+                           f"{direct_bytes}")
+    return {"items": len(rels), "threads": threads, "direct_bytes": direct_bytes,
+            "mount_bytes": mount_bytes, "direct_s": direct_s,
             "direct_mb_s": direct_bytes / direct_s / 1e6,
             "mount_mb_s": mount_bytes / mount_s / 1e6,
             "ratio": direct_s / mount_s, "bucket_fetch_causes": causes}
@@ -253,7 +269,9 @@ def _rclone(host: str, src: str, rels: list[str], workdir: str) -> dict:
     return out
 
 
-def run(quick: bool, workdir: str) -> dict:
+def run(quick: bool, workdir: str, latency_ms: float = 0.0) -> dict:
+    """The benchmark; ``latency_ms`` delays the first byte of the cold pass's bucket
+    responses."""
     n_items = QUICK_ITEMS if quick else FULL_ITEMS
     src = os.path.join(workdir, "src")
     tree = write_synthetic_tree(src, n_items, n_classes=100, seed=11)
@@ -265,7 +283,8 @@ def run(quick: bool, workdir: str) -> dict:
     with running_emulator(concurrent=True) as emu:
         emu.create_bucket(BUCKET)
         report["cold"] = _cold(emu.host, src, rels[:COLD_QUICK if quick else COLD_FULL],
-                               str(tree.bytes), workdir)
+                               str(tree.bytes), workdir, latency_ms)
+        report["cold"]["latency_ms"] = latency_ms
         report["rclone"] = _rclone(emu.host, src,
                                    rels[:RCLONE_QUICK if quick else RCLONE_FULL], workdir)
     report["summary"] = summary(report)
@@ -279,6 +298,7 @@ def summary(report: dict) -> dict:
     out.update({
         "warm_ratio_small_16": report["small"]["ssd"][SMALL_THREADS]["ratio"],
         "cold_ratio": round(report["cold"]["ratio"], 3),
+        "cold_latency_ms": report["cold"]["latency_ms"],
         "cpu_s_per_gb_hit": warm["store"][16]["cpu_s_per_gb"],
         "store_ratio_16": warm["store"][16]["ratio"],
         "hot_ratio_16": warm["hot"][16]["ratio"],

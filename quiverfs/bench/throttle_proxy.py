@@ -40,6 +40,7 @@ RECV_SIZE = 64 << 10  # bytes read from a socket at once
 DEFAULT_BURST = 256 << 10  # bytes that may pass at once after an idle spell
 JOIN_TIMEOUT = 5.0  # seconds stop() waits for each thread
 BIN_S = 0.05  # seconds per bin of the record of bytes sent
+UNCAPPED = 1e12  # bytes/s: a rate that caps nothing (a proxy only to delay responses)
 
 
 class TokenBucket:
