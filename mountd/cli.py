@@ -66,9 +66,11 @@ def add_parsers(sub: argparse._SubParsersAction,
     d.add_argument("--loader-processes", metavar="N",
                    type=IntAtLeast("--loader-processes", 0, MAX_LOADER_PROCESSES),
                    default=default_loader_processes(),
-                   help="processes that fetch, check and store chunk loads from gs:// "
-                   "buckets, off the process that serves reads; 0 loads in mountd "
-                   "(default: one per core but one, at least 1, at most 4: %(default)s here)")
+                   help="processes that fetch, check and store items from gs:// buckets, "
+                   "off the process that serves reads: N (at least 2) for the misses "
+                   "readers wait on and N for chunk loads; 0 fetches everything in mountd "
+                   "(default: one per core but one, at least 1, at most 4: %(default)s "
+                   "here)")
     d.add_argument("--push-memory", metavar="BYTES", type=ByteSize("--push-memory", zero_ok=True),
                    default=PUSH_MEMORY,
                    help="bytes of substitutable jobs' planned items pushed into the "

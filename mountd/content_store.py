@@ -674,10 +674,16 @@ class ContentStore:
         """Whether ``digest`` is stored (False while the store cannot answer). A value
         file known in memory that is on disk answers without a query of the index (a
         planner asks this of every item of a segment). May block on the disk."""
-        known = self._files.locate(digest)
-        if known is not None and os.path.exists(known[0]):
+        if self.held_known(digest):
             return True
         return bool(self._query(lambda index: digest in index.reader))
+
+    def held_known(self, digest: bytes) -> bool:
+        """Whether ``digest`` is stored, as far as this process knows without asking the
+        index: a value file known in memory that is on disk (what a loader process or a
+        put here stored)."""
+        known = self._files.locate(digest)
+        return known is not None and os.path.exists(known[0])
 
     def leading_held(self, digests: Sequence[bytes]) -> int:
         """How many of ``digests``, from the first, are stored (up to the first that is
@@ -863,21 +869,43 @@ class StoreWriter:
         StoreError (StoreBusy while mountd opens the index)."""
         if hashlib.sha256(data).digest() != digest:
             raise IntegrityError(f"content does not hash to {digest.hex()}")
-        tag = google_crc32c.value(data)
-        cache = self._acquire()
+        (outcome,) = self.put_many([(digest, data)])
+        if isinstance(outcome, StoreError):
+            raise outcome
+        return outcome
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]
+                 ) -> list[ValueFile | None | StoreError]:
+        """Store (digest, data) pairs whose data the caller has hashed to their digests,
+        in one transaction: each one's value file (None if kept in the index) or, for
+        every item when the transaction fails, the same StoreError (IndexDamaged, or
+        StoreBusy while mountd opens the index); nothing of a failed batch is kept."""
+        try:
+            cache = self._acquire()
+        except StoreError as exc:
+            return [exc] * len(items)
         disk: _TrackedDisk = cache.disk
+        files: list[ValueFile | None] = []
         disk.last_file = None
         try:
-            with _damage_raised():
-                cache.set(digest, data, tag=tag)
+            with _damage_raised(), cache.transact():
+                for digest, data in items:
+                    tag = google_crc32c.value(data)
+                    disk.last_file = None
+                    cache.set(digest, data, tag=tag)
+                    files.append(None if disk.last_file is None
+                                 else ValueFile(disk.last_file, tag))
         except (*STORE_ERRORS, IndexDamaged) as exc:
+            # the rows are rolled back; their files, and one written in part, are not
+            names = {f.name for f in files if f is not None}
             if disk.last_file is not None:
-                disk.remove(disk.last_file)  # written in part, or unnamed
+                names.add(disk.last_file)
+            for name in names:
+                disk.remove(name)
             self.release()
-            if isinstance(exc, StoreError):
-                raise
-            raise StoreError(describe(exc)) from exc
-        return None if disk.last_file is None else ValueFile(disk.last_file, tag)
+            error = exc if isinstance(exc, StoreError) else StoreError(describe(exc))
+            return [error] * len(items)
+        return files
 
     def _acquire(self) -> diskcache.Cache:
         if self._cache is not None:

@@ -77,7 +77,7 @@ class Controller:
         backend = self.registry.open_backend(reg, digest)
         return MountedDataset(reg=reg, digest=digest, tree=tree, backend=backend,
                               inode_base=self.table.allocate_base(tree.n_nodes), cost=cost,
-                              pools=pools)
+                              pools=pools, fetch_depth=self.reader.fetch_depth(backend))
 
     def restore(self) -> None:
         """Re-register the datasets persisted by an earlier run (before mounting)."""
@@ -316,7 +316,7 @@ class Controller:
             entry = {"name": ds.name, "path": os.path.join(self.root, ds.name),
                      "uid": ds.reg.uid, "source": ds.digest.source, "items": len(ds.digest),
                      "bytes": ds.digest.total_bytes, "identity": ds.reg.identity,
-                     "view": ds.reg.view,
+                     "view": ds.reg.view, "fetch_depth": ds.fetch_depth,
                      "memory": ds.cost.digest + (ds.cost.pools if ds.pools is not None else 0),
                      "counters": dict(ds.counters),
                      "bucket_fetch_causes": ReadStats.by_cause(ds.counters)}

@@ -26,7 +26,7 @@ from mountd.fs import QuiverFS, no_open_available
 from mountd.item_reader import ItemReader
 from mountd.job_files import ControlFiles
 from mountd.job_registry import JobRegistry
-from mountd.loader_pool import LoaderPool
+from mountd.loader_pool import AHEAD_NICENESS, MIN_SERVING_PROCESSES, LoaderPool
 from mountd.memory_budget import MemoryBudget, MemoryLimits, default_total
 from mountd.metrics import MountdCollector
 from mountd.mount_table import MountTable
@@ -137,18 +137,23 @@ class Mountd:
         self.peer_server: RpcServer | None = None
         self.coordinator_client: RpcClient | None = None
         self.cluster = self._cluster(embedded_coordinator)
+        # Loader processes: one pool for the misses readers wait on, one for chunk loads.
+        self.pools = [LoaderPool(processes, self.store, self.limiter, niceness=niceness)
+                      for processes, niceness in (
+                          (max(MIN_SERVING_PROCESSES, cfg.loader_processes), 0),
+                          (cfg.loader_processes, AHEAD_NICENESS))
+                      ] if cfg.loader_processes else []
         no_open = not cfg.fuse_opens and no_open_available()
         # Without OPEN, mountd cannot see a pushed item being read, so it cannot bound
         # what it pushed and nobody read yet: it pushes only where files are opened.
         self.reader = ItemReader(self.store, self.limiter, self.cluster,
-                                 0 if no_open else cfg.push_memory)
+                                 0 if no_open else cfg.push_memory,
+                                 self.pools[0] if self.pools else None)
         # A lone node sizes chunks so that several fit its cache; in a cluster every node
         # must compute the same plan, so the default stays 10% (or --chunk-size).
         self.jobs = JobRegistry(self.table, self.limiter, cfg.chunk_bytes,
                                 None if cfg.coordinator else cfg.cache_size / CACHE_CHUNKS)
-        self.pool = (LoaderPool(cfg.loader_processes, self.store, self.limiter)
-                     if cfg.loader_processes else None)
-        self.bulk = BulkFetch(self.reader, self.cluster, self.pool)
+        self.bulk = BulkFetch(self.reader, self.cluster, self.pools[1] if self.pools else None)
         self.planner = BatchPlanner(self.reader, self.bulk, self.cluster)
         self.loader = ChunkLoader(self.jobs, self.reader, self.bulk, self.cluster)
         self.views = ViewJobs(self.jobs, self.reader, self.bulk, self.cluster)
@@ -205,8 +210,8 @@ class Mountd:
             await nursery.start(self.planner.tasks.run)
             await nursery.start(self.reader.puts.tasks.run)
             await nursery.start(self.reader.push.run)
-            if self.pool is not None:  # ended before the store closes, when unmounting
-                await nursery.start(self.pool.run)
+            for pool in self.pools:  # ended before the store closes, when unmounting
+                await nursery.start(pool.run)
             if self.peer_server is not None:
                 await nursery.start(self.peer_server.serve)
                 await nursery.start(self.cluster.peers.tasks.run)

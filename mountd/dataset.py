@@ -5,6 +5,8 @@ import dataclasses
 from collections import Counter
 from typing import TYPE_CHECKING
 
+import trio
+
 from mountd.dataset_tree import DatasetTree
 from mountd.memory_budget import DigestCost
 from mountd.registry import Registration
@@ -42,6 +44,11 @@ class MountedDataset:
     prefetch: PrefetchProgress | None = None
     cache_mode: CacheMode = CacheMode.COOP  # the coordinator's allocation
     pools: ViewPools | None = None  # a substitutable view's pools (mountd.view); None: exact
+    fetch_depth: int = 1  # fetches from its storage in flight at once (ItemReader.fetch_depth)
+    fetch_slots: trio.Semaphore = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.fetch_slots = trio.Semaphore(self.fetch_depth)
 
     @property
     def name(self) -> str:

@@ -1,9 +1,14 @@
 """The read path: staged bytes, the local store, the owning peer, then the item's
 storage location.
 
-Misses are single-flight: concurrent readers of a missing item cause one fetch. What a
-read finds staged (``mountd.staging``), what it counts (``mountd.read_stats``) and the
-items it hands to their owners (``mountd.owner_puts``) are kept in their own modules.
+Misses are single-flight: concurrent readers of a missing item cause one fetch, and a
+fetch's flight lasts until its bytes are stored, so a read meanwhile joins it. A miss
+from a GCS bucket is fetched and checked in a loader process (``mountd.loader_pool``),
+whose reply brings the bytes before the store has them; other misses, and those the
+processes cannot take, are fetched in mountd's workers. Each dataset has at most its
+``fetch_depth`` fetches in flight. What a read finds staged (``mountd.staging``), what
+it counts (``mountd.read_stats``) and the items it hands to their owners
+(``mountd.owner_puts``) are kept in their own modules.
 
 Runs on the trio loop; every blocking call (diskcache, backend, hashing) goes to a
 worker thread bounded by one CapacityLimiter.
@@ -16,6 +21,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from typing import NoReturn
 
 import pyfuse3
 import trio
@@ -24,15 +30,21 @@ from mountd.cluster import Cluster
 from mountd.content_store import ContentStore, IntegrityError, StoreError
 from mountd.dataset import MountedDataset
 from mountd.integrity_budget import IntegrityBudget
+from mountd.loader_pool import (LoaderPool, LoaderUnavailable, LoadFailed, LoadMismatch,
+                                load_source)
+from mountd.loader_process import LoadSource
 from mountd.owner_puts import OwnerPuts
 from mountd.page_push import PagePush
 from mountd.read_stats import FetchCause, ReadStats
 from mountd.staging import Staging
+from quiverfs.backends import Backend
 from quiverfs.errors import QuietError
 from quiverfs.heartbeat import CacheMode
 from quiverfs.rpc import Unavailable
 
 log = logging.getLogger(__name__)
+
+LOCAL_FETCH_DEPTH = 8  # a local directory's fetches in flight, per dataset
 
 
 class ReadFailed(Exception):
@@ -49,16 +61,19 @@ class _Flight:
     data: bytes | None = None
     stored: bool = False  # stored by a loader process, which kept the bytes
     error: Exception | None = None  # a ReadFailed; with none of the three, fetch again
+    storing: bool = False  # ``data`` is in, a loader process is storing it: still held
 
 
 class ItemReader:
     """Serves item bytes by (dataset, entry) through the tiers, one fetch per missing item."""
 
     def __init__(self, store: ContentStore, limiter: trio.CapacityLimiter,
-                 cluster: Cluster, push_budget: int = 0) -> None:
+                 cluster: Cluster, push_budget: int = 0,
+                 pool: LoaderPool | None = None) -> None:
         self.store = store
         self.limiter = limiter
         self.cluster = cluster
+        self.pool = pool  # loader processes for misses from GCS; None: all in mountd
         self.stats = ReadStats()
         self.integrity = IntegrityBudget()
         self.staging = Staging()
@@ -72,6 +87,15 @@ class ItemReader:
         # Dropping an inode's pages can wait in the kernel for a read of that inode,
         # whose handler needs a worker of ``limiter``: so it never holds one of those.
         self._invalidations = trio.CapacityLimiter(1)
+
+    def fetch_depth(self, backend: Backend) -> int:
+        """Fetches of one dataset from ``backend`` in flight at once: a GCS bucket's
+        (tens of milliseconds to a first byte each) as many as the loader processes
+        serving misses hold; a local directory's few, in mountd's workers."""
+        if self.pool is not None and load_source(backend) is not None:
+            return self.pool.capacity
+        workers = int(self.limiter.total_tokens)
+        return min(LOCAL_FETCH_DEPTH, workers) if backend.uri.startswith("file://") else workers
 
     def owner(self, digest: bytes) -> str | None:
         """The node that should hold ``digest``; None when that is this node."""
@@ -214,9 +238,8 @@ class ItemReader:
                 else None if cause is FetchCause.PROBE else self.staging.kept_bytes(digest))
         started = time.perf_counter()
         with self._flying(ds, digest, flight):
-            data, fetched = await trio.to_thread.run_sync(
-                self._fetch_blocking, ds, index, keep, kept, recheck,
-                limiter=self.limiter)
+            async with ds.fetch_slots:
+                data, fetched = await self._fetched(ds, index, keep, kept, recheck, flight)
         if fetched:
             self.stats.observe("bucket", time.perf_counter() - started)
             self.stats.fetched(ds, cause, len(data))
@@ -226,6 +249,57 @@ class ItemReader:
         if not keep and ds.cache_mode is CacheMode.COOP:
             self.staging.keep_for_load(digest, data)  # its chunk's load stores these
         return data
+
+    async def _fetched(self, ds: MountedDataset, index: int, keep: bool, kept: bytes | None,
+                       recheck: bool, flight: _Flight) -> tuple[bytes, bool]:
+        """A miss's bytes, checked, and whether they were read from storage: in a
+        loader process where it can, else (and once more where its process exited
+        mid-fetch) in a worker."""
+        source = None if kept is not None or self.pool is None else load_source(ds.backend)
+        if source is not None:
+            got = await self._fetched_in_pool(ds, index, keep, recheck, flight, source)
+            if got is not None:
+                return got
+        return await trio.to_thread.run_sync(self._fetch_blocking, ds, index, keep, kept,
+                                             recheck, limiter=self.limiter)
+
+    async def _fetched_in_pool(self, ds: MountedDataset, index: int, keep: bool,
+                               recheck: bool, flight: _Flight,
+                               source: LoadSource) -> tuple[bytes, bool] | None:
+        """Fetch and check entry ``index`` in a loader process, which stores it where
+        this node keeps it (``flight`` is held until the store's outcome is in). None
+        where a worker is to fetch it: a process exited mid-fetch, or, with
+        ``recheck``, the store may hold it since (the worker reads it from there)."""
+        assert self.pool is not None
+        digest = ds.digest.hash(index)
+        owner = self.owner(digest)
+        if recheck and owner is None and self.store.held_known(digest):
+            return None
+        keep = keep and ds.cache_mode is not CacheMode.NONE  # allotted no cache: keep none
+        store = keep and owner is None and self.store.writable()
+
+        def stored() -> None:
+            if self._inflight.get(digest) is flight:
+                del self._inflight[digest]
+
+        loc = ds.digest.location(index)
+        try:
+            data, flight.storing = await self.pool.fetch(
+                source, ds.digest.key(index), loc.offset, loc.length, digest, store, stored)
+        except LoaderUnavailable as exc:
+            log.warning("dataset %s: %s: fetching %s in mountd", ds.name, exc,
+                        ds.digest.path(index))
+            return None
+        except LoadMismatch:
+            self._mismatch(ds, index)
+        except LoadFailed as exc:
+            log.error("dataset %s: cannot fetch %s from %s: %s", ds.name,
+                      ds.digest.path(index), loc.uri, exc)
+            raise ReadFailed(str(exc)) from None
+        self.stats.count(ds, "loader_process_misses")
+        if keep and owner is not None:
+            self.puts.put(owner, digest, data)
+        return data, True
 
     async def fetch_stored(self, ds: MountedDataset, index: int, cause: FetchCause,
                            fetch: Callable[[], Awaitable[int | bytes]]) -> None:
@@ -241,6 +315,9 @@ class ItemReader:
             await flight.done.wait()
             if flight.error is not None:
                 raise ReadFailed(str(flight.error))
+            return
+        if self.store.held_known(digest):  # stored since the caller looked
+            self.stats.count(ds, "refetches_saved")
             return
         flight = self._inflight[digest] = _Flight()
         started = time.perf_counter()
@@ -267,7 +344,8 @@ class ItemReader:
                 self.stats.count(ds, "bucket_errors")
             raise
         finally:
-            del self._inflight[digest]
+            if not flight.storing:
+                del self._inflight[digest]
             flight.done.set()
 
     async def _joined(self, flight: _Flight, digest: bytes) -> bytes | None:
@@ -315,11 +393,15 @@ class ItemReader:
             elif keep:
                 trio.from_thread.run_sync(self.puts.put, owner, digest, data)
         except IntegrityError:
-            log.error("dataset %s: %s at %s (offset %d, %d bytes) does not match its digest "
-                      "hash %s: not cached, not served", ds.name, ds.digest.path(index),
-                      loc.uri, loc.offset, loc.length, ds.digest.hash(index).hex())
-            raise IntegrityFailed("content does not match the digest") from None
+            self._mismatch(ds, index)
         return data, fetched
+
+    def _mismatch(self, ds: MountedDataset, index: int) -> NoReturn:
+        loc = ds.digest.location(index)
+        log.error("dataset %s: %s at %s (offset %d, %d bytes) does not match its digest "
+                  "hash %s: not cached, not served", ds.name, ds.digest.path(index),
+                  loc.uri, loc.offset, loc.length, ds.digest.hash(index).hex())
+        raise IntegrityFailed("content does not match the digest") from None
 
 
 def _invalidate(inodes: list[int]) -> None:

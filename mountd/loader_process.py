@@ -1,12 +1,15 @@
-"""A loader process: fetches items of chunk loads from a GCS bucket, checks their
-SHA-256 and stores them into mountd's store directory, off mountd's serving loop.
+"""A loader process: fetches items from a GCS bucket, checks their SHA-256 and stores
+them into mountd's store directory, off mountd's serving loop.
 
 mountd (``mountd.loader_pool``) starts it (``main``) and talks to it over its stdin
 and stdout: length-prefixed pickles of ``LoadRequest`` in, ``LoadReply`` out, in any
 order. Several requests are in flight at once (one thread each: a bucket's time to
-first byte is tens of milliseconds), and one thread writes the store
-(``StoreWriter``), letting go of the index whenever it is idle. Content that does not
-hash to its digest is never stored. The process ends when its stdin does.
+first byte is tens of milliseconds); each thread hashes what it fetched, and one thread
+writes the store (``StoreWriter``), as many queued items as there are in one
+transaction, letting go of the index whenever it is idle. A request for a reader
+waiting on a miss (``serve``) is answered with the checked bytes first, and with what
+the store made of them after. Content that does not hash to its digest is never
+stored or sent. The process ends when its stdin does.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import argparse
 import concurrent.futures
 import dataclasses
 import enum
+import hashlib
 import json
 import logging
 import os
@@ -23,11 +27,9 @@ import signal
 import struct
 import sys
 import threading
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from mountd.content_store import (IndexDamaged, IntegrityError, StoreError, StoreWriter,
-                                  ValueFile)
+from mountd.content_store import IndexDamaged, StoreError, StoreWriter, ValueFile
 from quiverfs.backends import StorageOptions
 from quiverfs.errors import QuietError
 
@@ -38,10 +40,7 @@ log = logging.getLogger(__name__)
 
 FRAME_HEADER = struct.Struct("!Q")  # the length of the pickle that follows
 IDLE_RELEASE = 0.5  # seconds without a put after which the writer lets go of the index
-# Chunk loads are work ahead of need; mountd's serving loop, on the same cores, is what a
-# reader waits for. At this niceness a busy loader gets about a tenth of the time of a
-# busy task at niceness 0 on the same core: mountd and the jobs come first.
-NICENESS = 10
+MAX_BATCH = 64  # items the writer stores in one transaction at most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +67,8 @@ class LoadSource:
 
 @dataclasses.dataclass(frozen=True)
 class LoadRequest:
-    """Fetch ``length`` bytes of ``key`` from ``offset``; store them if they hash to
-    ``digest``."""
+    """Fetch ``length`` bytes of ``key`` from ``offset``; if they hash to ``digest``,
+    send them back first where ``serve``, and store them where ``store``."""
 
     id: int
     source: LoadSource
@@ -77,9 +76,12 @@ class LoadRequest:
     offset: int
     length: int
     digest: bytes
+    serve: bool = False
+    store: bool = True
 
 
 class Outcome(enum.Enum):
+    FETCHED = "fetched"  # fetched and checked: the bytes, for a ``serve`` request
     STORED = "stored"  # fetched, checked and stored
     UNSTORED = "unstored"  # fetched and checked, but the store could not take it
     DAMAGED = "damaged"  # the same, because the store's index is damaged
@@ -89,8 +91,10 @@ class Outcome(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class LoadReply:
-    """What became of request ``id``: ``data`` comes back only when it was not stored;
-    ``reason`` says why it failed or was not stored; ``file`` is where it was stored."""
+    """What became of request ``id``: ``data`` comes back with FETCHED, and when a
+    request that was not served could not be stored; ``reason`` says why it failed or
+    was not stored; ``file`` is where it was stored. Each request has one ``final``
+    reply; a served request that is stored has a FETCHED one before it."""
 
     id: int
     outcome: Outcome
@@ -98,6 +102,19 @@ class LoadReply:
     data: bytes | None = None
     reason: str = ""
     file: ValueFile | None = None
+    final: bool = True
+
+
+def _stored_reply(request: LoadRequest, data: bytes,
+                  outcome: ValueFile | None | StoreError) -> LoadReply:
+    """The final reply to a request whose checked bytes the store took (``outcome``:
+    their value file, or None if kept in the index) or did not (the error). The bytes
+    go back only to a request that was not served them already."""
+    if not isinstance(outcome, StoreError):
+        return LoadReply(request.id, Outcome.STORED, len(data), file=outcome)
+    kind = Outcome.DAMAGED if isinstance(outcome, IndexDamaged) else Outcome.UNSTORED
+    return LoadReply(request.id, kind, len(data), None if request.serve else data,
+                     str(outcome))
 
 
 def write_frame(out: BinaryIO, message: Any) -> None:
@@ -137,7 +154,7 @@ class Loader:
             with concurrent.futures.ThreadPoolExecutor(self.threads,
                                                        thread_name_prefix="fetch") as pool:
                 while (request := read_frame(inp)) is not None:
-                    pool.submit(self._answered, self._fetch, request)
+                    pool.submit(self._answered, request)
                 pool.shutdown(cancel_futures=True)  # mountd is unmounting: finish what runs
         finally:
             self._puts.put(None)
@@ -163,11 +180,11 @@ class Loader:
                 backend = self._backends[source] = GCSBackend(source.uri, source.options())
             return backend
 
-    def _answered(self, step: Callable[[LoadRequest], None], request: LoadRequest) -> None:
-        """Run ``step``; if it fails unexpectedly, the request still gets its answer
-        (else mountd would wait for it forever)."""
+    def _answered(self, request: LoadRequest) -> None:
+        """Fetch for ``request``; if that fails unexpectedly, the request still gets its
+        answer (else mountd would wait for it forever)."""
         try:
-            step(request)
+            self._fetch(request)
         except Exception as exc:  # noqa: BLE001 - one request's failure ends it only
             log.exception("%s: the load failed", request.key)
             self._reply(LoadReply(request.id, Outcome.FAILED, reason=f"loader process: {exc}"))
@@ -180,7 +197,14 @@ class Loader:
             message = exc.message if isinstance(exc, QuietError) else exc.strerror or str(exc)
             self._reply(LoadReply(request.id, Outcome.FAILED, reason=message))
             return
-        self._puts.put((request, data))
+        if hashlib.sha256(data).digest() != request.digest:  # hashed where the bytes are
+            self._reply(LoadReply(request.id, Outcome.MISMATCH, len(data)))
+            return
+        if request.serve:
+            self._reply(LoadReply(request.id, Outcome.FETCHED, len(data), data,
+                                  final=not request.store))
+        if request.store:
+            self._puts.put((request, data))
 
     def _write_loop(self) -> None:
         while True:
@@ -189,23 +213,30 @@ class Loader:
             except queue.Empty:
                 self.writer.release()  # mountd may want to rebuild the index
                 continue
+            batch = [item]
+            while item is not None and len(batch) < MAX_BATCH:
+                try:
+                    batch.append(item := self._puts.get_nowait())
+                except queue.Empty:
+                    break
+            written = [i for i in batch if i is not None]
+            if written:
+                self._write(written)
             if item is None:
                 self.writer.release()
                 return
-            request, data = item
-            self._answered(lambda r: self._reply(self._put(r, data)), request)
 
-    def _put(self, request: LoadRequest, data: bytes) -> LoadReply:
+    def _write(self, batch: list[tuple[LoadRequest, bytes]]) -> None:
+        """Store checked items in one transaction; reply to each."""
         try:
-            file = self.writer.put(request.digest, data)
-        except IntegrityError:
-            return LoadReply(request.id, Outcome.MISMATCH, len(data))
-        except IndexDamaged as exc:
-            return LoadReply(request.id, Outcome.DAMAGED, len(data), data, str(exc))
-        except StoreError as exc:
-            return LoadReply(request.id, Outcome.UNSTORED, len(data), data, str(exc))
-        return LoadReply(request.id, Outcome.STORED, len(data), file=file)
+            outcomes = self.writer.put_many([(r.digest, data) for r, data in batch])
+        except Exception as exc:  # noqa: BLE001 - the batch's requests still get answers
+            log.exception("the store writer failed")
+            outcomes = [StoreError(f"loader process: {exc}")] * len(batch)
+        for (request, data), outcome in zip(batch, outcomes):
+            self._reply(_stored_reply(request, data, outcome))
 
+    
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="mountd.loader_process",
@@ -214,8 +245,9 @@ def main() -> None:
     p.add_argument("size_limit", type=int, help="the store's bound in bytes")
     p.add_argument("threads", type=int, help="fetches in flight")
     p.add_argument("log_level", type=int, help="logging level of mountd")
+    p.add_argument("niceness", type=int, help="added to the process's niceness")
     args = p.parse_args()
-    os.nice(NICENESS)
+    os.nice(args.niceness)
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s %(levelname)s "
                         f"%(name)s[loader {os.getpid()}]: %(message)s")
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):

@@ -750,3 +750,43 @@ def test_hits_are_served_where_the_kernel_lacks_resolve_cached(store, monkeypatc
     digest, data = item(44)
     store.put(digest, data)
     assert store.get_nowait(digest, len(data)) == data
+
+
+def test_a_loader_process_stores_a_batch_in_one_transaction_or_none_of_it(
+        tmp_path, sqlite_statements, monkeypatch):
+    directory = str(tmp_path / "store")
+    writer = StoreWriter(directory, 10 << 20)
+    batch = [item(50 + i) for i in range(4)]
+    writer.put(*item(49))  # the index is open
+    before = len(sqlite_statements)
+    files = writer.put_many(batch)
+    commits = [s for s in sqlite_statements[before:] if s.strip().upper() == "COMMIT"]
+    assert len(commits) == 1
+    assert all(isinstance(f, content_store.ValueFile) for f in files)
+    assert len({f.name for f in files}) == 4
+
+    failing = [item(60 + i) for i in range(3)]
+    written = 0
+    store_value = content_store._TrackedDisk.store
+
+    def full_on_the_third(self, value, read, key=content_store.UNKNOWN):
+        nonlocal written
+        written += 1
+        if written == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return store_value(self, value, read, key=key)
+
+    monkeypatch.setattr(content_store._TrackedDisk, "store", full_on_the_third)
+    outcomes = writer.put_many(failing)
+    assert written == 3
+    assert all(isinstance(o, content_store.StoreError) for o in outcomes)
+    assert "No space left" in str(outcomes[0])
+    writer.release()
+    store = ContentStore(directory, 10 << 20)
+    try:  # the first batch whole, nothing of the second, and no file left of it
+        assert [store.get(d) for d, _ in batch] == [data for _, data in batch]
+        assert all(d not in store for d, _ in failing)
+        assert len(value_files(directory)) == 5
+    finally:
+        store.close()
+    assert_consistent(directory)

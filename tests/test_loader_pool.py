@@ -17,6 +17,7 @@ from google.cloud import storage
 
 from mountd import content_store
 from mountd.content_store import ContentStore, IntegrityError, StoreWriter
+from mountd.loader_pool import AHEAD_NICENESS
 from quiverfs import digest as digest_format
 from quiverfs.bench.emulator import Emulator
 from quiverfs.bench.processes import MountdProcess
@@ -48,8 +49,9 @@ def gcs_dataset(synthetic_tree, upload, gcs_emulator) -> bytes:
     return make_digest(upload(synthetic_tree.root, "syn"), "syn", gcs_emulator.host)
 
 
-def loader_pids(m: MountdProcess) -> set[int]:
-    """The running loader processes of mountd ``m`` (or left behind by it)."""
+def loader_pids(m: MountdProcess, niceness: int | None = None) -> set[int]:
+    """The running loader processes of mountd ``m`` (or left behind by it); with
+    ``niceness``, those of the pool at that niceness (AHEAD_NICENESS: chunk loads)."""
     store = os.path.join(m.cache_dir, "store").encode()
     pids = set()
     for entry in os.listdir("/proc"):
@@ -62,7 +64,8 @@ def loader_pids(m: MountdProcess) -> set[int]:
                 state = f.read().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
             continue  # gone since the listing
-        if any(b"mountd.loader_process" in a for a in argv) and store in argv and state != "Z":
+        if (any(b"mountd.loader_process" in a for a in argv) and store in argv and state != "Z"
+                and (niceness is None or argv[-2] == str(niceness).encode())):
             pids.add(int(entry))
     return pids
 
@@ -169,7 +172,7 @@ def test_chunk_loads_store_exactly_the_right_bytes(loader_mountd, gcs_dataset, g
     sampler = start_job(m, "syn")
     try:  # the job holds its chunks resident until it leaves
         c = settled(m, "syn")
-        assert len(loader_pids(m)) == 2
+        assert len(loader_pids(m, AHEAD_NICENESS)) == 2
         assert c["loader_process_fetches"] > 0
         assert c["bucket_fetches_chunk_load"] == c["loader_process_fetches"]
         assert c.get("integrity_failures", 0) == 0 and c.get("bucket_errors", 0) == 0
@@ -247,11 +250,12 @@ def test_a_killed_loader_process_is_replaced_and_its_items_still_load(
             # killed while it holds fetches (killed as it starts, it would hold none)
             first = wait_for("a chunk loading in a loader process", lambda: (
                 "loading" in (m.status()["jobs"][0]["chunks"] or {}).get("states", ())
-                and {pid for pid in loader_pids(m) if fetching(pid)}))
+                and {pid for pid in loader_pids(m, AHEAD_NICENESS) if fetching(pid)}))
             (victim,) = first
             os.kill(victim, signal.SIGKILL)
             c = settled(m, "syn")
-            replacement = wait_for("a new loader process", lambda: loader_pids(m) - first)
+            replacement = wait_for("a new loader process",
+                                   lambda: loader_pids(m, AHEAD_NICENESS) - first)
             assert victim not in replacement
             assert "loader process %d exited" % victim in m.log_tail(500)
             # what it held was fetched in mountd instead, without an error
@@ -271,7 +275,7 @@ def test_a_killed_loader_process_is_replaced_and_its_items_still_load(
         try:
             again = settled(m, "again")
             assert again["loader_process_fetches"] > 0
-            assert loader_pids(m) == replacement
+            assert loader_pids(m, AHEAD_NICENESS) == replacement
             paths = {digest.hash(i): digest.path(i) for i in range(len(digest))}
             for key in stored(m):
                 served = read_file(os.path.join(m.root, "again", paths[key]))
@@ -289,7 +293,7 @@ def test_loader_processes_end_with_mountd(loader_mountd, gcs_dataset, gcs_emulat
     sampler = start_job(m, "syn")
     try:
         settled(m, "syn")
-        assert len(loader_pids(m)) == 2
+        assert len(loader_pids(m, AHEAD_NICENESS)) == 2
     finally:
         sampler.close()
     assert m.stop() == 0

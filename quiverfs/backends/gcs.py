@@ -1,6 +1,7 @@
 """``gs://bucket/prefix`` backend over the official google-cloud-storage client."""
 from __future__ import annotations
 
+import http.client
 import logging
 import os
 import threading
@@ -8,6 +9,7 @@ from collections.abc import Iterator
 from typing import BinaryIO
 
 import requests
+import urllib3
 from google.api_core import exceptions as gexc
 from google.api_core.retry import Retry
 from google.auth import exceptions as auth_exc
@@ -52,7 +54,8 @@ class GCSBackend(Backend):
         self._clients: list[storage.Client] = []
         self._lock = threading.Lock()
 
-    def _client(self) -> storage.Client:
+    def client(self) -> storage.Client:
+        """The calling thread's client."""
         client = getattr(self._local, "client", None)
         if client is None:
             client = self._make_client()
@@ -107,24 +110,42 @@ class GCSBackend(Backend):
 
     def _bucket_exists(self) -> bool:
         try:
-            return self._client().bucket(self.bucket_name).exists(
+            return self.client().bucket(self.bucket_name).exists(
                 timeout=self.timeout, retry=self.retry)
         except gexc.GoogleAPIError:
             return False
 
     def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
-        blob = self._client().bucket(self.bucket_name).blob(self._name(key))
-        end = None if length is None else offset + length - 1
         if length == 0:
             return b""
+        client = self.client()
+        blob = client.bucket(self.bucket_name).blob(self._name(key))
+        # The URL the client's own download builds for a blob whose metadata it has not
+        # loaded; the client's session and retry policy fetch it.
+        url = f"{client._connection.API_BASE_URL}/download/storage/v1{blob.path}?alt=media"
+        headers = {}
+        if offset or length is not None:
+            end = "" if length is None else str(offset + length - 1)
+            headers["Range"] = f"bytes={offset}-{end}"
         try:
-            return blob.download_as_bytes(start=offset or None, end=end, checksum=None,
-                                          timeout=self.timeout, retry=self.retry)
-        except (gexc.GoogleAPIError, requests.RequestException, auth_exc.GoogleAuthError) as exc:
+            return self.retry(self._get)(client, url, headers)
+        except (gexc.GoogleAPIError, requests.RequestException, auth_exc.GoogleAuthError,
+                urllib3.exceptions.HTTPError, http.client.HTTPException) as exc:
             raise self._error(exc, key) from None
 
+    def _get(self, client: storage.Client, url: str, headers: dict[str, str]) -> bytes:
+        """One GET through the client's authorized session, its body read at once. The
+        client's ``download_as_bytes`` reads it through its download object in 8 KiB
+        pieces: 1.3-2.4 ms of CPU per 110 KB object here, against 0.8-1.3 ms this way
+        (docs/benchmarks.md, "Misses in loader processes")."""
+        with client._http.request("GET", url, headers=headers, stream=True,
+                                  timeout=self.timeout) as response:
+            if response.status_code >= 300:
+                raise gexc.from_http_response(response)
+            return response.raw.read(decode_content=True)
+
     def stream_into(self, key: str, sink: BinaryIO) -> int:
-        blob = self._client().bucket(self.bucket_name).blob(self._name(key),
+        blob = self.client().bucket(self.bucket_name).blob(self._name(key),
                                                              chunk_size=STREAM_CHUNK)
         counter = _CountingSink(sink)
         try:
@@ -137,7 +158,7 @@ class GCSBackend(Backend):
     def list(self) -> Iterator[ObjectInfo]:
         prefix = f"{self.prefix}/" if self.prefix else ""
         try:
-            for blob in self._client().list_blobs(self.bucket_name, prefix=prefix or None,
+            for blob in self.client().list_blobs(self.bucket_name, prefix=prefix or None,
                                                   timeout=self.timeout, retry=self.retry):
                 if blob.name.endswith("/"):
                     continue  # a "directory" placeholder object
@@ -147,7 +168,7 @@ class GCSBackend(Backend):
 
     def stat(self, key: str) -> ObjectInfo:
         try:
-            blob = self._client().bucket(self.bucket_name).get_blob(
+            blob = self.client().bucket(self.bucket_name).get_blob(
                 self._name(key), timeout=self.timeout, retry=self.retry)
         except (gexc.GoogleAPIError, requests.RequestException, auth_exc.GoogleAuthError) as exc:
             raise self._error(exc, key) from None

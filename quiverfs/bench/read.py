@@ -16,7 +16,8 @@ Small files: a second tree of 4 KB JPEGs, its own mountd, the ``ssd`` pass at 16
 threads (``warm_ratio_small_16``), where a request's cost outweighs its bytes.
 
 Cold: an empty store, items behind the GCS emulator; the baseline reads the bucket with
-the google-cloud-storage client, same number of threads. With ``latency_ms`` both sides
+the google-cloud-storage client's ``download_as_bytes`` (one client per thread, each
+with the environment read once, as ``GCSBackend`` makes them), same number of threads. With ``latency_ms`` both sides
 read it through a proxy (``throttle_proxy``, uncapped) that holds the first byte of
 every response that long, as a cloud bucket's time to first byte.
 
@@ -43,7 +44,8 @@ from collections import Counter
 from collections.abc import Callable
 
 from digest_tools.create import create_digest
-from quiverfs.backends import StorageOptions, open_backend
+from quiverfs.backends import StorageOptions
+from quiverfs.backends.gcs import GCSBackend
 from quiverfs.bench.compare import rclone_available, rclone_mount
 from quiverfs.bench.cpu_time import process_cpu_seconds
 from quiverfs.bench.data import Tree, write_synthetic_tree
@@ -225,9 +227,14 @@ def _cold(emulator: str, src: str, rels: list[str], cache_size: str, workdir: st
 def _cold_reads(host: str, rels: list[str], cache_size: str, workdir: str) -> dict:
     options = StorageOptions(emulator_host=host)
     cold_data = create_digest(f"gs://{BUCKET}/syn", "syn", workers=4, options=options)
-    backend = open_backend(f"gs://{BUCKET}/syn", options)
+    backend = GCSBackend(f"gs://{BUCKET}/syn", options)
+
+    def download(key: str) -> int:  # what a user's own code does: the client's download
+        blob = backend.client().bucket(BUCKET).blob(f"syn/{key}")
+        return len(blob.download_as_bytes(checksum=None))
+
     threads = 16
-    direct_bytes, direct_s = read_all(rels, threads, lambda k: len(backend.read(k)))
+    direct_bytes, direct_s = read_all(rels, threads, download)
     backend.close()
     with running_mountd(workdir, cache_size=cache_size, name="cold") as m:
         root = remount(m, cold_data, "cold", host)
