@@ -20,7 +20,8 @@ pytestmark = [
 SUMMARY_KEYS = {"speedup_vs_rclone_10", "speedup_vs_rclone_50", "speedup_vs_rclone_100",
                 "bucket_bytes_vs_rclone_10", "speedup_vs_rclone_10_1job",
                 "epoch0_bucket_ratio_sub_10", "epoch0_speedup_vs_rclone_10",
-                "epoch0_exact_vs_rclone_10_1job", "bucket_utilization_sub_10", "wait_any_s_sub_10", "budget_used_sub_50",
+                "epoch0_exact_vs_rclone_10_1job", "bucket_utilization_sub_10",
+                "wait_any_s_sub_10", "budget_used_sub_50",
                 "speedup_vs_rclone_10_view", "speedup_view_vs_sub_10",
                 "bucket_bytes_vs_rclone_10_view", "hit_ratio_sub_10", "hit_ratio_view_10"}
 LATENCY_MS = 20.0  # the tiny run's bucket latency: the option reaches the proxy

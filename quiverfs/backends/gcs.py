@@ -136,8 +136,8 @@ class GCSBackend(Backend):
     def _get(self, client: storage.Client, url: str, headers: dict[str, str]) -> bytes:
         """One GET through the client's authorized session, its body read at once. The
         client's ``download_as_bytes`` reads it through its download object in 8 KiB
-        pieces: 1.3-2.4 ms of CPU per 110 KB object here, against 0.8-1.3 ms this way
-        (docs/benchmarks.md, "Misses in loader processes")."""
+        pieces: 1.9-2.4 ms of CPU per 110 KB object here, against 0.8-1.3 ms this way
+        (docs/benchmarks.md, "Misses fetched in loader processes")."""
         with client._http.request("GET", url, headers=headers, stream=True,
                                   timeout=self.timeout) as response:
             if response.status_code >= 300:

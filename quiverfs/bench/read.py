@@ -17,9 +17,10 @@ threads (``warm_ratio_small_16``), where a request's cost outweighs its bytes.
 
 Cold: an empty store, items behind the GCS emulator; the baseline reads the bucket with
 the google-cloud-storage client's ``download_as_bytes`` (one client per thread, each
-with the environment read once, as ``GCSBackend`` makes them), same number of threads. With ``latency_ms`` both sides
-read it through a proxy (``throttle_proxy``, uncapped) that holds the first byte of
-every response that long, as a cloud bucket's time to first byte.
+with the environment read once, as ``GCSBackend`` makes them), same number of threads.
+With ``latency_ms`` both sides read it through a proxy (``throttle_proxy``, uncapped)
+that holds the first byte of every response that long, as a cloud bucket's time to
+first byte.
 
 The peer: ``rclone mount --vfs-cache-mode full`` of a subset of the same files, uploaded
 to the emulator (uploads are slow there); a first pass fills rclone's cache, then the
