@@ -149,8 +149,8 @@ def test_sent_bytes_count_the_covered_part_of_a_bin():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["read", "--latency-ms", "30"], "--latency-ms: only these benchmarks have a bucket "
-                                     "latency: compare, loader"),
+    (["digest", "--latency-ms", "30"], "--latency-ms: only these benchmarks have a bucket "
+                                       "latency: compare, loader, read"),
     (["compare", "--latency-ms", "-5"], "--latency-ms must be at least 0, not -5"),
     (["compare", "--latency-ms", "nan"], "--latency-ms must be a finite number, not 'nan'"),
 ])
