@@ -680,10 +680,18 @@ class ContentStore:
 
     def held_known(self, digest: bytes) -> bool:
         """Whether ``digest`` is stored, as far as this process knows without asking the
-        index: a value file known in memory that is on disk (what a loader process or a
-        put here stored)."""
+        index or waiting for the disk (the caller may be mountd's trio loop): a value
+        file known in memory (what a loader process or a put here stored) whose path
+        the kernel resolves from its dentry cache (``_open_cached``). False where that
+        cannot tell at once."""
         known = self._files.locate(digest)
-        return known is not None and os.path.exists(known[0])
+        if known is None:
+            return False
+        try:
+            os.close(_open_cached(known[0]))
+        except OSError:
+            return False
+        return True
 
     def leading_held(self, digests: Sequence[bytes]) -> int:
         """How many of ``digests``, from the first, are stored (up to the first that is

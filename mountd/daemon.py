@@ -138,22 +138,21 @@ class Mountd:
         self.coordinator_client: RpcClient | None = None
         self.cluster = self._cluster(embedded_coordinator)
         # Loader processes: one pool for the misses readers wait on, one for chunk loads.
-        self.pools = [LoaderPool(processes, self.store, self.limiter, niceness=niceness)
-                      for processes, niceness in (
-                          (max(MIN_SERVING_PROCESSES, cfg.loader_processes), 0),
-                          (cfg.loader_processes, AHEAD_NICENESS))
-                      ] if cfg.loader_processes else []
+        n = cfg.loader_processes
+        serving = (LoaderPool(max(MIN_SERVING_PROCESSES, n), self.store, self.limiter)
+                   if n else None)
+        ahead = LoaderPool(n, self.store, self.limiter, niceness=AHEAD_NICENESS) if n else None
+        self.pools = [pool for pool in (serving, ahead) if pool is not None]
         no_open = not cfg.fuse_opens and no_open_available()
         # Without OPEN, mountd cannot see a pushed item being read, so it cannot bound
         # what it pushed and nobody read yet: it pushes only where files are opened.
         self.reader = ItemReader(self.store, self.limiter, self.cluster,
-                                 0 if no_open else cfg.push_memory,
-                                 self.pools[0] if self.pools else None)
+                                 0 if no_open else cfg.push_memory, serving)
         # A lone node sizes chunks so that several fit its cache; in a cluster every node
         # must compute the same plan, so the default stays 10% (or --chunk-size).
         self.jobs = JobRegistry(self.table, self.limiter, cfg.chunk_bytes,
                                 None if cfg.coordinator else cfg.cache_size / CACHE_CHUNKS)
-        self.bulk = BulkFetch(self.reader, self.cluster, self.pools[1] if self.pools else None)
+        self.bulk = BulkFetch(self.reader, self.cluster, ahead)
         self.planner = BatchPlanner(self.reader, self.bulk, self.cluster)
         self.loader = ChunkLoader(self.jobs, self.reader, self.bulk, self.cluster)
         self.views = ViewJobs(self.jobs, self.reader, self.bulk, self.cluster)

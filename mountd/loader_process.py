@@ -236,7 +236,6 @@ class Loader:
         for (request, data), outcome in zip(batch, outcomes):
             self._reply(_stored_reply(request, data, outcome))
 
-    
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="mountd.loader_process",
