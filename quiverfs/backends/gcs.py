@@ -10,6 +10,7 @@ from typing import BinaryIO
 
 import requests
 import urllib3
+from google.auth.transport.urllib3 import AuthorizedHttp
 from google.api_core import exceptions as gexc
 from google.api_core.retry import Retry
 from google.auth import exceptions as auth_exc
@@ -41,17 +42,22 @@ def split_gs_uri(uri: str) -> tuple[str, str]:
 
 class GCSBackend(Backend):
     """Objects under ``gs://bucket/prefix``; one client per thread (clients are not
-    shared), each with the environment's proxies and CA bundle read when it is made."""
+    shared), each with the environment's proxies and CA bundle read when it is made.
+    Whole-item reads go through a lighter transport made from the same client
+    (``reader``)."""
 
     def __init__(self, uri: str, options: StorageOptions | None = None,
                  retry_deadline: float = RETRY_DEADLINE) -> None:
         self.bucket_name, self.prefix = split_gs_uri(uri)
         self.uri = f"gs://{self.bucket_name}" + (f"/{self.prefix}" if self.prefix else "")
         self.options = options or StorageOptions()
+        self.endpoint = self.options.emulator_host or ENDPOINT
         self.retry: Retry = DEFAULT_RETRY.with_deadline(retry_deadline)
         self.timeout = (CONNECT_TIMEOUT, READ_TIMEOUT)
+        self.urllib3_timeout = urllib3.Timeout(connect=CONNECT_TIMEOUT, read=READ_TIMEOUT)
         self._local = threading.local()
         self._clients: list[storage.Client] = []
+        self._readers: list[AuthorizedHttp] = []
         self._lock = threading.Lock()
 
     def client(self) -> storage.Client:
@@ -64,9 +70,23 @@ class GCSBackend(Backend):
                 self._clients.append(client)
         return client
 
+    def reader(self) -> AuthorizedHttp:
+        """The calling thread's transport for reads: the client's credentials over
+        urllib3, with its session's proxy and CA bundle. A read costs about half the
+        CPU it costs through the client's requests session (1.0-1.3 against 2.1-2.5 ms
+        per 110 KB object here; docs/benchmarks.md, "Reads over urllib3")."""
+        http = getattr(self._local, "reader", None)
+        if http is None:
+            client = self.client()
+            http = self._local.reader = AuthorizedHttp(client._credentials,
+                                                       http=_pool_for(client._http, self.endpoint))
+            with self._lock:
+                self._readers.append(http)
+        return http
+
     def _make_client(self) -> storage.Client:
         client = self._new_client()
-        _read_environment_once(client._http, self.options.emulator_host or ENDPOINT)
+        _read_environment_once(client._http, self.endpoint)
         return client
 
     def _new_client(self) -> storage.Client:
@@ -121,28 +141,26 @@ class GCSBackend(Backend):
         client = self.client()
         blob = client.bucket(self.bucket_name).blob(self._name(key))
         # The URL the client's own download builds for a blob whose metadata it has not
-        # loaded; the client's session and retry policy fetch it.
+        # loaded.
         url = f"{client._connection.API_BASE_URL}/download/storage/v1{blob.path}?alt=media"
         headers = {}
         if offset or length is not None:
             end = "" if length is None else str(offset + length - 1)
             headers["Range"] = f"bytes={offset}-{end}"
         try:
-            return self.retry(self._get)(client, url, headers)
-        except (gexc.GoogleAPIError, requests.RequestException, auth_exc.GoogleAuthError,
-                urllib3.exceptions.HTTPError, http.client.HTTPException) as exc:
+            return self.retry(self._get)(url, headers)
+        except (gexc.GoogleAPIError, auth_exc.GoogleAuthError, urllib3.exceptions.HTTPError,
+                http.client.HTTPException, OSError) as exc:
             raise self._error(exc, key) from None
 
-    def _get(self, client: storage.Client, url: str, headers: dict[str, str]) -> bytes:
-        """One GET through the client's authorized session, its body read at once. The
-        client's ``download_as_bytes`` reads it through its download object in 8 KiB
-        pieces: 1.9-2.4 ms of CPU per 110 KB object here, against 0.8-1.3 ms this way
-        (docs/benchmarks.md, "Misses fetched in loader processes")."""
-        with client._http.request("GET", url, headers=headers, stream=True,
-                                  timeout=self.timeout) as response:
-            if response.status_code >= 300:
-                raise gexc.from_http_response(response)
-            return response.raw.read(decode_content=True)
+    def _get(self, url: str, headers: dict[str, str]) -> bytes:
+        """One GET, its body read whole; a status over 299 raised as the client would."""
+        response = self.reader().request("GET", url, headers=headers, timeout=self.urllib3_timeout,
+                                         retries=False)
+        if response.status >= 300:
+            raise gexc.from_http_status(response.status, f"GET {url}: "
+                                        f"{response.data[:200].decode(errors='replace')}")
+        return response.data
 
     def stream_into(self, key: str, sink: BinaryIO) -> int:
         blob = self.client().bucket(self.bucket_name).blob(self._name(key),
@@ -180,7 +198,10 @@ class GCSBackend(Backend):
         with self._lock:
             for client in self._clients:
                 client.close()
+            for reader in self._readers:
+                reader.http.clear()
             self._clients.clear()
+            self._readers.clear()
 
 
 def _read_environment_once(session: requests.Session, url: str) -> None:
@@ -193,6 +214,17 @@ def _read_environment_once(session: requests.Session, url: str) -> None:
     if bundle:
         session.verify = bundle
     session.trust_env = False
+
+
+def _pool_for(session: requests.Session, url: str) -> urllib3.PoolManager:
+    """A one-connection urllib3 pool that reaches ``url`` as ``session`` does (after
+    ``_read_environment_once``): through its proxy, checking its CA bundle."""
+    verify = session.verify
+    ca_certs = verify if isinstance(verify, str) else requests.certs.where()
+    proxy = requests.utils.select_proxy(url, session.proxies)
+    kwargs = {"maxsize": 1, "ca_certs": ca_certs,
+              "cert_reqs": "CERT_REQUIRED" if verify is not False else "CERT_NONE"}
+    return urllib3.ProxyManager(proxy, **kwargs) if proxy else urllib3.PoolManager(**kwargs)
 
 
 class _CountingSink:
