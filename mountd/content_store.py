@@ -48,7 +48,7 @@ from typing import Any, NoReturn
 
 import diskcache
 import google_crc32c
-from diskcache.core import DBNAME, UNKNOWN
+from diskcache.core import DBNAME, MODE_BINARY, UNKNOWN
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,8 @@ class _TrackedDisk(diskcache.Disk):
     """diskcache's Disk, remembering the value file it last named: a put that fails
     while or after writing it must remove it (diskcache leaves it behind). A value kept
     in SQLite (under DISK_MIN_FILE_SIZE) is given its length as its size, where
-    diskcache says 0, so that the store's bound counts it (``_ContentBoundCache``)."""
+    diskcache says 0, so that the store's bound counts it (``_ContentBoundCache``).
+    A value file is written in one call (``_write_whole``)."""
 
     last_file: str | None = None
 
@@ -142,10 +143,34 @@ class _TrackedDisk(diskcache.Disk):
 
     def store(self, value: Any, read: bool, key: object = UNKNOWN
               ) -> tuple[int, int, str | None, Any]:
+        if type(value) is bytes and len(value) >= self.min_file_size:
+            name, full_path = self.filename(key, value)
+            _write_whole(full_path, value)
+            return len(value), MODE_BINARY, name, None
         size, mode, filename, db_value = super().store(value, read, key=key)
         if filename is None and isinstance(db_value, (bytes, memoryview)):
             size = len(db_value)
         return size, mode, filename, db_value
+
+
+def _write_whole(path: str, value: bytes) -> None:
+    """Write a new value file as diskcache does (its directory made, and made again
+    where a cull removes it meanwhile, up to 10 tries), in one write: diskcache writes
+    bytes line by line, about 430 writes and 0.7 ms of CPU for 110 KB of JPEG
+    (docs/benchmarks.md, "Value files written whole")."""
+    directory = os.path.dirname(path)
+    for attempt in range(1, 11):
+        with contextlib.suppress(OSError):
+            os.makedirs(directory)
+        try:
+            writer = open(path, "xb")
+        except OSError:
+            if attempt == 10:
+                raise
+            continue
+        with writer:
+            writer.write(value)
+        return
 
 
 class _ContentBoundCache(diskcache.Cache):

@@ -284,7 +284,7 @@ class HalfWriter:
 
 def test_a_value_write_cut_short_leaves_no_file(store, tmp_path, monkeypatch):
     directory = str(tmp_path / "store")
-    monkeypatch.setattr(diskcache.core, "open",
+    monkeypatch.setattr(content_store, "open",
                         lambda path, mode, **kw: HalfWriter(open(path, mode, **kw)),
                         raising=False)
     digest, data = item(6)
