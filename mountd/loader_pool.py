@@ -5,8 +5,9 @@ mountd keeps two pools of them: one for the misses readers wait on (``fetch``: t
 checked bytes come back first, the store's outcome after), at the jobs' priority, and
 one for chunk loads (``load``), work ahead of need, at a lower one (AHEAD_NICENESS).
 
-The processes start with the first request and run until unmount, when their stdin is
-closed and they finish what they hold. One that exits is started again after
+The processes start when they are first wanted (``want``: a dataset in a GCS bucket
+is mounted; or a first request) and run until unmount, when their stdin is closed and
+they finish what they hold. One that exits is started again after
 RESTART_DELAY; the requests it had in flight end with LoaderUnavailable, and their
 callers fetch those items in mountd instead. The processes write into this node's store
 directory; what they stored, and what they could not, is recorded in the store here
@@ -14,7 +15,6 @@ directory; what they stored, and what they could not, is recorded in the store h
 """
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import itertools
 import logging
@@ -27,7 +27,8 @@ from collections.abc import Callable
 import trio
 
 from mountd.content_store import ContentStore
-from mountd.loader_process import FRAME_HEADER, LoadReply, LoadRequest, LoadSource, Outcome
+from mountd.loader_process import (FRAME_HEADER, LoadReply, LoadRequest, LoadSource, Outcome,
+                                   Ready)
 from quiverfs.backends import Backend
 
 log = logging.getLogger(__name__)
@@ -76,14 +77,24 @@ def load_source(backend: Backend) -> LoadSource | None:
     return LoadSource.of(backend.uri, backend.options)
 
 
+class _Waiting:
+    """A request's replies (up to two: the bytes, then the store's outcome): the first
+    comes to its caller on ``replies``; an outcome that follows bytes the caller has
+    taken goes to ``outcome``, once the caller sets it (no task waits for it)."""
+
+    def __init__(self) -> None:
+        self.send, self.replies = trio.open_memory_channel[LoadReply](2)
+        self.outcome: Callable[[LoadReply | None], None] | None = None
+
+
 class _Process:
-    """One running loader process and the requests it has not answered in full: each
-    one's channel of replies (up to two: the bytes, then the store's outcome)."""
+    """One running loader process and the requests it has not answered in full."""
 
     def __init__(self, proc: trio.Process) -> None:
         self.proc = proc
-        self.pending: dict[int, trio.MemorySendChannel[LoadReply]] = {}
+        self.pending: dict[int, _Waiting] = {}
         self.send_lock = trio.Lock()
+        self.ready = False  # it said Ready: its imports are done
 
     async def receive(self) -> None:
         """Hand each reply to its request until the process's stdout ends."""
@@ -97,27 +108,39 @@ class _Process:
                 if len(buffer) < end:
                     break
                 with memoryview(buffer) as view:
-                    reply: LoadReply = pickle.loads(view[start + FRAME_HEADER.size:end])
+                    reply: LoadReply | Ready = pickle.loads(view[start + FRAME_HEADER.size:end])
                 start = end
-                self._deliver(reply)
+                if isinstance(reply, Ready):
+                    self.ready = True
+                else:
+                    self._deliver(reply)
             del buffer[:start]
 
     def _deliver(self, reply: LoadReply) -> None:
-        replies = self.pending.get(reply.id)
-        if replies is None:
+        waiting = self.pending.get(reply.id)
+        if waiting is None:
             return  # its caller has gone (cancelled)
-        try:
-            replies.send_nowait(reply)
-        except trio.BrokenResourceError:
-            reply = dataclasses.replace(reply, final=True)  # nobody listens any more
         if reply.final:
             del self.pending[reply.id]
-            replies.close()
+        if waiting.outcome is not None:
+            waiting.outcome(reply)
+            return
+        try:
+            waiting.send.send_nowait(reply)
+        except trio.BrokenResourceError:
+            self.pending.pop(reply.id, None)  # nobody listens any more
+            return
+        if reply.final:
+            waiting.send.close()
 
     def abandon(self) -> None:
-        """End the requests still waiting (with no reply: LoaderUnavailable)."""
-        for replies in self.pending.values():
-            replies.close()
+        """End the requests still waiting (with no reply: LoaderUnavailable; an outcome
+        still to come: None)."""
+        for waiting in self.pending.values():
+            if waiting.outcome is not None:
+                waiting.outcome(None)
+            else:
+                waiting.send.close()
         self.pending.clear()
 
 
@@ -138,7 +161,19 @@ class LoaderPool:
         self._wanted = trio.Event()
         self._started = trio.Event()  # set (and replaced) whenever a process starts
         self._ids = itertools.count()
-        self._nursery: trio.Nursery | None = None  # where stores' outcomes are awaited
+        self._nursery: trio.Nursery | None = None  # where failed stores are recorded
+
+    def want(self) -> None:
+        """Start the processes now, if they are not running: each takes most of a
+        CPU-second to start, better spent before the first miss than during it."""
+        self._wanted.set()
+
+    def status(self) -> dict[str, int]:
+        """The processes it keeps, those running, and those ready for requests."""
+        live = [p for p in self._live if p is not None]
+        return {"processes": self.processes, "running": len(live),
+                "ready": sum(p.ready for p in live), "threads": self.threads,
+                "niceness": self.niceness}
 
     @property
     def capacity(self) -> int:
@@ -195,10 +230,10 @@ class LoaderPool:
         LoadFailed, or LoaderUnavailable (the item is still to be fetched)."""
         self._wanted.set()
         async with self._slots:
-            replies = await self._ask(LoadRequest(next(self._ids), source, key, offset,
+            waiting = await self._ask(LoadRequest(next(self._ids), source, key, offset,
                                                   length, digest))
-            with replies:
-                reply = _checked(await _next(replies))
+            with waiting.replies:
+                reply = _checked(await _next(waiting.replies))
         if reply.outcome is Outcome.STORED:
             self.store.stored_elsewhere(digest, reply.file)
             return reply.nbytes
@@ -219,31 +254,40 @@ class LoaderPool:
         await self._slots.acquire()
         pending = False
         try:
-            replies = await self._ask(LoadRequest(next(self._ids), source, key, offset,
+            waiting = await self._ask(LoadRequest(next(self._ids), source, key, offset,
                                                   length, digest, serve=True, store=store))
-            with replies:
-                reply = _checked(await _next(replies))
-                if not reply.final and self._nursery is not None:
-                    self._nursery.start_soon(self._outcome, replies.clone(), digest, stored)
-                    pending = True  # the outcome's task gives the slot back
+            with waiting.replies:
+                reply = _checked(await _next(waiting.replies))
+                if not reply.final:
+                    pending = True  # the outcome gives the slot back
+
+                    def outcome(final: LoadReply | None) -> None:
+                        self._outcome(final, digest, stored)
+
+                    try:
+                        outcome(waiting.replies.receive_nowait())  # here already
+                    except trio.WouldBlock:
+                        waiting.outcome = outcome
+                    except trio.EndOfChannel:
+                        outcome(None)  # the process exited
         finally:
             if not pending:
                 self._slots.release()
         assert reply.data is not None  # FETCHED
         return reply.data, pending
 
-    async def _outcome(self, replies: trio.MemoryReceiveChannel[LoadReply], digest: bytes,
-                       stored: Callable[[], None]) -> None:
-        """Record what the store made of a served item; then ``stored()``."""
+    def _outcome(self, reply: LoadReply | None, digest: bytes,
+                 stored: Callable[[], None]) -> None:
+        """Record what the store made of a served item (None: its process exited, and
+        the item may not be stored: a read looks again); then ``stored()``."""
         try:
-            with replies:
-                reply = await replies.receive()
-            if reply.outcome is Outcome.STORED:
+            if reply is None:
+                pass
+            elif reply.outcome is Outcome.STORED:
                 self.store.stored_elsewhere(digest, reply.file)
-            elif reply.outcome in (Outcome.UNSTORED, Outcome.DAMAGED):
-                await self._write_failed(reply)
-        except trio.EndOfChannel:
-            pass  # the process exited: the item may not be stored, a read looks again
+            elif reply.outcome in (Outcome.UNSTORED, Outcome.DAMAGED) and \
+                    self._nursery is not None:
+                self._nursery.start_soon(self._write_failed, reply)
         finally:
             self._slots.release()
             stored()
@@ -252,12 +296,11 @@ class LoaderPool:
         await trio.to_thread.run_sync(self.store.write_failed_elsewhere, reply.reason,
                                       reply.outcome is Outcome.DAMAGED, limiter=self.limiter)
 
-    async def _ask(self, request: LoadRequest) -> trio.MemoryReceiveChannel[LoadReply]:
-        """Send ``request`` to a process; the channel its replies come on."""
+    async def _ask(self, request: LoadRequest) -> _Waiting:
+        """Send ``request`` to a process; what its replies come to."""
         process = await self._a_process()
         body = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
-        send, receive = trio.open_memory_channel[LoadReply](2)
-        process.pending[request.id] = send
+        waiting = process.pending[request.id] = _Waiting()
         try:
             # A frame cut short would garble the stream: it is sent whole, or the
             # process is given up.
@@ -271,7 +314,7 @@ class LoaderPool:
             process.pending.pop(request.id, None)
             process.proc.kill()
             raise LoaderUnavailable(f"loader process {process.proc.pid} does not read")
-        return receive
+        return waiting
 
     async def _a_process(self) -> _Process:
         """The running process with the fewest requests, waiting for one to (re)start."""

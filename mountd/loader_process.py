@@ -9,7 +9,8 @@ writes the store (``StoreWriter``), as many queued items as there are in one
 transaction, letting go of the index whenever it is idle. A request for a reader
 waiting on a miss (``serve``) is answered with the checked bytes first, and with what
 the store made of them after. Content that does not hash to its digest is never
-stored or sent. The process ends when its stdin does.
+stored or sent. Once it has imported the GCS client and can take requests it says so
+(``Ready``); it ends when its stdin does.
 """
 from __future__ import annotations
 
@@ -105,6 +106,13 @@ class LoadReply:
     final: bool = True
 
 
+@dataclasses.dataclass(frozen=True)
+class Ready:
+    """The process's first message: the GCS client is imported and requests are taken."""
+
+    pid: int
+
+
 def _stored_reply(request: LoadRequest, data: bytes,
                   outcome: ValueFile | None | StoreError) -> LoadReply:
     """The final reply to a request whose checked bytes the store took (``outcome``:
@@ -117,9 +125,13 @@ def _stored_reply(request: LoadRequest, data: bytes,
                      str(outcome))
 
 
-def write_frame(out: BinaryIO, message: Any) -> None:
-    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    out.write(FRAME_HEADER.pack(len(body)) + body)
+def write_frame(out: BinaryIO, *messages: Any) -> None:
+    """Write ``messages``, a frame each, at once (one wake-up of the reader)."""
+    frames = []
+    for message in messages:
+        body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        frames += (FRAME_HEADER.pack(len(body)), body)
+    out.write(b"".join(frames))
     out.flush()
 
 
@@ -162,17 +174,15 @@ class Loader:
             for backend in self._backends.values():
                 backend.close()
 
-    def _reply(self, reply: LoadReply) -> None:
+    def _reply(self, *replies: LoadReply) -> None:
         with self._out_lock:
             try:
-                write_frame(self.out, reply)
+                write_frame(self.out, *replies)
             except BrokenPipeError:
-                log.debug("mountd has gone: request %d stays unanswered", reply.id)
+                log.debug("mountd has gone: %d replies unsent", len(replies))
 
     def _backend(self, source: LoadSource) -> GCSBackend:
-        # Imported here: mountd imports this module for its messages, and the GCS
-        # client is slow to import.
-        from quiverfs.backends.gcs import GCSBackend
+        from quiverfs.backends.gcs import GCSBackend  # imported already (main)
 
         with self._backends_lock:
             backend = self._backends.get(source)
@@ -227,14 +237,14 @@ class Loader:
                 return
 
     def _write(self, batch: list[tuple[LoadRequest, bytes]]) -> None:
-        """Store checked items in one transaction; reply to each."""
+        """Store checked items in one transaction; reply to each, in one write."""
         try:
             outcomes = self.writer.put_many([(r.digest, data) for r, data in batch])
         except Exception as exc:  # noqa: BLE001 - the batch's requests still get answers
             log.exception("the store writer failed")
             outcomes = [StoreError(f"loader process: {exc}")] * len(batch)
-        for (request, data), outcome in zip(batch, outcomes):
-            self._reply(_stored_reply(request, data, outcome))
+        self._reply(*(_stored_reply(request, data, outcome)
+                      for (request, data), outcome in zip(batch, outcomes)))
 
 
 def main() -> None:
@@ -254,5 +264,10 @@ def main() -> None:
     # Replies go to the original stdout; anything printed goes to the log instead.
     out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    # Imported here, before any request: mountd imports this module for its messages,
+    # and the GCS client takes most of a CPU-second to import.
+    import quiverfs.backends.gcs  # noqa: F401
+
     writer = StoreWriter(args.store, args.size_limit)
+    write_frame(out, Ready(os.getpid()))
     Loader(writer, args.threads, out).serve(sys.stdin.buffer)
