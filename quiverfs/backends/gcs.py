@@ -74,7 +74,7 @@ class GCSBackend(Backend):
         """The calling thread's transport for reads: the client's credentials over
         urllib3, with its session's proxy and CA bundle. A read costs about half the
         CPU it costs through the client's requests session (1.0-1.3 against 2.1-2.5 ms
-        per 110 KB object here; docs/benchmarks.md, "Reads over urllib3")."""
+        per 110 KB object here; docs/benchmarks.md, "Less CPU per miss")."""
         http = getattr(self._local, "reader", None)
         if http is None:
             client = self.client()
