@@ -5,9 +5,8 @@ mountd keeps two pools of them: one for the misses readers wait on (``fetch``: t
 checked bytes come back first, the store's outcome after), at the jobs' priority, and
 one for chunk loads (``load``), work ahead of need, at a lower one (AHEAD_NICENESS).
 
-The processes start when they are first wanted (``want``: a dataset in a GCS bucket
-is mounted; or a first request) and run until unmount, when their stdin is closed and
-they finish what they hold. One that exits is started again after
+The processes start with the first request and run until unmount, when their stdin is
+closed and they finish what they hold. One that exits is started again after
 RESTART_DELAY; the requests it had in flight end with LoaderUnavailable, and their
 callers fetch those items in mountd instead. The processes write into this node's store
 directory; what they stored, and what they could not, is recorded in the store here
@@ -15,6 +14,7 @@ directory; what they stored, and what they could not, is recorded in the store h
 """
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import itertools
 import logging
@@ -27,8 +27,7 @@ from collections.abc import Callable
 import trio
 
 from mountd.content_store import ContentStore
-from mountd.loader_process import (FRAME_HEADER, LoadReply, LoadRequest, LoadSource, Outcome,
-                                   Ready)
+from mountd.loader_process import FRAME_HEADER, LoadReply, LoadRequest, LoadSource, Outcome
 from quiverfs.backends import Backend
 
 log = logging.getLogger(__name__)
@@ -77,24 +76,14 @@ def load_source(backend: Backend) -> LoadSource | None:
     return LoadSource.of(backend.uri, backend.options)
 
 
-class _Waiting:
-    """A request's replies (up to two: the bytes, then the store's outcome): the first
-    comes to its caller on ``replies``; an outcome that follows bytes the caller has
-    taken goes to ``outcome``, once the caller sets it (no task waits for it)."""
-
-    def __init__(self) -> None:
-        self.send, self.replies = trio.open_memory_channel[LoadReply](2)
-        self.outcome: Callable[[LoadReply | None], None] | None = None
-
-
 class _Process:
-    """One running loader process and the requests it has not answered in full."""
+    """One running loader process and the requests it has not answered in full: each
+    one's channel of replies (up to two: the bytes, then the store's outcome)."""
 
     def __init__(self, proc: trio.Process) -> None:
         self.proc = proc
-        self.pending: dict[int, _Waiting] = {}
+        self.pending: dict[int, trio.MemorySendChannel[LoadReply]] = {}
         self.send_lock = trio.Lock()
-        self.ready = False  # it said Ready: its imports are done
 
     async def receive(self) -> None:
         """Hand each reply to its request until the process's stdout ends."""
@@ -108,39 +97,27 @@ class _Process:
                 if len(buffer) < end:
                     break
                 with memoryview(buffer) as view:
-                    reply: LoadReply | Ready = pickle.loads(view[start + FRAME_HEADER.size:end])
+                    reply: LoadReply = pickle.loads(view[start + FRAME_HEADER.size:end])
                 start = end
-                if isinstance(reply, Ready):
-                    self.ready = True
-                else:
-                    self._deliver(reply)
+                self._deliver(reply)
             del buffer[:start]
 
     def _deliver(self, reply: LoadReply) -> None:
-        waiting = self.pending.get(reply.id)
-        if waiting is None:
+        replies = self.pending.get(reply.id)
+        if replies is None:
             return  # its caller has gone (cancelled)
+        try:
+            replies.send_nowait(reply)
+        except trio.BrokenResourceError:
+            reply = dataclasses.replace(reply, final=True)  # nobody listens any more
         if reply.final:
             del self.pending[reply.id]
-        if waiting.outcome is not None:
-            waiting.outcome(reply)
-            return
-        try:
-            waiting.send.send_nowait(reply)
-        except trio.BrokenResourceError:
-            self.pending.pop(reply.id, None)  # nobody listens any more
-            return
-        if reply.final:
-            waiting.send.close()
+            replies.close()
 
     def abandon(self) -> None:
-        """End the requests still waiting (with no reply: LoaderUnavailable; an outcome
-        still to come: None)."""
-        for waiting in self.pending.values():
-            if waiting.outcome is not None:
-                waiting.outcome(None)
-            else:
-                waiting.send.close()
+        """End the requests still waiting (with no reply: LoaderUnavailable)."""
+        for replies in self.pending.values():
+            replies.close()
         self.pending.clear()
 
 
@@ -161,19 +138,7 @@ class LoaderPool:
         self._wanted = trio.Event()
         self._started = trio.Event()  # set (and replaced) whenever a process starts
         self._ids = itertools.count()
-        self._nursery: trio.Nursery | None = None  # where failed stores are recorded
-
-    def want(self) -> None:
-        """Start the processes now, if they are not running: each takes most of a
-        CPU-second to start, better spent before the first miss than during it."""
-        self._wanted.set()
-
-    def status(self) -> dict[str, int]:
-        """The processes it keeps, those running, and those ready for requests."""
-        live = [p for p in self._live if p is not None]
-        return {"processes": self.processes, "running": len(live),
-                "ready": sum(p.ready for p in live), "threads": self.threads,
-                "niceness": self.niceness}
+        self._nursery: trio.Nursery | None = None  # where stores' outcomes are awaited
 
     @property
     def capacity(self) -> int:
@@ -230,10 +195,10 @@ class LoaderPool:
         LoadFailed, or LoaderUnavailable (the item is still to be fetched)."""
         self._wanted.set()
         async with self._slots:
-            waiting = await self._ask(LoadRequest(next(self._ids), source, key, offset,
+            replies = await self._ask(LoadRequest(next(self._ids), source, key, offset,
                                                   length, digest))
-            with waiting.replies:
-                reply = _checked(await _next(waiting.replies))
+            with replies:
+                reply = _checked(await _next(replies))
         if reply.outcome is Outcome.STORED:
             self.store.stored_elsewhere(digest, reply.file)
             return reply.nbytes
@@ -254,40 +219,31 @@ class LoaderPool:
         await self._slots.acquire()
         pending = False
         try:
-            waiting = await self._ask(LoadRequest(next(self._ids), source, key, offset,
+            replies = await self._ask(LoadRequest(next(self._ids), source, key, offset,
                                                   length, digest, serve=True, store=store))
-            with waiting.replies:
-                reply = _checked(await _next(waiting.replies))
-                if not reply.final:
-                    pending = True  # the outcome gives the slot back
-
-                    def outcome(final: LoadReply | None) -> None:
-                        self._outcome(final, digest, stored)
-
-                    try:
-                        outcome(waiting.replies.receive_nowait())  # here already
-                    except trio.WouldBlock:
-                        waiting.outcome = outcome
-                    except trio.EndOfChannel:
-                        outcome(None)  # the process exited
+            with replies:
+                reply = _checked(await _next(replies))
+                if not reply.final and self._nursery is not None:
+                    self._nursery.start_soon(self._outcome, replies.clone(), digest, stored)
+                    pending = True  # the outcome's task gives the slot back
         finally:
             if not pending:
                 self._slots.release()
         assert reply.data is not None  # FETCHED
         return reply.data, pending
 
-    def _outcome(self, reply: LoadReply | None, digest: bytes,
-                 stored: Callable[[], None]) -> None:
-        """Record what the store made of a served item (None: its process exited, and
-        the item may not be stored: a read looks again); then ``stored()``."""
+    async def _outcome(self, replies: trio.MemoryReceiveChannel[LoadReply], digest: bytes,
+                       stored: Callable[[], None]) -> None:
+        """Record what the store made of a served item; then ``stored()``."""
         try:
-            if reply is None:
-                pass
-            elif reply.outcome is Outcome.STORED:
+            with replies:
+                reply = await replies.receive()
+            if reply.outcome is Outcome.STORED:
                 self.store.stored_elsewhere(digest, reply.file)
-            elif reply.outcome in (Outcome.UNSTORED, Outcome.DAMAGED) and \
-                    self._nursery is not None:
-                self._nursery.start_soon(self._write_failed, reply)
+            elif reply.outcome in (Outcome.UNSTORED, Outcome.DAMAGED):
+                await self._write_failed(reply)
+        except trio.EndOfChannel:
+            pass  # the process exited: the item may not be stored, a read looks again
         finally:
             self._slots.release()
             stored()
@@ -296,11 +252,12 @@ class LoaderPool:
         await trio.to_thread.run_sync(self.store.write_failed_elsewhere, reply.reason,
                                       reply.outcome is Outcome.DAMAGED, limiter=self.limiter)
 
-    async def _ask(self, request: LoadRequest) -> _Waiting:
-        """Send ``request`` to a process; what its replies come to."""
+    async def _ask(self, request: LoadRequest) -> trio.MemoryReceiveChannel[LoadReply]:
+        """Send ``request`` to a process; the channel its replies come on."""
         process = await self._a_process()
         body = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
-        waiting = process.pending[request.id] = _Waiting()
+        send, receive = trio.open_memory_channel[LoadReply](2)
+        process.pending[request.id] = send
         try:
             # A frame cut short would garble the stream: it is sent whole, or the
             # process is given up.
@@ -314,7 +271,7 @@ class LoaderPool:
             process.pending.pop(request.id, None)
             process.proc.kill()
             raise LoaderUnavailable(f"loader process {process.proc.pid} does not read")
-        return waiting
+        return receive
 
     async def _a_process(self) -> _Process:
         """The running process with the fewest requests, waiting for one to (re)start."""

@@ -9,8 +9,7 @@ writes the store (``StoreWriter``), as many queued items as there are in one
 transaction, letting go of the index whenever it is idle. A request for a reader
 waiting on a miss (``serve``) is answered with the checked bytes first, and with what
 the store made of them after. Content that does not hash to its digest is never
-stored or sent. Once it has imported the GCS client and can take requests it says so
-(``Ready``); it ends when its stdin does.
+stored or sent. The process ends when its stdin does.
 """
 from __future__ import annotations
 
@@ -106,13 +105,6 @@ class LoadReply:
     final: bool = True
 
 
-@dataclasses.dataclass(frozen=True)
-class Ready:
-    """The process's first message: the GCS client is imported and requests are taken."""
-
-    pid: int
-
-
 def _stored_reply(request: LoadRequest, data: bytes,
                   outcome: ValueFile | None | StoreError) -> LoadReply:
     """The final reply to a request whose checked bytes the store took (``outcome``:
@@ -125,13 +117,9 @@ def _stored_reply(request: LoadRequest, data: bytes,
                      str(outcome))
 
 
-def write_frame(out: BinaryIO, *messages: Any) -> None:
-    """Write ``messages``, a frame each, at once (one wake-up of the reader)."""
-    frames = []
-    for message in messages:
-        body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        frames += (FRAME_HEADER.pack(len(body)), body)
-    out.write(b"".join(frames))
+def write_frame(out: BinaryIO, message: Any) -> None:
+    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    out.write(FRAME_HEADER.pack(len(body)) + body)
     out.flush()
 
 
@@ -174,15 +162,17 @@ class Loader:
             for backend in self._backends.values():
                 backend.close()
 
-    def _reply(self, *replies: LoadReply) -> None:
+    def _reply(self, reply: LoadReply) -> None:
         with self._out_lock:
             try:
-                write_frame(self.out, *replies)
+                write_frame(self.out, reply)
             except BrokenPipeError:
-                log.debug("mountd has gone: %d replies unsent", len(replies))
+                log.debug("mountd has gone: request %d stays unanswered", reply.id)
 
     def _backend(self, source: LoadSource) -> GCSBackend:
-        from quiverfs.backends.gcs import GCSBackend  # imported already (main)
+        # Imported here: mountd imports this module for its messages, and the GCS
+        # client is slow to import.
+        from quiverfs.backends.gcs import GCSBackend
 
         with self._backends_lock:
             backend = self._backends.get(source)
@@ -237,14 +227,14 @@ class Loader:
                 return
 
     def _write(self, batch: list[tuple[LoadRequest, bytes]]) -> None:
-        """Store checked items in one transaction; reply to each, in one write."""
+        """Store checked items in one transaction; reply to each."""
         try:
             outcomes = self.writer.put_many([(r.digest, data) for r, data in batch])
         except Exception as exc:  # noqa: BLE001 - the batch's requests still get answers
             log.exception("the store writer failed")
             outcomes = [StoreError(f"loader process: {exc}")] * len(batch)
-        self._reply(*(_stored_reply(request, data, outcome)
-                      for (request, data), outcome in zip(batch, outcomes)))
+        for (request, data), outcome in zip(batch, outcomes):
+            self._reply(_stored_reply(request, data, outcome))
 
 
 def main() -> None:
@@ -264,10 +254,5 @@ def main() -> None:
     # Replies go to the original stdout; anything printed goes to the log instead.
     out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    # Imported here, before any request: mountd imports this module for its messages,
-    # and the GCS client takes most of a CPU-second to import.
-    import quiverfs.backends.gcs  # noqa: F401
-
     writer = StoreWriter(args.store, args.size_limit)
-    write_frame(out, Ready(os.getpid()))
     Loader(writer, args.threads, out).serve(sys.stdin.buffer)
