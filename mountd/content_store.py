@@ -132,7 +132,7 @@ class _TrackedDisk(diskcache.Disk):
     while or after writing it must remove it (diskcache leaves it behind). A value kept
     in SQLite (under DISK_MIN_FILE_SIZE) is given its length as its size, where
     diskcache says 0, so that the store's bound counts it (``_ContentBoundCache``).
-    A value file is written in one call (``_write_whole``)."""
+    A value file is written in one call."""
 
     last_file: str | None = None
 
@@ -144,33 +144,16 @@ class _TrackedDisk(diskcache.Disk):
     def store(self, value: Any, read: bool, key: object = UNKNOWN
               ) -> tuple[int, int, str | None, Any]:
         if type(value) is bytes and len(value) >= self.min_file_size:
+            # diskcache writes bytes from an io.BytesIO, whose iteration yields lines:
+            # about 430 writes and 0.3 ms more CPU for 110 KB of JPEG (docs/benchmarks.md,
+            # "Less CPU per miss"). Its own writer, given the value as one piece:
             name, full_path = self.filename(key, value)
-            _write_whole(full_path, value)
+            self._write(full_path, (value,), "xb")
             return len(value), MODE_BINARY, name, None
         size, mode, filename, db_value = super().store(value, read, key=key)
         if filename is None and isinstance(db_value, (bytes, memoryview)):
             size = len(db_value)
         return size, mode, filename, db_value
-
-
-def _write_whole(path: str, value: bytes) -> None:
-    """Write a new value file as diskcache does (its directory made, and made again
-    where a cull removes it meanwhile, up to 10 tries), in one write: diskcache writes
-    bytes line by line, about 430 writes and 0.7 ms of CPU for 110 KB of JPEG
-    (docs/benchmarks.md, "Less CPU per miss")."""
-    directory = os.path.dirname(path)
-    for attempt in range(1, 11):
-        with contextlib.suppress(OSError):
-            os.makedirs(directory)
-        try:
-            writer = open(path, "xb")
-        except OSError:
-            if attempt == 10:
-                raise
-            continue
-        with writer:
-            writer.write(value)
-        return
 
 
 class _ContentBoundCache(diskcache.Cache):

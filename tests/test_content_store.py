@@ -24,6 +24,7 @@ from mountd.content_store import (DAMAGED_SUFFIX, DISK_MIN_FILE_SIZE, KEEP_DAMAG
 from mountd.job_registry import JobRegistry
 from mountd.metrics import MountdCollector
 from mountd.mount_table import MountTable
+from quiverfs.bench.read import drop_page_cache
 from tests.mountd_helpers import lone_reader
 
 STORE_LOGGER = "mountd.content_store"
@@ -285,7 +286,7 @@ class HalfWriter:
 
 def test_a_value_write_cut_short_leaves_no_file(store, tmp_path, monkeypatch):
     directory = str(tmp_path / "store")
-    monkeypatch.setattr(content_store, "open",
+    monkeypatch.setattr(diskcache.core, "open",
                         lambda path, mode, **kw: HalfWriter(open(path, mode, **kw)),
                         raising=False)
     digest, data = item(6)
@@ -570,12 +571,7 @@ def test_get_nowait_serves_only_entries_whose_pages_are_cached(store):
     # On disk only: a thread reads it. The kernel may keep a page that another CPU's
     # LRU batch still holds, so the pages are dropped until they are gone.
     for _ in range(DROP_TRIES):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        drop_page_cache([path])
         if store.get_nowait(digest, len(data)) is None:
             break
         time.sleep(0.05)

@@ -10,11 +10,11 @@ from typing import BinaryIO
 
 import requests
 import urllib3
-from google.auth.transport.urllib3 import AuthorizedHttp
 from google.api_core import exceptions as gexc
 from google.api_core.retry import Retry
 from google.auth import exceptions as auth_exc
 from google.auth.credentials import AnonymousCredentials
+from google.auth.transport.urllib3 import AuthorizedHttp
 from google.cloud import storage
 from google.cloud.storage.retry import DEFAULT_RETRY
 
@@ -155,8 +155,8 @@ class GCSBackend(Backend):
 
     def _get(self, url: str, headers: dict[str, str]) -> bytes:
         """One GET, its body read whole; a status over 299 raised as the client would."""
-        response = self.reader().request("GET", url, headers=headers, timeout=self.urllib3_timeout,
-                                         retries=False)
+        response = self.reader().request("GET", url, headers=headers,
+                                         timeout=self.urllib3_timeout, retries=False)
         if response.status >= 300:
             raise gexc.from_http_status(response.status, f"GET {url}: "
                                         f"{response.data[:200].decode(errors='replace')}")
