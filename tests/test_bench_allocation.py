@@ -89,7 +89,7 @@ def test_tiny_run_measures_every_workload_and_budget(tiny_report):
 
 
 @needs_mount
-def test_summary_has_every_workloads_ratios_and_the_goal_on_the_headline(tiny_report):
+def test_summary_has_every_workloads_ratios_and_goals(tiny_report):
     summary = tiny_report[0]["summary"]
     assert set(summary) == {
         *(f"{key}_{round(b * 100)}{w.suffix}" for w in workloads(TINY)

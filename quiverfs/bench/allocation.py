@@ -379,7 +379,7 @@ def run_config(kind: str, budget: float, data: dict[str, Dataset], proxy: Thrott
     with contextlib.ExitStack() as stack:
         m: MountdProcess | None = None
         if kind == "nocache":
-            sources = {t: bucket_address(proxy.url, BUCKET, _prefix(data[t])) for t in types}
+            sources = {t.name: bucket_address(proxy.url, BUCKET, _prefix(t)) for t in size.types}
         else:
             m = stack.enter_context(running_mountd(
                 base, cache_size=str(cache_bytes), extra_args=(
@@ -439,28 +439,26 @@ def run_config(kind: str, budget: float, data: dict[str, Dataset], proxy: Thrott
 
 
 # -- the benchmark ---------------------------------------------------------------------
+def _prefix(t: JobType) -> str:
+    """Where in the bucket the dataset of job type ``t`` is: one per name and size."""
+    return f"{t.name}{t.items}"
+
+
 def _upload(emulator_host: str, loads: list[Workload], workdir: str
             ) -> dict[str, dict[str, Dataset]]:
-    """{workload: {job type: its dataset}}: each distinct dataset written, uploaded and
-    digested once (distinct seeds: distinct items; the headline's under the type's name,
-    another size of it under the name and its items)."""
-    made: dict[tuple[str, int], Dataset] = {}
+    """{workload: {job type: its dataset}}: each distinct dataset (``_prefix``) written,
+    uploaded and digested once (distinct seeds: distinct items)."""
+    made: dict[str, Dataset] = {}
     out: dict[str, dict[str, Dataset]] = {}
     for load in loads:
         mine = out[load.name] = {}
         for t in load.size.types:
-            if (t.name, t.items) not in made:
-                prefix = t.name if load is loads[0] else f"{t.name}{t.items}"
-                made[t.name, t.items] = upload_synthetic(
-                    emulator_host, BUCKET, prefix, workdir, t.items, load.size.classes,
+            if _prefix(t) not in made:
+                made[_prefix(t)] = upload_synthetic(
+                    emulator_host, BUCKET, _prefix(t), workdir, t.items, load.size.classes,
                     seed=11 + len(made), mean_size=load.size.mean_item_bytes)
-            mine[t.name] = made[t.name, t.items]
+            mine[t.name] = made[_prefix(t)]
     return out
-
-
-def _prefix(data: Dataset) -> str:
-    """Where in the bucket ``data`` is: its digest's source, less gs://BUCKET/."""
-    return digest_format.decode(data.digest).source.removeprefix(f"gs://{BUCKET}/")
 
 
 def _chunking(data: Dataset, chunk_bytes: int, total: int) -> dict[str, Any]:
@@ -572,8 +570,8 @@ def measure(size: Size, workdir: str) -> dict[str, Any]:
             "probe_fetches_cached": "bucket fetches by probes after the warm-up, of "
                                     "datasets allotted full all that time; the summary "
                                     "adds up every quiver configuration's",
-            "goal": f"gain_vs_lru >= {GOAL_VS_LRU} at 15% (both workloads) and 30% (wide), "
-                    f">= {GOAL_NEVER_LOSES} at every other budget; probe_fetches_cached 0"},
+            "goal": "gain_vs_lru of each workload and budget >= workloads.goals; "
+                    "probe_fetches_cached 0"},
         "normalized": {load.name: _normalized(configs, load.name) for load in loads},
         "configs": configs,
         "summary": _summary(configs, loads),
