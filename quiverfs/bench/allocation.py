@@ -453,11 +453,12 @@ def _upload(emulator_host: str, loads: list[Workload], workdir: str
     for load in loads:
         mine = out[load.name] = {}
         for t in load.size.types:
-            if _prefix(t) not in made:
-                made[_prefix(t)] = upload_synthetic(
-                    emulator_host, BUCKET, _prefix(t), workdir, t.items, load.size.classes,
+            prefix = _prefix(t)
+            if prefix not in made:
+                made[prefix] = upload_synthetic(
+                    emulator_host, BUCKET, prefix, workdir, t.items, load.size.classes,
                     seed=11 + len(made), mean_size=load.size.mean_item_bytes)
-            mine[t.name] = made[_prefix(t)]
+            mine[t.name] = made[prefix]
     return out
 
 
