@@ -80,6 +80,7 @@ class BatchPlanner:
                 sampler = self._start_epoch(job, job.config, group, epoch)
             if index >= sampler.n_batches:
                 raise JobError(f"epoch {epoch} has {sampler.n_batches} batches")
+            self.reader.push.asked(job.id, (epoch, index))
             while sampler.planned <= index:
                 await self._plan(job, group, sampler)
             reply, handed = job.manifests[index], 1
@@ -157,7 +158,8 @@ class BatchPlanner:
             job.probe.plan(job.epoch, batch.index, sampler.n_batches, cached=True)
             self._account(job, group, ref, batch, len(batch.items))
         self.reader.staging.planned(hashes[:n * size])
-        self.reader.push.enqueue(group.ds, [int(i) for i in items[:n * size]])
+        self.reader.push.enqueue(group.ds, [int(i) for i in items[:n * size]], job.id,
+                                 (job.epoch, batches[0].index))
         reply = await trio.to_thread.run_sync(
             self._segment_reply, job, digest, batches, limiter=self.reader.limiter)
         # each batch's own manifest is made only if a reader asks for it
@@ -244,7 +246,7 @@ class BatchPlanner:
                                       (chunk_of, resident) if group.mode is CacheMode.COOP
                                       else None)
             self.reader.staging.planned([digest.hash(i) for i in batch.hits])
-            self.reader.push.enqueue(group.ds, batch.hits)
+            self.reader.push.enqueue(group.ds, batch.hits, job.id, (job.epoch, batch.index))
             if self.cluster.peers is not None:
                 await self.bulk.stage_from_peers(group.ds, batch.hits)
         hits = 0 if probing else len(batch.hits)

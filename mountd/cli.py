@@ -74,9 +74,9 @@ def add_parsers(sub: argparse._SubParsersAction,
     d.add_argument("--push-memory", metavar="BYTES", type=ByteSize("--push-memory", zero_ok=True),
                    default=PUSH_MEMORY,
                    help="bytes of substitutable jobs' planned items pushed into the "
-                   "kernel's page cache ahead of their reads and not yet opened, at most; "
-                   "0 pushes nothing (default 256M). Only with --fuse-opens: without "
-                   "opens mountd cannot see a pushed item read")
+                   "kernel's page cache ahead of their reads and not yet read, at most; "
+                   "0 pushes nothing (default 256M). Without --fuse-opens a push counts "
+                   "until its job asks for the manifest after the next one")
     d.add_argument("--fuse-opens", action="store_true",
                    help="serve dataset files with FUSE OPEN and RELEASE requests, as with a "
                    "pyfuse3 without mountd's patch (by default mountd runs without them "

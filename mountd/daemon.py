@@ -144,10 +144,8 @@ class Mountd:
         ahead = LoaderPool(n, self.store, self.limiter, niceness=AHEAD_NICENESS) if n else None
         self.pools = [pool for pool in (serving, ahead) if pool is not None]
         no_open = not cfg.fuse_opens and no_open_available()
-        # Without OPEN, mountd cannot see a pushed item being read, so it cannot bound
-        # what it pushed and nobody read yet: it pushes only where files are opened.
-        self.reader = ItemReader(self.store, self.limiter, self.cluster,
-                                 0 if no_open else cfg.push_memory, serving)
+        self.reader = ItemReader(self.store, self.limiter, self.cluster, cfg.push_memory,
+                                 serving)
         # A lone node sizes chunks so that several fit its cache; in a cluster every node
         # must compute the same plan, so the default stays 10% (or --chunk-size).
         self.jobs = JobRegistry(self.table, self.limiter, cfg.chunk_bytes,

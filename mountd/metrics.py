@@ -92,8 +92,11 @@ class MountdCollector:
         yield CounterMetricFamily("quiver_pushed_opened_items", "Pushed items opened "
                                   "(their reads served by the pushed pages)",
                                   value=c["pushed_opens"])
+        yield CounterMetricFamily("quiver_pushed_passed_items", "Pushed items taken as read "
+                                  "when their job asked for a later manifest (files "
+                                  "served without OPEN)", value=c["pushed_passed"])
         yield GaugeMetricFamily("quiver_pushed_unread_bytes", "Bytes pushed and not yet "
-                                "opened (bounded by --push-memory)",
+                                "read (bounded by --push-memory)",
                                 value=self.reader.push.held)
 
     def _datasets(self) -> Iterator[Metric]:
