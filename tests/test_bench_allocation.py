@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from quiverfs.bench.allocation import (CACHED, CONSTRAINED, SIZES, measure, plot_throughput,
+from quiverfs.bench.allocation import (CACHED, GOAL_NEVER_LOSES, GOAL_VS_LRU, SIZES,
+                                       _probe_fetches_cached, measure, plot_throughput,
                                        workloads)
 from quiverfs.bench.emulator import emulator_available
 
@@ -23,17 +24,46 @@ def needs_mount(test):
     return test
 
 
-def test_the_headline_io_job_computes_20_ms_per_16_items_and_io0_nothing():
+def test_the_wide_workload_is_the_headline_with_a_bigger_io_dataset():
     for size in SIZES.values():
-        headline, *others = workloads(size)
+        headline, wide = workloads(size)
         assert (headline.name, headline.suffix, headline.size) == ("io20", "", size)
         io = {t.name: t.compute_s for t in size.types}["io"]
         assert io == pytest.approx(0.020 * size.batch_size / 16)
-        assert [(w.name, w.suffix) for w in others] == [("io0", "_io0")]
-        io0 = others[0].size
-        assert {t.name: t.compute_s for t in io0.types} == {
-            t.name: 0.0 if t.name == "io" else t.compute_s for t in size.types}
-        assert io0.budgets == tuple(b for b in size.budgets if b in CONSTRAINED)
+        assert (wide.name, wide.suffix) == ("wide", "_wide")
+        assert wide.size.budgets == size.budgets
+        assert [(t.name, t.compute_s, t.jobs) for t in wide.size.types] == [
+            (t.name, t.compute_s, t.jobs) for t in size.types]
+        assert {t.name: t.items for t in wide.size.types} == {
+            t.name: size.wide_io_items if t.name == "io" else t.items for t in size.types}
+
+
+def test_the_goals_are_1_3_at_the_constrained_budgets_and_1_elsewhere():
+    headline, wide = workloads(SIZES["full"])
+    assert [headline.goal(b) for b in (0.15, 0.3, 0.6, 0.9)] == [
+        GOAL_VS_LRU, GOAL_NEVER_LOSES, GOAL_NEVER_LOSES, GOAL_NEVER_LOSES]
+    assert [wide.goal(b) for b in (0.15, 0.3, 0.6, 0.9)] == [
+        GOAL_VS_LRU, GOAL_VS_LRU, GOAL_NEVER_LOSES, GOAL_NEVER_LOSES]
+
+
+def test_the_full_run_makes_io_45_percent_of_the_wide_workloads_bytes():
+    size = SIZES["full"]
+    items = {t.name: t.items for t in workloads(size)[1].size.types}
+    assert items["io"] / sum(items.values()) == pytest.approx(0.45, abs=0.02)
+
+
+def _sample(t: float, modes: dict[str, str], probes: dict[str, int]) -> dict:
+    return {"t": t, "modes": modes,
+            "fetch_causes": {n: {"probe": {"fetches": k, "bytes": 0}} for n, k in probes.items()}}
+
+
+def test_probe_fetches_cached_counts_full_datasets_from_the_warm_up_on():
+    samples = [_sample(1, {"a": "coop", "b": "full", "c": "full"}, {"a": 1, "b": 2, "c": 3}),
+               _sample(5, {"a": "full", "b": "full", "c": "full"}, {"a": 4, "b": 5, "c": 3}),
+               _sample(9, {"a": "full", "b": "full", "c": "coop"}, {"a": 6, "b": 9, "c": 3})]
+    # from 1 s: only b was full throughout; from 5 s, a too; c went to coop at the end
+    assert _probe_fetches_cached(samples, 1) == {"b": 7}
+    assert _probe_fetches_cached(samples, 5) == {"a": 2, "b": 4}
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +80,8 @@ def test_tiny_run_measures_every_workload_and_budget(tiny_report):
         (w.name, kind, b) for w in workloads(TINY)
         for kind, b in (("nocache", 0.0), *((k, b) for b in w.size.budgets for k in CACHED))]
     assert set(report["normalized"]) == {w.name for w in workloads(TINY)}
+    assert {w: {t: d["items"] for t, d in ds.items()} for w, ds in report["datasets"].items()
+            } == {w.name: {t.name: t.items for t in w.size.types} for w in workloads(TINY)}
     assert report["headline"] == "io20"
     for config in report["configs"]:
         assert config["items_per_s"] > 0, config["kind"]
@@ -57,17 +89,20 @@ def test_tiny_run_measures_every_workload_and_budget(tiny_report):
 
 
 @needs_mount
-def test_summary_has_every_workloads_ratios_and_the_goal_on_the_headline(tiny_report):
+def test_summary_has_every_workloads_ratios_and_goals(tiny_report):
     summary = tiny_report[0]["summary"]
     assert set(summary) == {
         *(f"{key}_{round(b * 100)}{w.suffix}" for w in workloads(TINY)
           for b in w.size.budgets for key in RATIOS),
         *(f"items_per_s_nocache{w.suffix}" for w in workloads(TINY)),
-        "exactly_once", "goals_met"}
-    assert {"gain_vs_lru_30", "gain_vs_nocache_30", "gain_vs_lru_30_io0",
-            "gain_vs_nocache_30_io0"} <= set(summary)
-    assert set(summary["goals_met"]) == {f"gain_vs_lru_{round(b * 100)}"
-                                         for b in TINY.budgets if b in CONSTRAINED}
+        "probe_fetches_cached", "exactly_once", "goals_met"}
+    assert {"gain_vs_lru_30", "gain_vs_nocache_30", "gain_vs_lru_30_wide",
+            "gain_vs_nocache_30_wide"} <= set(summary)
+    assert set(summary["goals_met"]) == {"gain_vs_lru_30", "gain_vs_lru_30_wide",
+                                         "probe_fetches_cached"}
+    assert summary["probe_fetches_cached"] == sum(
+        n for c in tiny_report[0]["configs"] if c["kind"] == "quiver"
+        for n in c["probe_fetches_cached"].values())
 
 
 @needs_mount

@@ -29,7 +29,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "cluster": ("quiverfs.bench.cluster:run",
                 "coordinated chunks on 3 nodes vs direct and LRU reads, cache 20%"),
     "allocation": ("quiverfs.bench.allocation:run",
-                   "benefit-aware allocation vs LRU, 3 job types, cache 15/30/90%"),
+                   "benefit-aware allocation vs LRU, 3 job types, 2 workloads, cache 15/30/60/90%"),
     "loader": ("quiverfs.bench.loader:run",
                "chunk-load objects/s with 1 and 2 loader processes; read latency meanwhile"),
     "compare": ("quiverfs.bench.compare:run",
