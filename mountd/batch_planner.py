@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 # fetches misses outside the resident chunks (each of those is a bucket read that no
 # other job shares). A wait that times out is not repeated until the cycle moves.
 CHUNK_WAIT = 20.0
-PROBE_LOOKUPS = 1024  # pending items of a chunk looked up for a probe batch, at most
+PROBE_LOOKUPS = 1024  # pending items of a chunk looked up before a probe run, at most
 WAIT_POLL = 0.25  # seconds between looks at what other nodes loaded, while waiting
 # Batches one reply may hand out as a segment. The job asks again only after them (and
 # QuiverBatchSampler reads the next segment as one starts), so an allotment that leaves
@@ -180,13 +180,15 @@ class BatchPlanner:
         digest = group.ds.digest
         chunk_of = group.plan.chunk_of
         need = min(sampler.batch_size, sampler.remaining)
-        # A probe batch takes misses the cycle reads anyway, and waits while there are
-        # too few of those; a lone job's probe takes them anywhere: its chunk loads wait
-        # until its misses are measured (ChunkLoader), and what it does not cache is
-        # kept for them (Staging.keep_for_load).
+        # A probe batch takes misses the cycle reads anyway, and a run of them begins
+        # only where there are enough of those for the whole run (``_uncached_ahead``);
+        # a lone job's probe takes them anywhere: its chunk loads wait until its misses
+        # are measured (ChunkLoader), and what it does not cache is kept for them
+        # (Staging.keep_for_load).
+        run = need * job.probe.run
         cooperative = (not job.probe.active or group.mode is not CacheMode.COOP
                        or group.alone(self.cluster.me) is job
-                       or await self._uncached_ahead(job, group, need) >= need)
+                       or await self._uncached_ahead(job, group, run) >= run)
         probing = job.probe.plan(job.epoch, sampler.planned, sampler.n_batches,
                                  group.mode is not CacheMode.NONE, cooperative)
 
@@ -279,20 +281,27 @@ class BatchPlanner:
                 "labels": [digest.label(i) for i in items],
                 "hashes": [digest.hash(i).hex() for i in items]}
 
-    async def _uncached_ahead(self, job: Job, group: DatasetJobs, need: int) -> int:
-        """How many of the job's pending items in the loading chunks, and the two that
-        load next, are neither cached nor in hand (``ItemReader.in_hand``), up to
-        ``need``: a probe batch of those reads what the cycle brings in anyway. (Its
-        planning takes items in hand as held, as it must, and would look further afield
-        for its misses: reads that nobody shares.)"""
-        view, found = group.view, 0
+    async def _uncached_ahead(self, job: Job, group: DatasetJobs, need: int) -> float:
+        """About how many of the job's pending items in the loading chunks, and the two
+        that load next, are neither cached nor in hand (``ItemReader.in_hand``), up to
+        ``need``: a run of probe batches from those reads what the cycle brings in
+        anyway. (Its planning takes items in hand as held, as it must, and where a run
+        runs short of misses it reads what others already fetched, a second bucket read
+        of each: when a run began on one batch's worth, one cold epoch of four jobs read
+        1.13x the dataset in 2 of 40 runs.) The first PROBE_LOOKUPS of each chunk's
+        pending items, in the job's random order, are looked up, and the share of them
+        found uncached stands for the rest."""
+        view, found = group.view, 0.0
         if view is None:
-            return 0
+            return 0.0
         for chunk in (*view.loading, *group.probe_ahead()):
-            hashes = [group.ds.digest.hash(int(i))
-                      for i in job.sampler.pending_in(chunk)[:PROBE_LOOKUPS]]
+            pending = job.sampler.pending_in(chunk)
+            if not len(pending):
+                continue
+            hashes = [group.ds.digest.hash(int(i)) for i in pending[:PROBE_LOOKUPS]]
             held = await self.bulk.held(hashes)
-            found += sum(not h and not self.reader.in_hand(d) for h, d in zip(held, hashes))
+            uncached = sum(not h and not self.reader.in_hand(d) for h, d in zip(held, hashes))
+            found += uncached * len(pending) / len(hashes)
             if found >= need:
                 break
         return found

@@ -13,6 +13,7 @@ from mountd.control_server import Peer
 from mountd.dataset import MountedDataset, PrefetchProgress
 from mountd.item_reader import ItemReader, ReadFailed
 from mountd.job_registry import JobRegistry
+from mountd.loader_pool import LoaderPool
 from mountd.memory_budget import DigestCost, Held, MemoryBudget, charged, digest_cost
 from mountd.mount_table import MountTable
 from mountd.peers import PeerService
@@ -50,6 +51,7 @@ class Controller:
                  memory: MemoryBudget) -> None:
         self.root = root
         self.fuse_mode = "open"  # how dataset files are served: "no-open" or "open" (mountd.fs)
+        self.loader_pools: dict[str, LoaderPool] = {}  # by name, for status
         self.table = table
         self.registry = registry
         self.reader = reader
@@ -94,6 +96,7 @@ class Controller:
                 log.error("dropping dataset %r: %s", reg.name, exc.message)
                 continue
             self.table.add(ds)
+            self.reader.expect_misses(ds.backend)
             kept.append(reg)
             log.info("restored dataset %s (%d items)", reg.name, len(ds.digest))
         try:
@@ -250,6 +253,7 @@ class Controller:
                 await trio.to_thread.run_sync(ds.backend.close, limiter=self.limiter)
                 raise
             self.table.add(ds)
+            self.reader.expect_misses(ds.backend)
         log.info("uid %d mounted %s (%s view): %d items from %s", peer.uid, name, view,
                  len(digest), digest.source)
         if req.get("prefetch"):
@@ -333,6 +337,8 @@ class Controller:
                 "counters": dict(self.reader.stats.counters),
                 "bucket_fetch_causes": ReadStats.by_cause(self.reader.stats.counters),
                 "fuse_mode": self.fuse_mode,
+                "loader_processes": {name: pool.status()
+                                     for name, pool in self.loader_pools.items()},
                 "fuse_requests": dict(self.reader.stats.fuse_requests),
                 "push": {"budget": self.reader.push.budget, "held": self.reader.push.held},
                 "memory": self.memory.status(self._held(), peer.uid),

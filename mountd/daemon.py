@@ -165,6 +165,9 @@ class Mountd:
                         "dataset files are served with OPEN and RELEASE")
         self.fs = QuiverFS(self.table, self.reader, no_open)
         self.controller.fuse_mode = "no-open" if no_open else "open"
+        self.controller.loader_pools = {name: pool for name, pool in
+                                        (("serving", serving), ("ahead", ahead))
+                                        if pool is not None}
         self.control_mount = ControlMount(
             self.root, ControlFS(self.table, self.reader,
                                  ControlFiles(self.jobs, self.planner), self.views),

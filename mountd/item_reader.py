@@ -88,6 +88,12 @@ class ItemReader:
         # whose handler needs a worker of ``limiter``: so it never holds one of those.
         self._invalidations = trio.CapacityLimiter(1)
 
+    def expect_misses(self, backend: Backend) -> None:
+        """A dataset on ``backend`` is mounted: where its misses go to loader processes,
+        start them now rather than at its first miss."""
+        if self.pool is not None and load_source(backend) is not None:
+            self.pool.want()
+
     def fetch_depth(self, backend: Backend) -> int:
         """Fetches of one dataset from ``backend`` in flight at once: a GCS bucket's
         (tens of milliseconds to a first byte each) as many as the loader processes

@@ -5,8 +5,9 @@ mountd keeps two pools of them: one for the misses readers wait on (``fetch``: t
 checked bytes come back first, the store's outcome after), at the jobs' priority, and
 one for chunk loads (``load``), work ahead of need, at a lower one (AHEAD_NICENESS).
 
-The processes start with the first request and run until unmount, when their stdin is
-closed and they finish what they hold. One that exits is started again after
+The processes start when they are first wanted (``want``: a dataset in a GCS bucket
+is mounted; or a first request) and run until unmount, when their stdin is closed and
+they finish what they hold. One that exits is started again after
 RESTART_DELAY; the requests it had in flight end with LoaderUnavailable, and their
 callers fetch those items in mountd instead. The processes write into this node's store
 directory; what they stored, and what they could not, is recorded in the store here
@@ -27,7 +28,8 @@ from collections.abc import Callable
 import trio
 
 from mountd.content_store import ContentStore
-from mountd.loader_process import FRAME_HEADER, LoadReply, LoadRequest, LoadSource, Outcome
+from mountd.loader_process import (FRAME_HEADER, LoadReply, LoadRequest, LoadSource, Outcome,
+                                   Ready)
 from quiverfs.backends import Backend
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,7 @@ class _Process:
         self.proc = proc
         self.pending: dict[int, trio.MemorySendChannel[LoadReply]] = {}
         self.send_lock = trio.Lock()
+        self.ready = False  # it said Ready: its imports are done
 
     async def receive(self) -> None:
         """Hand each reply to its request until the process's stdout ends."""
@@ -97,9 +100,12 @@ class _Process:
                 if len(buffer) < end:
                     break
                 with memoryview(buffer) as view:
-                    reply: LoadReply = pickle.loads(view[start + FRAME_HEADER.size:end])
+                    reply: LoadReply | Ready = pickle.loads(view[start + FRAME_HEADER.size:end])
                 start = end
-                self._deliver(reply)
+                if isinstance(reply, Ready):
+                    self.ready = True
+                else:
+                    self._deliver(reply)
             del buffer[:start]
 
     def _deliver(self, reply: LoadReply) -> None:
@@ -139,6 +145,18 @@ class LoaderPool:
         self._started = trio.Event()  # set (and replaced) whenever a process starts
         self._ids = itertools.count()
         self._nursery: trio.Nursery | None = None  # where stores' outcomes are awaited
+
+    def want(self) -> None:
+        """Start the processes now, if they are not running: each takes most of a
+        CPU-second to start, better spent before the first miss than during it."""
+        self._wanted.set()
+
+    def status(self) -> dict[str, int]:
+        """The processes it keeps, those running, and those ready for requests."""
+        live = [p for p in self._live if p is not None]
+        return {"processes": self.processes, "running": len(live),
+                "ready": sum(p.ready for p in live), "threads": self.threads,
+                "niceness": self.niceness}
 
     @property
     def capacity(self) -> int:

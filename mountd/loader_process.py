@@ -9,7 +9,8 @@ writes the store (``StoreWriter``), as many queued items as there are in one
 transaction, letting go of the index whenever it is idle. A request for a reader
 waiting on a miss (``serve``) is answered with the checked bytes first, and with what
 the store made of them after. Content that does not hash to its digest is never
-stored or sent. The process ends when its stdin does.
+stored or sent. Once it has imported the GCS client and can take requests it says so
+(``Ready``); it ends when its stdin does.
 """
 from __future__ import annotations
 
@@ -105,6 +106,13 @@ class LoadReply:
     final: bool = True
 
 
+@dataclasses.dataclass(frozen=True)
+class Ready:
+    """The process's first message: the GCS client is imported and requests are taken."""
+
+    pid: int
+
+
 def _stored_reply(request: LoadRequest, data: bytes,
                   outcome: ValueFile | None | StoreError) -> LoadReply:
     """The final reply to a request whose checked bytes the store took (``outcome``:
@@ -170,9 +178,7 @@ class Loader:
                 log.debug("mountd has gone: request %d stays unanswered", reply.id)
 
     def _backend(self, source: LoadSource) -> GCSBackend:
-        # Imported here: mountd imports this module for its messages, and the GCS
-        # client is slow to import.
-        from quiverfs.backends.gcs import GCSBackend
+        from quiverfs.backends.gcs import GCSBackend  # imported by main() already
 
         with self._backends_lock:
             backend = self._backends.get(source)
@@ -254,5 +260,10 @@ def main() -> None:
     # Replies go to the original stdout; anything printed goes to the log instead.
     out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    # Imported here, before any request: mountd imports this module for its messages,
+    # and the GCS client takes most of a CPU-second to import.
+    import quiverfs.backends.gcs  # noqa: F401
+
     writer = StoreWriter(args.store, args.size_limit)
+    write_frame(out, Ready(os.getpid()))
     Loader(writer, args.threads, out).serve(sys.stdin.buffer)

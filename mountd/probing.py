@@ -12,9 +12,10 @@ asks for at most N/2 batches ahead, which the default N = 100 leaves room for.
 
 A probe plans batches without cache hits until N/2 miss intervals are measured. Its
 misses are items that are not cached, not being fetched, and not kept for their chunk's
-load, from the chunk that loads next, then those loading now, where there are enough (so
-other jobs hit them afterwards; the chunk loader leaves them to the probed job's read,
-so each is a real miss): while there are not, it waits, planning batches with the cache,
+load, from the chunk that loads next, then those loading now, where there are enough for
+a whole run of N batches (so other jobs hit them afterwards; the chunk loader leaves them
+to the probed job's read, so each is a real miss; a run that ran short would read again
+what others fetched): while there are not, it waits, planning batches with the cache,
 for up to PROBE_LIMIT * N batches, and only then reads what the cache holds or cannot
 keep. It waits only before a run of probe batches begins: a batch with the cache inside
 a run would leave the run unmeasured (each interval needs the N/2 batches before it
@@ -75,13 +76,18 @@ class BenefitProbe:
         self.forced, self.deferred, self.reported = 0, 0, False
         self.miss, self.hit, self.uncached, self.ended_at = [], [], [], None
 
+    @property
+    def run(self) -> int:
+        """Batches of one run of probe batches: N/2 to settle, N/2 measured."""
+        return self.settle + self.window
+
     def plan(self, epoch: int, index: int, n_batches: int, cached: bool,
              cooperative: bool = True) -> bool:
         """Record how batch ``index`` of ``epoch`` (of ``n_batches``) is planned: True for
         a probe batch (no cache hits), else with the cache if ``cached``. While a probe
         batch would have to read items the cache holds or cannot keep (not
         ``cooperative``), the probe waits, up to PROBE_LIMIT * N batches."""
-        n = self.settle + self.window
+        n = self.run
         if self.active and (n_batches <= self.settle or self.forced >= PROBE_LIMIT * n
                             or self.forced > n and not self.reported):
             self.active, self.miss = False, []

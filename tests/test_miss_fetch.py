@@ -165,3 +165,21 @@ def test_each_dataset_shows_its_fetch_depth(mountd_factory, gcs_digest, gcs_emul
     assert depth == {("pool", "bucket"): 3 * THREADS_PER_PROCESS,
                      ("pool", "local"): LOCAL_FETCH_DEPTH,
                      ("none", "bucket"): 6, ("none", "local"): 6}
+
+
+def test_mounting_a_bucket_dataset_starts_the_serving_processes(mountd_factory, gcs_digest,
+                                                               gcs_emulator, synthetic_tree):
+    m = start(mountd_factory)
+    mount(m, make_digest(synthetic_tree.root, "local"), "local")
+    assert not loader_pids(m)  # a local directory's misses are fetched in mountd
+    assert m.status()["loader_processes"]["serving"]["running"] == 0
+    mount(m, gcs_digest, "bucket", gcs_emulator.host)
+    m.wait_for_loaders(timeout=60)  # before any read
+    pools = m.status()["loader_processes"]
+    assert pools["serving"] == {"processes": MIN_SERVING_PROCESSES,
+                                "running": MIN_SERVING_PROCESSES,
+                                "ready": MIN_SERVING_PROCESSES,
+                                "threads": THREADS_PER_PROCESS, "niceness": SERVING}
+    assert pools["ahead"]["running"] == 0  # chunk loads start theirs at the first load
+    assert len(loader_pids(m, SERVING)) == MIN_SERVING_PROCESSES
+    assert dataset_counters(m, "bucket").get("loader_process_misses", 0) == 0

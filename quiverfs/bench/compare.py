@@ -330,8 +330,9 @@ def _quiver_counters(m: MountdProcess, mode: str) -> MountdCounters:
 def quiver_mount(mode: str, data: Dataset, proxy: ThrottleProxy, cache_bytes: int,
                  workdir: str, name: str) -> Iterator[Target]:
     """A mountd with an LRU store of ``cache_bytes`` and the dataset mounted through the
-    proxy (as a substitutable view for ``view``); stopped, unmounted and its cache
-    removed on exit."""
+    proxy (as a substitutable view for ``view``), its loader processes ready (they start
+    at the mount, as a daemon's are long before a training job starts); stopped,
+    unmounted and its cache removed on exit."""
     with running_mountd(workdir, cache_size=str(cache_bytes), name=name,
                         extra_args=("--probe-batches", str(PROBE_BATCHES))) as m:
         request = {"op": "mount", "name": DATASET, "digest": data.digest,
@@ -339,6 +340,7 @@ def quiver_mount(mode: str, data: Dataset, proxy: ThrottleProxy, cache_bytes: in
         if mode == "view":
             request["view"] = "substitutable"
         m.call(request)
+        m.wait_for_loaders()
         try:
             yield Target(os.path.join(m.root, DATASET), m.proc.pid,
                          cache_used=lambda: int(m.status()["cache"]["used_bytes"]),

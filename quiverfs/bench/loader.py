@@ -161,7 +161,10 @@ def _cpu(m: MountdProcess, bucket: Bucket) -> dict[str, float]:
 
 
 def _mount(m: MountdProcess, bucket: Bucket, name: str, ds: Dataset) -> None:
+    """Mount ``ds`` as ``name`` and wait for the loader processes the mount starts (a
+    daemon's start long before a job's; here they would share the loads' cores)."""
     m.call({"op": "mount", "name": name, "digest": ds.digest, "emulator_host": bucket.endpoint})
+    m.wait_for_loaders()
 
 
 def _load_chunks(m: MountdProcess, bucket: Bucket) -> dict[str, Any]:

@@ -102,6 +102,21 @@ class MountdProcess:
                                    f"{cycles}")
             time.sleep(0.1)
 
+    def wait_for_loaders(self, timeout: float = START_TIMEOUT) -> None:
+        """Wait until the loader processes of every pool mountd has started are ready for
+        requests (the serving pool starts when a dataset in a GCS bucket is mounted; a
+        job's own start-up leaves it that time); RuntimeError after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            pools = self.status()["loader_processes"]
+            started = [p for p in pools.values() if p["running"]]
+            if started and all(p["ready"] == p["processes"] for p in started):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"mountd's loader processes were not ready within "
+                                   f"{timeout:g} s: {pools}")
+            time.sleep(0.05)
+
     def stop(self) -> int:
         """SIGTERM and wait; return the exit status (the mount is gone afterwards)."""
         rc = terminate(self.proc)

@@ -18,9 +18,10 @@ threads (``warm_ratio_small_16``), where a request's cost outweighs its bytes.
 Cold: an empty store, items behind the GCS emulator; the baseline reads the bucket with
 the google-cloud-storage client's ``download_as_bytes`` (one client per thread, each
 with the environment read once, as ``GCSBackend`` makes them), same number of threads.
-With ``latency_ms`` both sides read it through a proxy (``throttle_proxy``, uncapped)
-that holds the first byte of every response that long, as a cloud bucket's time to
-first byte.
+The mount's pass starts once mountd's loader processes, started when the dataset is
+mounted, are ready. With ``latency_ms`` both sides read it through a proxy
+(``throttle_proxy``, uncapped) that holds the first byte of every response that long,
+as a cloud bucket's time to first byte.
 
 The peer: ``rclone mount --vfs-cache-mode full`` of a subset of the same files, uploaded
 to the emulator (uploads are slow there); a first pass fills rclone's cache, then the
@@ -239,6 +240,7 @@ def _cold_reads(host: str, rels: list[str], cache_size: str, workdir: str) -> di
     backend.close()
     with running_mountd(workdir, cache_size=cache_size, name="cold") as m:
         root = remount(m, cold_data, "cold", host)
+        m.wait_for_loaders()
         mount_bytes, mount_s = read_all([os.path.join(root, r) for r in rels], threads)
         causes = m.status()["bucket_fetch_causes"]
     if mount_bytes != direct_bytes:
