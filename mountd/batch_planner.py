@@ -186,7 +186,8 @@ class BatchPlanner:
         # are measured (ChunkLoader), and what it does not cache is kept for them
         # (Staging.keep_for_load).
         run = need * job.probe.run
-        cooperative = (not job.probe.active or group.mode is not CacheMode.COOP
+        cooperative = (not job.probe.may_wait(job.epoch, sampler.planned)
+                       or group.mode is not CacheMode.COOP
                        or group.alone(self.cluster.me) is job
                        or await self._uncached_ahead(job, group, run) >= run)
         probing = job.probe.plan(job.epoch, sampler.planned, sampler.n_batches,
@@ -287,10 +288,9 @@ class BatchPlanner:
         ``need``: a run of probe batches from those reads what the cycle brings in
         anyway. (Its planning takes items in hand as held, as it must, and where a run
         runs short of misses it reads what others already fetched, a second bucket read
-        of each: when a run began on one batch's worth, one cold epoch of four jobs read
-        1.13x the dataset in 2 of 40 runs.) The first PROBE_LOOKUPS of each chunk's
-        pending items, in the job's random order, are looked up, and the share of them
-        found uncached stands for the rest."""
+        of each.) The first PROBE_LOOKUPS of each chunk's pending items, in the job's
+        random order, are looked up, and the share of them found uncached stands for
+        the rest. Asked only where the probe may wait (``BenefitProbe.may_wait``)."""
         view, found = group.view, 0.0
         if view is None:
             return 0.0

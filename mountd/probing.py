@@ -81,6 +81,19 @@ class BenefitProbe:
         """Batches of one run of probe batches: N/2 to settle, N/2 measured."""
         return self.settle + self.window
 
+    def may_wait(self, epoch: int, index: int) -> bool:
+        """Whether planning batch ``index`` of ``epoch`` may wait for misses (``plan``'s
+        ``cooperative`` matters): the probe is active, between runs, and has waited
+        less than PROBE_LIMIT * N batches."""
+        return (self.active and not self._in_run(epoch, index)
+                and self.deferred < PROBE_LIMIT * self.run)
+
+    def _in_run(self, epoch: int, index: int) -> bool:
+        """Whether batch ``index - 1`` of ``epoch`` was planned as a probe batch."""
+        plans = self._plans.get(epoch)
+        return index > 0 and plans is not None and len(plans) >= index and (
+            plans[index - 1] == PROBE)
+
     def plan(self, epoch: int, index: int, n_batches: int, cached: bool,
              cooperative: bool = True) -> bool:
         """Record how batch ``index`` of ``epoch`` (of ``n_batches``) is planned: True for
@@ -102,10 +115,10 @@ class BenefitProbe:
         probe = self.active
         # It waits only between runs of probe batches, and begins none that the epoch's
         # end would cut short (the docstring says why).
-        in_run = index > 0 and plans[index - 1] == PROBE
+        in_run = self._in_run(epoch, index)
         if probe and not in_run and index > 0 and n_batches - index < n:
             probe = False
-        elif probe and not cooperative and not in_run and self.deferred < PROBE_LIMIT * n:
+        elif not cooperative and self.may_wait(epoch, index):
             self.deferred += 1
             probe = False
         plans.append(PROBE if probe else HIT if cached else NO_CACHE)

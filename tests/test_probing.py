@@ -119,6 +119,26 @@ def test_a_probe_short_of_misses_waits_before_its_run_not_within_it(probe):
     assert t_miss == pytest.approx(0.25, rel=0.05) and t_hit == pytest.approx(0.05, rel=0.05)
 
 
+def test_misses_ahead_matter_only_where_a_probe_may_wait(probe):
+    """``may_wait`` is true exactly where ``plan`` heeds ``cooperative`` (the planner
+    looks the chunks ahead over only then): between runs, until PROBE_LIMIT * N batches
+    have waited; never within a run, nor without a probe."""
+    assert not probe.may_wait(0, 0)
+    probe.begin(1, 32)
+    assert probe.may_wait(0, 0)
+    assert not probe.plan(0, 0, 10_000, cached=True, cooperative=False)  # it waits
+    assert probe.may_wait(0, 1) and probe.plan(0, 1, 10_000, cached=True)  # a run begins
+    assert not probe.may_wait(0, 2)
+    assert probe.plan(0, 2, 10_000, cached=True, cooperative=False)  # the run goes on
+    probe.begin(2, 32)
+    waited = 0
+    while probe.may_wait(1, waited):
+        assert not probe.plan(1, waited, 10_000, cached=True, cooperative=False)
+        waited += 1
+    assert waited == PROBE_LIMIT * 32
+    assert probe.plan(1, waited, 10_000, cached=True, cooperative=False)
+
+
 def test_batches_without_the_cache_measure_t_miss_again():
     """A probe measured no gain (the job's misses cost no more than its hits while the
     other jobs hit); then the dataset is allotted no cache and every job misses, and
