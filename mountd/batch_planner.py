@@ -11,6 +11,11 @@ then also carries ``segment``, the ``paths`` of the batches I + 1, I + 2, ... (u
 SEGMENT_BATCHES in all, in the job's exact shuffled order), already planned. A reader
 may take them without reading their files (whose manifests are kept, without a
 ``segment``, for readers that do) and asks again for the first batch after them.
+
+Batch 0 of any epoch other than the job's current one starts that epoch afresh: a
+sampler handed the rest of an epoch asks for the next epoch's first manifest ahead of
+time, and its loader may then run an epoch again instead (a later batch of an earlier
+epoch is an error).
 """
 from __future__ import annotations
 
@@ -55,6 +60,10 @@ SEGMENT_BATCHES = 64
 # the job reads the one before (the sampler reads it as that one starts), so it must
 # not take longer to plan than that one to read.
 FIRST_SEGMENT_BATCHES = 8
+# A segment of up to this many items is looked up (``ContentStore.leading_known``) and
+# its reply made on mountd's loop: under load a worker hop took 1.5-2 ms there, the work
+# itself a few hundred microseconds (an epoch's first segment: the job waits for it).
+LOOP_SEGMENT_ITEMS = 1024
 MIN_SEGMENT = 2  # fewer cached batches ahead are planned one at a time
 
 
@@ -73,10 +82,10 @@ class BatchPlanner:
             group = job.group
             if job.config is None or group is None:
                 raise JobError(job.error or "the job has no config: write its config first")
-            if epoch < job.epoch:
+            if epoch < job.epoch and index > 0:
                 raise JobError(f"epoch {epoch} is over (the job is at epoch {job.epoch})")
             sampler = job.sampler
-            if epoch > job.epoch or sampler is None:
+            if epoch != job.epoch or sampler is None:
                 sampler = self._start_epoch(job, job.config, group, epoch)
             if index >= sampler.n_batches:
                 raise JobError(f"epoch {epoch} has {sampler.n_batches} batches")
@@ -147,9 +156,13 @@ class BatchPlanner:
         digest = group.ds.digest
         hashes = [digest.hash(int(i)) for i in items]
         # segments are planned on a lone node only (_segments_allowed): its store is
-        # where every item is, and a miss near the head ends the look
-        cached = await trio.to_thread.run_sync(self.reader.store.leading_held, hashes,
-                                               limiter=self.reader.limiter)
+        # where every item is, and a miss near the head ends the look (what the loop
+        # cannot tell at once is looked up in a worker)
+        store = self.reader.store
+        cached = store.leading_known(hashes) if len(hashes) <= LOOP_SEGMENT_ITEMS else 0
+        if cached < len(hashes):
+            cached += await trio.to_thread.run_sync(store.leading_held, hashes[cached:],
+                                                    limiter=self.reader.limiter)
         n = math.ceil(cached / size) if cached == len(items) else cached // size
         if n < MIN_SEGMENT:
             return False
@@ -157,11 +170,14 @@ class BatchPlanner:
         for batch in batches:
             job.probe.plan(job.epoch, batch.index, sampler.n_batches, cached=True)
             self._account(job, group, ref, batch, len(batch.items))
+        if n * size <= LOOP_SEGMENT_ITEMS:
+            reply = self._segment_reply(job, digest, batches)
+        else:
+            reply = await trio.to_thread.run_sync(
+                self._segment_reply, job, digest, batches, limiter=self.reader.limiter)
         self.reader.staging.planned(hashes[:n * size])
         self.reader.push.enqueue(group.ds, [int(i) for i in items[:n * size]], job.id,
                                  (job.epoch, batches[0].index))
-        reply = await trio.to_thread.run_sync(
-            self._segment_reply, job, digest, batches, limiter=self.reader.limiter)
         # each batch's own manifest is made only if a reader asks for it
         job.manifests.update((batch.index, batch) for batch in batches)
         job.segments[batches[0].index] = (reply, n)

@@ -701,6 +701,14 @@ class ContentStore:
             return False
         return True
 
+    def leading_known(self, digests: Sequence[bytes]) -> int:
+        """How many of ``digests``, from the first, ``held_known`` says are stored (up to
+        the first it cannot tell at once); for an event loop."""
+        for n, digest in enumerate(digests):
+            if not self.held_known(digest):
+                return n
+        return len(digests)
+
     def leading_held(self, digests: Sequence[bytes]) -> int:
         """How many of ``digests``, from the first, are stored (up to the first that is
         not). May block on the disk."""

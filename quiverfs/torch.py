@@ -19,9 +19,12 @@ Where the dataset is cached in full, one manifest hands out a segment of several
 batches (``mountd.batch_planner``): they are yielded without asking mountd again, their
 times are reported together when the next manifest is read, and the reports and the
 next segment's manifest are written and read by a thread while this one's batches are
-yielded (mountd plans it ahead anyway), so the loader does not wait for them. A single
-batch's manifest (items still being cached, or a probe timing the job) is read when the
-batch is asked for.
+yielded (mountd plans it ahead anyway), so the loader does not wait for them. Where a
+segment runs to the end of the epoch and the job moved on by one epoch last time, the
+next epoch's first manifest is read ahead the same way (mountd then starts that epoch;
+a job that runs another epoch instead has it started afresh). A single batch's manifest
+(items still being cached, or a probe timing the job) is read when the batch is asked
+for.
 """
 from __future__ import annotations
 
@@ -159,6 +162,10 @@ class QuiverBatchSampler(Sampler[list[int]]):
             raise
         self._last: float | None = None
         self._reports: list[str] = []  # "EPOCH BATCH SECONDS" lines not yet written
+        self._ahead: concurrent.futures.ThreadPoolExecutor | None = None  # reads ahead
+        self._previous_epoch: int | None = None  # the epoch iterated last
+        # (epoch, its first manifest) read ahead
+        self._next_epoch: tuple[int, concurrent.futures.Future[dict[str, Any]]] | None = None
 
     def _error(self) -> str:
         with open(os.path.join(self.job_dir, "error"), encoding="utf-8") as f:
@@ -184,9 +191,11 @@ class QuiverBatchSampler(Sampler[list[int]]):
     def __len__(self) -> int:
         return int(self.config["batches_per_epoch"])
 
-    def manifest(self, batch: int) -> dict[str, Any]:
-        """The manifest (paths, labels, hashes, hits) of one batch of this epoch."""
-        path = os.path.join(self.job_dir, f"e{self.epoch}-b{batch}")
+    def manifest(self, batch: int, epoch: int | None = None) -> dict[str, Any]:
+        """The manifest (paths, labels, hashes, hits) of one batch of this epoch (or of
+        ``epoch``)."""
+        epoch = self.epoch if epoch is None else epoch
+        path = os.path.join(self.job_dir, f"e{epoch}-b{batch}")
         try:
             fd = os.open(path, os.O_RDONLY)
             try:
@@ -221,38 +230,62 @@ class QuiverBatchSampler(Sampler[list[int]]):
         if reports:
             os.write(self._report, reports)
 
-    def _report_and_read(self, reports: bytes, batch: int) -> dict[str, Any]:
+    def _report_and_read(self, reports: bytes, batch: int, epoch: int) -> dict[str, Any]:
         self._write_reports(reports)
-        return self.manifest(batch)
+        return self.manifest(batch, epoch)
+
+    def _first_manifest(self) -> dict[str, Any]:
+        """Batch 0's manifest of this epoch: the one read ahead, where it was this one's."""
+        ahead, self._next_epoch = self._next_epoch, None
+        if ahead is not None and ahead[0] == self.epoch:
+            return ahead[1].result()
+        if ahead is not None:  # another epoch was set: mountd starts this one afresh
+            concurrent.futures.wait([ahead[1]])
+        return self.manifest(0)
 
     def __iter__(self) -> Iterator[list[int]]:
         self._last = None
         batch = 0
-        with concurrent.futures.ThreadPoolExecutor(1, "quiver-manifest") as ahead:
-            next_manifest: concurrent.futures.Future[dict[str, Any]] | None = None
-            while batch < len(self):
-                m = self.manifest(batch) if next_manifest is None else next_manifest.result()
-                batches = [m["paths"], *m.get("segment", ())]
-                after = batch + len(batches)
-                for i, paths in enumerate(batches):
-                    indices = self._indices(paths)
-                    now = time.monotonic()  # the loader asked for this batch then (code
-                    if self._last is not None:  # after the yield runs when it asks again)
-                        self._reports.append(f"{self.epoch} {batch} {now - self._last:.6f}\n")
-                    self._last = now
-                    if i == 0 and len(batches) > 1 and after < len(self):
-                        # the reports so far, then the next manifest, in the thread
-                        next_manifest = ahead.submit(self._report_and_read,
-                                                     self._take_reports(), after)
-                    elif i == 0:
-                        next_manifest = None
-                        self._flush_reports()
-                    batch += 1
-                    yield indices
+        if self._ahead is None:
+            self._ahead = concurrent.futures.ThreadPoolExecutor(1, "quiver-manifest")
+        ahead = self._ahead
+        # an epoch's first manifest is read ahead only for a job that moves on by one
+        successive = self._previous_epoch == self.epoch - 1
+        self._previous_epoch = self.epoch
+        next_manifest: concurrent.futures.Future[dict[str, Any]] | None = None
+        while batch < len(self):
+            m = self._first_manifest() if batch == 0 else (
+                self.manifest(batch) if next_manifest is None else next_manifest.result())
+            batches = [m["paths"], *m.get("segment", ())]
+            after = batch + len(batches)
+            for i, paths in enumerate(batches):
+                indices = self._indices(paths)
+                now = time.monotonic()  # the loader asked for this batch then (code
+                if self._last is not None:  # after the yield runs when it asks again)
+                    self._reports.append(f"{self.epoch} {batch} {now - self._last:.6f}\n")
+                self._last = now
+                if i == 0 and len(batches) > 1 and after < len(self):
+                    # the reports so far, then the next manifest, in the thread
+                    next_manifest = ahead.submit(self._report_and_read,
+                                                 self._take_reports(), after, self.epoch)
+                elif i == 0 and len(batches) > 1 and successive:
+                    # the rest of the epoch: the next one's first manifest, in the thread
+                    next_manifest = None
+                    self._next_epoch = (self.epoch + 1, ahead.submit(
+                        self._report_and_read, self._take_reports(), 0, self.epoch + 1))
+                elif i == 0:
+                    next_manifest = None
+                    self._flush_reports()
+                batch += 1
+                yield indices
         self._flush_reports()
 
     def close(self) -> None:
         """Unregister the job (also done when the sampler is garbage collected)."""
+        ahead = getattr(self, "_ahead", None)
+        if ahead is not None:  # a read ahead finished
+            ahead.shutdown()
+            self._ahead = None
         report = getattr(self, "_report", None)
         if report is not None:
             os.close(report)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -107,7 +108,8 @@ def test_an_epoch_opens_with_a_short_segment_and_the_next_is_read_ahead(warm_dig
     sampler = QuiverBatchSampler(root, 8, seed=5)
     replies: dict[int, dict] = {}
     read = sampler.manifest
-    sampler.manifest = lambda b: replies.setdefault(b, read(b))  # type: ignore[method-assign]
+    sampler.manifest = (  # type: ignore[method-assign]
+        lambda b, e=None: replies.setdefault(b, read(b, e)) if e in (None, 1) else read(b, e))
     try:
         n = len(sampler)
         epoch_indices(iter(sampler))
@@ -130,6 +132,55 @@ def test_an_epoch_opens_with_a_short_segment_and_the_next_is_read_ahead(warm_dig
         assert sum(lengths) == n == 225
         # each as long as the epoch's batches before it: 8, 8, 16, 32, then 64 at most
         assert lengths == [8, 8, 16, 32, SEGMENT_BATCHES, SEGMENT_BATCHES, 33], lengths
+    finally:
+        sampler.close()
+
+
+def test_the_next_epochs_first_manifest_is_read_ahead(warm_digits):
+    m, root = warm_digits
+    sampler = QuiverBatchSampler(root, 32, seed=2)
+    reads: list[tuple[int, int, bool]] = []  # (epoch, batch, read ahead by a thread)
+    read = sampler.manifest
+
+    def recorded(b: int, e: int | None = None) -> dict:
+        ahead = threading.current_thread() is not threading.main_thread()
+        reads.append((sampler.epoch if e is None else e, b, ahead))
+        return read(b, e)
+
+    sampler.manifest = recorded  # type: ignore[method-assign]
+    try:
+        epoch_indices(iter(sampler))
+        m.wait_for_mode("full", MODE_TIMEOUT)
+        for epoch in (1, 2, 3):
+            sampler.set_epoch(epoch)
+            assert sorted(epoch_indices(iter(sampler))) == list(range(1797))
+    finally:
+        sampler.close()  # after the last read ahead
+    # epoch 1 followed epoch 0: from then on each next epoch's first manifest was read
+    # ahead (as the segment that ends the epoch before began), and only so
+    assert [(e, ahead) for e, b, ahead in reads if b == 0] == [
+        (0, False), (1, False), (2, True), (3, True), (4, True)], reads
+
+
+def test_an_epoch_run_again_after_a_read_ahead_starts_afresh(warm_digits):
+    m, root = warm_digits
+    sampler = QuiverBatchSampler(root, 32, seed=3)
+    try:
+        epoch_indices(iter(sampler))
+        m.wait_for_mode("full", MODE_TIMEOUT)
+        sampler.set_epoch(1)
+        first = epoch_indices(iter(sampler))  # epoch 2's first manifest read ahead
+        deadline = time.monotonic() + MODE_TIMEOUT
+        while m.status()["jobs"][0]["epoch"] != 2:
+            assert time.monotonic() < deadline, "epoch 2 was not started ahead"
+            time.sleep(0.01)
+        again = epoch_indices(iter(sampler))  # epoch 1 once more, in the same order
+        assert again == first and sorted(again) == list(range(1797))
+        assert m.status()["jobs"][0]["epoch"] == 1
+        with pytest.raises(RuntimeError, match="epoch 0 is over"):
+            sampler.manifest(3, 0)  # a later batch of an earlier epoch
+        sampler.set_epoch(2)
+        assert sorted(epoch_indices(iter(sampler))) == list(range(1797))
     finally:
         sampler.close()
 
