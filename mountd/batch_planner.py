@@ -61,9 +61,10 @@ SEGMENT_BATCHES = 64
 # not take longer to plan than that one to read.
 FIRST_SEGMENT_BATCHES = 8
 # A segment of up to this many items is looked up (``ContentStore.leading_known``) and
-# its reply made on mountd's loop: under load a worker hop took 1.5-2 ms there, the work
-# itself a few hundred microseconds (an epoch's first segment: the job waits for it).
-LOOP_SEGMENT_ITEMS = 1024
+# its reply made on mountd's loop: for an epoch's first segment of 128 items (a job
+# waits for it) the two worker hops took 1.5-2 ms each while pushes held the loop, the
+# work itself under 1 ms. A longer one would hold the loop from every other request.
+LOOP_SEGMENT_ITEMS = 512
 MIN_SEGMENT = 2  # fewer cached batches ahead are planned one at a time
 
 
