@@ -61,9 +61,10 @@ SEGMENT_BATCHES = 64
 # not take longer to plan than that one to read.
 FIRST_SEGMENT_BATCHES = 8
 # A segment of up to this many items is looked up (``ContentStore.leading_known``) and
-# its reply made on mountd's loop: for an epoch's first segment of 128 items (a job
-# waits for it) the two worker hops took 1.5-2 ms each while pushes held the loop, the
-# work itself under 1 ms. A longer one would hold the loop from every other request.
+# its reply made on mountd's loop. For an epoch's first segment of 128 items (a job
+# waits for it) the reply took 3.8-7.6 ms with a worker hop for each, 1.1-2.7 ms while
+# pushes held the loop, and 1.8-3.3 ms on the loop. A longer one would hold the loop
+# from every other request.
 LOOP_SEGMENT_ITEMS = 512
 MIN_SEGMENT = 2  # fewer cached batches ahead are planned one at a time
 
