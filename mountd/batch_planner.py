@@ -271,6 +271,8 @@ class BatchPlanner:
             if self.cluster.peers is not None:
                 await self.bulk.stage_from_peers(group.ds, batch.hits)
         hits = 0 if probing else len(batch.hits)
+        if not probing and not hits:
+            job.probe.found_nothing_cached(job.epoch, batch.index)
         self._account(job, group, ref, batch, hits)
         job.manifests[batch.index] = json.dumps(
             self._manifest(job, digest, batch, hits)).encode()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import trio
@@ -18,7 +19,7 @@ from mountd.job_registry import Job, JobRegistry
 from mountd.read_stats import FetchCause
 from quiverfs import ownership
 from quiverfs.chunk_cycle import MAX_LOADING, ChunkState
-from quiverfs.heartbeat import CycleView, DatasetReport, LoadedShare
+from quiverfs.heartbeat import CacheMode, CycleView, DatasetReport, LoadedShare
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +79,13 @@ class ChunkLoader:
             for job in group.jobs.values():
                 seq = view.probes.get(job.id)  # never a view's job: those are not probed
                 if seq is not None and seq > job.probe.seq:
-                    job.probe.begin(seq, view.probe_batches)
-                    log.info("job %s: probe %d of %d batches", job.id, seq,
-                             view.probe_batches)
+                    # where the cache holds the dataset, forced misses would read from
+                    # the bucket what it holds: the probe measures without them
+                    holds = view.mode is CacheMode.FULL or view.capacity >= view.chunks
+                    model = self._miss_model(group, job) if holds else None
+                    job.probe.begin(seq, view.probe_batches, model)
+                    log.info("job %s: probe %d of %d batches%s", job.id, seq,
+                             view.probe_batches, " (no forced misses)" if holds else "")
             for load in view.loads:
                 new = group.cached.hold(group.plan.members[load.chunk])
                 self.reader.store.wanted(group.ds.digest.hash(int(i)) for i in new)
@@ -96,6 +101,20 @@ class ChunkLoader:
                         self._spawn(group, f"refill {version} {chunk}", chunk, view.users,
                                     None)
                 group.version = version
+
+    def _miss_model(self, group: DatasetJobs, job: Job) -> Callable[[float], float | None]:
+        """t_hit -> the job's t_miss as modelled (``mountd.probing``): a batch's bytes at
+        the bucket bandwidth this node's fetches get, overlapped with its step; None
+        until a bandwidth is measured."""
+        digest = group.ds.digest
+
+        def t_miss(t_hit: float) -> float | None:
+            rate = self.reader.stats.bucket.rate()
+            if rate is None or job.sampler is None or not len(digest):
+                return None
+            batch_bytes = job.sampler.batch_size * digest.total_bytes / len(digest)
+            return max(t_hit, batch_bytes / rate)
+        return t_miss
 
     def _spawn(self, group: DatasetJobs, name: str, chunk: int, loaders: tuple[str, ...],
                share: LoadedShare | None) -> None:

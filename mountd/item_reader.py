@@ -245,7 +245,11 @@ class ItemReader:
         started = time.perf_counter()
         with self._flying(ds, digest, flight):
             async with ds.fetch_slots:
-                data, fetched = await self._fetched(ds, index, keep, kept, recheck, flight)
+                # bytes kept for a load are not the bucket's: not metered
+                with self._metered() if kept is None else contextlib.nullcontext([]) as got:
+                    data, fetched = await self._fetched(ds, index, keep, kept, recheck,
+                                                        flight)
+                    got.append(len(data) if fetched else 0)
         if fetched:
             self.stats.observe("bucket", time.perf_counter() - started)
             self.stats.fetched(ds, cause, len(data))
@@ -327,8 +331,9 @@ class ItemReader:
             return
         flight = self._inflight[digest] = _Flight()
         started = time.perf_counter()
-        with self._flying(ds, digest, flight):
+        with self._flying(ds, digest, flight), self._metered() as fetched:
             got = await fetch()
+            fetched.append(len(got) if isinstance(got, bytes) else got)
         self.stats.observe("bucket", time.perf_counter() - started)
         if isinstance(got, bytes):
             self.stats.fetched(ds, cause, len(got))
@@ -336,6 +341,17 @@ class ItemReader:
         else:
             self.stats.fetched(ds, cause, got)
             flight.stored = True
+
+    @contextlib.contextmanager
+    def _metered(self) -> Iterator[list[int]]:
+        """Time a fetch for the bucket's bandwidth; its bytes go into the list yielded
+        (none: it failed, or read nothing from the bucket)."""
+        got: list[int] = []
+        self.stats.bucket.begin()
+        try:
+            yield got
+        finally:
+            self.stats.bucket.end(sum(got))
 
     @contextlib.contextmanager
     def _flying(self, ds: MountedDataset, digest: bytes, flight: _Flight) -> Iterator[None]:

@@ -39,16 +39,27 @@ they share a bucket that leaves to spare, its misses look cheap (the job hides t
 behind its compute) although all of them missing at once are not; without this the
 cache stayed off, at 5.7x the dataset per epoch from the bucket in the cluster
 benchmark.
+
+Where the cache holds the dataset (allotted ``full``, or every chunk may be resident),
+a probe forces no misses: they would read from the bucket what the cache holds. It
+measures the batches the job reads anyway: t_hit from N/2 intervals of batches planned
+with the cache, and t_miss from N/2 of those that found nothing cached (the job's
+epoch 0 on a cold dataset) or, without them, from a model: a batch's bytes at the
+bandwidth this node's fetches get, overlapped with the job's step,
+max(t_hit, bytes / bandwidth). It is a lower bound on t_miss (jobs that miss together
+share the bucket), so the benefit it gives is too.
 """
 from __future__ import annotations
 
 import logging
 import statistics
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
 PROBE_LIMIT = 4  # a probe that measured too little after this many times N batches ends
-HIT, PROBE, NO_CACHE, UNKNOWN = 0, 1, 2, 3  # how a batch was planned
+# How a batch was planned; MISSED: with the cache, and it found nothing cached
+HIT, PROBE, NO_CACHE, UNKNOWN, MISSED = 0, 1, 2, 3, 4
 
 
 class BenefitProbe:
@@ -66,15 +77,30 @@ class BenefitProbe:
         self.ended_at: tuple[int, int] | None = None  # (epoch, batch) of the last miss interval
         self.measured: tuple[float, float] | None = None  # (t_miss, t_hit)
         self.uncached: list[float] = []  # intervals since, with the dataset allotted no cache
+        # t_hit -> t_miss (None: not known yet), while a probe that forces no misses runs
+        self.model: Callable[[float], float | None] | None = None
+        self.missed: list[float] = []  # its intervals of batches that found nothing cached
         self._plans: dict[int, bytearray] = {}  # epoch -> how each batch was planned
 
-    def begin(self, seq: int, batches: int) -> None:
-        """Start probe number ``seq`` of ``batches`` batches (none when 0)."""
+    def begin(self, seq: int, batches: int,
+              model: Callable[[float], float | None] | None = None) -> None:
+        """Start probe number ``seq`` of ``batches`` batches (none when 0); with a
+        ``model`` (t_hit -> t_miss), one that forces no misses."""
         self.seq = seq
         self.settle = self.window = max(1, batches // 2)
-        self.active = batches > 0
+        self.active = batches > 0 and model is None
+        self.model = model if batches > 0 else None
         self.forced, self.deferred, self.reported = 0, 0, False
         self.miss, self.hit, self.uncached, self.ended_at = [], [], [], None
+        self.missed = []
+
+    def found_nothing_cached(self, epoch: int, index: int) -> None:
+        """Batch ``index`` of ``epoch``, planned with the cache, found nothing cached: a
+        probe that forces no misses measures t_miss from such batches."""
+        plans = self._plans.get(epoch)
+        if self.model is not None and plans is not None and len(plans) > index and (
+                plans[index] == HIT):
+            plans[index] = MISSED
 
     @property
     def run(self) -> int:
@@ -132,7 +158,9 @@ class BenefitProbe:
         if not self.settle or plans is None or not self.settle <= batch < len(plans):
             return
         kinds = set(plans[batch - self.settle:batch + 1])
-        if kinds == {PROBE} and self.active:
+        if self.model is not None:
+            self._record_unforced(kinds, seconds)
+        elif kinds == {PROBE} and self.active:
             self.miss.append(seconds)
             if len(self.miss) >= self.window:
                 self.active, self.ended_at = False, (epoch, batch)
@@ -152,3 +180,25 @@ class BenefitProbe:
                 self.uncached = []
                 log.info("t_miss %.4f s per batch with the dataset allotted no cache",
                          self.measured[0])
+
+    def _record_unforced(self, kinds: set[int], seconds: float) -> None:
+        """An interval for a probe that forces no misses; it ends once t_hit and t_miss
+        are known (with its window of hits measured, while the model cannot say t_miss,
+        it measures hits afresh)."""
+        if kinds == {HIT}:
+            self.hit.append(seconds)
+        elif kinds == {MISSED} and len(self.missed) < self.window:
+            self.missed.append(seconds)
+        if len(self.hit) < self.window:
+            return
+        assert self.model is not None
+        t_hit = statistics.fmean(self.hit)
+        t_miss = (statistics.fmean(self.missed) if len(self.missed) == self.window
+                  else self.model(t_hit))
+        self.hit = []
+        if t_miss is None:
+            return
+        self.measured, self.model = (t_miss, t_hit), None
+        log.info("probe %d (no forced misses): t_miss %.4f s (%s), t_hit %.4f s per batch",
+                 self.seq, t_miss, "measured" if len(self.missed) == self.window
+                 else "modelled", t_hit)

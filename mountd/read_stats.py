@@ -1,10 +1,12 @@
 """What the read path counts: FUSE requests by opcode; reads, bytes and errors per tier,
-and their latency."""
+their latency, and the bucket's bandwidth as this node's fetches see it."""
 from __future__ import annotations
 
+import collections
 import enum
+import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from prometheus_client import Histogram
 
@@ -13,6 +15,10 @@ from mountd.dataset import MountedDataset
 # Seconds: from a tenth of a millisecond (a hot local hit) to a slow bucket.
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                    0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+METER_WINDOW = 30.0  # seconds of fetching that the bucket's bandwidth is judged over
+METER_MIN_FETCHES = 8  # fetches in that window before it is judged at all
 
 
 class FetchCause(enum.StrEnum):
@@ -39,6 +45,7 @@ class ReadStats:
         self.latency = Histogram("quiver_read_seconds", "Seconds to serve a read, by the "
                                  "tier that served it", ["tier"], buckets=LATENCY_BUCKETS,
                                  registry=None)
+        self.bucket = BucketMeter()
 
     def count(self, ds: MountedDataset, key: str, n: int = 1) -> None:
         self.counters[key] += n
@@ -60,3 +67,45 @@ class ReadStats:
 
     def observe(self, tier: str, seconds: float) -> None:
         self.latency.labels(tier).observe(seconds)
+
+
+class BucketMeter:
+    """The bucket's bandwidth as this node's fetches see it: the bytes fetched per second
+    during which at least one fetch was in flight, over the last METER_WINDOW such
+    seconds. It is what this node's misses get (fetch depth and the bucket's latency
+    included), not the bucket's peak, and it does not count time without fetches."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._flying = 0
+        self._since = 0.0  # the last begin or end while a fetch was in flight
+        # per fetch in the window: the seconds with a fetch in flight since the one
+        # before ended, and its bytes; and their sums
+        self._fetches: collections.deque[tuple[float, int]] = collections.deque()
+        self._busy = 0.0
+        self._bytes = 0
+
+    def begin(self) -> None:
+        """A fetch from the bucket started."""
+        if not self._flying:
+            self._since = self._clock()
+        self._flying += 1
+
+    def end(self, nbytes: int) -> None:
+        """A fetch that ``begin`` started ended with ``nbytes`` (0 where it failed)."""
+        now = self._clock()
+        busy, self._since = now - self._since, now
+        self._flying -= 1
+        self._fetches.append((busy, nbytes))
+        self._busy += busy
+        self._bytes += nbytes
+        while self._busy - self._fetches[0][0] >= METER_WINDOW:
+            old_busy, old_bytes = self._fetches.popleft()
+            self._busy -= old_busy
+            self._bytes -= old_bytes
+
+    def rate(self) -> float | None:
+        """Bytes per second, or None before METER_MIN_FETCHES fetches were measured."""
+        if len(self._fetches) < METER_MIN_FETCHES or self._busy <= 0:
+            return None
+        return self._bytes / self._busy

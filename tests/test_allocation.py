@@ -8,8 +8,15 @@ import time
 import pytest
 import torch
 import torchvision
+import trio
 
 from coordinator.allocation import NO_BENEFIT, DatasetDemand, JobBenefit, allocate
+from coordinator.embedded import EmbeddedCoordinator
+from coordinator.server import CoordinatorServer
+from coordinator.state import CoordinatorState
+from quiverfs.chunk_cycle import FORCE_EVICT_AFTER
+from quiverfs.heartbeat import (DatasetReport, Heartbeat, HeartbeatReply, JobReport, from_wire,
+                                to_wire)
 from quiverfs.bench.data import write_synthetic_tree
 from quiverfs.bench.processes import CoordinatorProcess, MountdProcess, unmount
 from quiverfs.bench.throttle_proxy import throttled
@@ -198,3 +205,33 @@ def test_reallocation_keeps_exactly_once(tmp_path, digits_tree):
         assert m.stop() == 0
         unmount(m.root)
         coordinator.stop()
+
+
+def two_datasets(t_miss_b: float) -> Heartbeat:
+    """One node's heartbeat: datasets a (its job gains 3x) and b (t_miss_b / 1 s), each
+    of 100 bytes in chunks of 10, with a cache of 30 bytes: two chunks of one of them."""
+    def report(name: str, t_miss: float) -> DatasetReport:
+        job = JobReport(id=f"{name}-job", gen=0, gpus=1, remaining=(10,) * 10, probe_seq=1,
+                        t_miss=t_miss, t_hit=1.0)
+        return DatasetReport(name=name, chunks=10, size=100, chunk_bytes=10, jobs=(job,))
+    return Heartbeat("n", "127.0.0.1:7000", 30, {"a": report("a", 3.0),
+                                                 "b": report("b", t_miss_b)})
+
+
+def modes(reply: HeartbeatReply) -> dict[str, str]:
+    return {name: view.mode.value for name, view in sorted(reply.cycles.items())}
+
+
+async def test_a_dataset_allotted_none_wins_cache_back_the_same_on_both_coordinators(tmp_path):
+    """b's job gains less than a's, so b gets no cache; then its misses slow down (mountd
+    measures t_miss again from its batches without the cache) and b wins the cache. The
+    coordinator process and the one embedded in mountd allot the same at each step."""
+    server = CoordinatorServer(CoordinatorState(str(tmp_path / "c")), b"s" * 16,
+                               ("127.0.0.1", 0))
+    embedded = EmbeddedCoordinator(str(tmp_path / "e"), FORCE_EVICT_AFTER, 8,
+                                   trio.CapacityLimiter(1))
+    for t_miss_b, expected in ((1.5, {"a": "coop", "b": "none"}),
+                               (5.0, {"a": "none", "b": "coop"})):
+        beat = two_datasets(t_miss_b)
+        by_server = from_wire(await server.heartbeat(to_wire(beat)), HeartbeatReply)
+        assert modes(by_server) == modes(await embedded.heartbeat(beat)) == expected

@@ -243,3 +243,37 @@ def test_four_jobs_read_a_cold_dataset_about_once_in_epoch_0(slow_jpegs, gcs_emu
     c = next(d for d in m.status()["datasets"] if d["name"] == "jpegs")["counters"]
     causes = {k: v for k, v in c.items() if k.startswith("bucket_fetches")}
     assert proxy.bytes_down - before <= 1.1 * tree.bytes, causes
+
+
+def test_a_wholly_cached_datasets_job_is_probed_without_bucket_reads(mountd_factory,
+                                                                     digits_tree):
+    """A dataset the cache holds (allotted full): its job's probe reads nothing from the
+    bucket. t_hit comes from its batches, t_miss from a batch's bytes at the bandwidth
+    the node's fetches got when it filled the cache."""
+    m = mountd_factory(extra_args=("--probe-batches", str(PROBE)))
+    mount(m, make_digest(digits_tree.root, "digits"), "digits")
+    root = os.path.join(m.root, "digits")
+    expected = everything(digits_tree.root)
+    for rel in expected:  # the cache now holds it all
+        with open(os.path.join(root, rel), "rb") as f:
+            f.read()
+    before = m.status()["counters"]["bucket_fetches"]
+    assert before == len(expected)
+    dataset = torchvision.datasets.ImageFolder(root)
+    sampler = QuiverBatchSampler(root, 8, seed=0, dataset=dataset)
+    try:
+        for epoch in range(MAX_EPOCHS):
+            if probed(m.log_path):
+                break
+            sampler.set_epoch(epoch)
+            assert read_epoch(sampler, dataset, root) == expected
+        status = m.status()
+    finally:
+        sampler.close()
+    assert probed(m.log_path)
+    assert status["counters"]["bucket_fetches"] == before
+    assert status["counters"].get("bucket_fetches_probe", 0) == 0
+    job, = status["jobs"]
+    assert job["benefit"] is not None and job["t_miss"] >= job["t_hit"] > 0, job
+    with open(m.log_path, encoding="utf-8") as f:
+        assert "(no forced misses): t_miss" in f.read()

@@ -13,6 +13,7 @@ import pytest
 
 from coordinator.allocation import NO_BENEFIT
 from mountd.probing import PROBE_LIMIT, BenefitProbe
+from mountd.read_stats import METER_MIN_FETCHES, METER_WINDOW, BucketMeter
 
 
 def train(probe: BenefitProbe, *, epochs: int, n: int, compute: float, load_miss: float,
@@ -165,3 +166,50 @@ def test_a_long_epoch_gives_t_hit_within_it(probe):
     short = BenefitProbe()
     train(short, epochs=1, n=70, compute=0.05, load_miss=1.0, load_hit=0.1)
     assert short.measured is None and short.miss  # probe to 31, hits from 63: 16 need 79
+
+
+def test_a_probe_without_forced_misses_models_t_miss_from_its_hits():
+    """Where the cache holds the dataset a probe plans no batch without the cache: t_hit
+    from the batches the job reads, t_miss from the model (here 2x t_hit); while the
+    model has no bandwidth yet, the probe goes on measuring."""
+    probe, bandwidth = BenefitProbe(), [None]
+    probe.begin(1, 8, lambda t_hit: None if bandwidth[0] is None else 2 * t_hit)
+    for j in range(40):
+        assert not probe.plan(0, j, 40, cached=True)
+        probe.record(0, j, 0.25)
+        if j == 20:
+            assert probe.measured is None and not probe.active
+            bandwidth[0] = 1.0
+    assert probe.measured == (0.5, 0.25) and probe.model is None
+
+
+def test_a_probe_without_forced_misses_measures_t_miss_from_batches_that_missed():
+    """A cold dataset allotted full: the job's batches that found nothing cached give
+    t_miss; only the other batches give t_hit."""
+    probe = BenefitProbe()
+    probe.begin(1, 8, lambda t_hit: 100.0)
+    for j in range(40):
+        assert not probe.plan(0, j, 40, cached=True)
+        if j < 20:
+            probe.found_nothing_cached(0, j)
+        probe.record(0, j, 2.0 if j < 20 else 0.5)
+    assert probe.measured == (2.0, 0.5)
+
+
+def test_the_bucket_meter_counts_only_time_with_a_fetch_in_flight():
+    now = [0.0]
+    meter = BucketMeter(lambda: now[0])
+    for k in range(METER_MIN_FETCHES // 2):
+        assert meter.rate() is None
+        meter.begin()  # two at once: one second of fetching brings 2 MB
+        meter.begin()
+        now[0] += 1.0
+        meter.end(1 << 20)
+        meter.end(1 << 20)
+        now[0] += 60.0  # idle: not counted
+    assert meter.rate() == pytest.approx(2 << 20)
+    for _ in range(int(METER_WINDOW)):  # the window moves on: 1 MB/s now
+        meter.begin()
+        now[0] += 1.0
+        meter.end(1 << 20)
+    assert meter.rate() == pytest.approx(1 << 20)

@@ -185,24 +185,28 @@ def test_an_epoch_run_again_after_a_read_ahead_starts_afresh(warm_digits):
         sampler.close()
 
 
-def test_a_probe_gets_its_batches_one_at_a_time(mountd_factory, digits_tree):
-    """Probed batches (no hits) come one per manifest; segments only after the probe."""
-    m = mountd_factory()  # probes of 100 batches: one ends after 101 if nothing is reported
+def test_a_probe_of_a_held_dataset_forces_no_misses_and_leaves_segments_on(mountd_factory,
+                                                                            digits_tree):
+    """The cache holds the dataset (allotted full): its job's probe plans no batch
+    without hits (those would read from the bucket what the cache holds), so the job's
+    manifests come in segments from the start, probe or not."""
+    m = mountd_factory()  # probes of 100 batches
     mount(m, make_digest(digits_tree.root, "digits"), "digits")
     root = os.path.join(m.root, "digits")
     warm(root, digits_paths(digits_tree.root))
+    fetched = m.status()["counters"]["bucket_fetches"]
     sampler = QuiverBatchSampler(root, 1, seed=2)
     try:
         replies = [sampler.manifest(b) for b in range(len(sampler))]  # no times reported
         assert sorted(p for r in replies for p in r["paths"]) == digits_paths(digits_tree.root)
-        probed = [b for b, r in enumerate(replies) if r["hits"] == 0]
+        assert all(r["hits"] == 1 for r in replies)
         segments = [b for b, r in enumerate(replies) if "segment" in r]
-        assert len(probed) > 100 and segments, (probed, segments)
-        assert min(segments) > max(probed)
+        assert segments and min(segments) < 100, segments
         for b in segments:  # a segment's batches are the ones after it, in their order
             following = replies[b + 1:b + 1 + len(replies[b]["segment"])]
             assert replies[b]["segment"] == [r["paths"] for r in following]
             assert all(r["hits"] == len(r["paths"]) == len(r["hashes"]) for r in following)
+        assert m.status()["counters"]["bucket_fetches"] == fetched
     finally:
         sampler.close()
 
