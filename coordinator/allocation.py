@@ -1,5 +1,18 @@
 """Benefit-aware cache allocation (paper §5.3).
 
+Where the bucket's bandwidth is known (measured by the nodes' fetches), the allocation
+is a search over every set of modes that fits the budget: none, two chunks (coop) or
+full per dataset, each judged by the GPU shares its jobs save in a model of their batch
+times (``coordinator.batch_model``). It is exhaustive for up to MAX_SEARCH datasets with
+jobs (3^6 = 729 sets: 14 ms for 6 datasets of 4 jobs each on a 2-core VM); any further
+ones then get, one at a time, the mode that does best beside the others'. Heartbeats
+come several times a second and their inputs seldom change, so searches are memoized,
+with the bandwidth rounded to two significant digits. Of the sets that save as much (to
+rounding), the one that reads the least from the bucket wins, then the one that caches
+the fewest bytes: a lone job's two chunks read from the bucket what its misses would,
+so unless its misses are slower than loads they only take room from the others.
+
+Before any node has measured the bucket, the rule below decides, from the probes alone.
 Each job's benefit from the cache is b = t_miss / t_hit (its mean mini-batch time
 without and with cache hits, measured by probing); with n GPUs it saves g = b * n GPU
 shares, and a dataset's jobs together G = sum(g). Given a cluster-wide budget S, each
@@ -16,7 +29,11 @@ Finally the budget no mode uses deepens the cooperative datasets' chunk pipeline
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
+from collections.abc import Sequence
 
+from coordinator.batch_model import BatchModel, ModelJob
 from quiverfs.chunk_cycle import MIN_RESIDENT
 from quiverfs.heartbeat import CacheMode
 
@@ -25,6 +42,8 @@ NO_BENEFIT = 1.1  # a job whose t_miss / t_hit is below this hides its I/O
 # to an eighth of a lone node's cache), and promised hits of an evicted chunk not read
 # yet, live there. Less, and the store culls the resident chunks' items to make room.
 HEADROOM = 0.2
+MAX_SEARCH = 6  # datasets whose modes are searched together
+TIE = 1e-6  # sets of modes within this fraction of the best gain are as good (rounding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +53,7 @@ class JobBenefit:
     gpus: int
     t_miss: float | None
     t_hit: float | None
+    batch_bytes: int = 0  # bytes a batch reads; 0: not known (no bucket reads modelled)
 
     @property
     def benefit(self) -> float | None:
@@ -70,7 +90,68 @@ class DatasetDemand:
         return any(j.benefit is None or j.benefit >= NO_BENEFIT for j in self.jobs)
 
 
-def allocate(demands: list[DatasetDemand], budget: int) -> dict[str, CacheMode]:
+def allocate(demands: list[DatasetDemand], budget: int, bandwidth: float | None = None
+             ) -> dict[str, CacheMode]:
+    """identity -> the dataset's CacheMode, within ``budget`` bytes: by the model where
+    the bucket's ``bandwidth`` (bytes per second) is known, else by the probes alone."""
+    if bandwidth is None or bandwidth <= 0:
+        return _by_probes(demands, budget)
+    return dict(_search(tuple(demands), budget, float(f"{bandwidth:.2g}")))
+
+
+def _cost(d: DatasetDemand, mode: CacheMode) -> int:
+    return d.size if mode is CacheMode.FULL else d.coop_cost if mode is CacheMode.COOP else 0
+
+
+def _options(d: DatasetDemand) -> tuple[CacheMode, ...]:
+    """A dataset no bigger than two chunks is cached whole or not at all."""
+    if d.size <= d.coop_cost:
+        return CacheMode.NONE, CacheMode.FULL
+    return CacheMode.NONE, CacheMode.COOP, CacheMode.FULL
+
+
+@functools.lru_cache(maxsize=64)
+def _search(demands: tuple[DatasetDemand, ...], budget: int, bandwidth: float
+            ) -> dict[str, CacheMode]:
+    """The best set of modes within ``budget`` in the model (the module docstring);
+    memoized: callers copy it."""
+    modes = {d.identity: CacheMode.NONE for d in demands}
+    with_jobs = [d for d in demands if d.jobs]
+    model = BatchModel([ModelJob(d.identity, j.gpus, j.batch_bytes, j.t_miss, j.t_hit)
+                        for d in with_jobs for j in d.jobs], bandwidth)
+
+    def alone(d: DatasetDemand) -> float:  # the GPU shares it saves in full, per byte
+        return model.gain({**modes, d.identity: CacheMode.FULL})[0] / max(1, d.size)
+
+    ranked = sorted(with_jobs, key=alone, reverse=True)
+    searched, rest = ranked[:MAX_SEARCH], ranked[MAX_SEARCH:]
+    sets = [dict(zip((d.identity for d in searched), combo)) for combo in
+            itertools.product(*(_options(d) for d in searched))]
+    modes.update(_best(model, demands, modes, sets, budget))
+    for d in rest:
+        modes.update(_best(model, demands, modes, [{d.identity: m} for m in _options(d)],
+                           budget))
+    return modes
+
+
+def _best(model: BatchModel, demands: Sequence[DatasetDemand], modes: dict[str, CacheMode],
+          sets: Sequence[dict[str, CacheMode]], budget: int) -> dict[str, CacheMode]:
+    """Of ``sets`` (modes of some datasets, the others' as in ``modes``), the best that
+    fits ``budget``: within TIE of the most GPU shares saved, the least read from the
+    bucket, then the fewest bytes cached."""
+    judged = []
+    for changed in sets:
+        trial = {**modes, **changed}
+        cost = sum(_cost(d, trial[d.identity]) for d in demands)
+        if cost <= budget:
+            saved, traffic = model.gain(trial)
+            judged.append((saved, traffic, cost, changed))
+    top = max(saved for saved, _, _, _ in judged)
+    good = [j for j in judged if j[0] >= top * (1 - TIE)]
+    return min(good, key=lambda j: (j[1], j[2]))[3]
+
+
+def _by_probes(demands: list[DatasetDemand], budget: int) -> dict[str, CacheMode]:
     """identity -> the dataset's CacheMode, within ``budget`` bytes. Datasets worth
     caching come first. What they leave caches the others, since spare cache costs
     nothing and spares the bucket their reads: in full where they fit, else in two

@@ -94,6 +94,7 @@ class CoordinatorState:
         self.reprobe_after = reprobe_after
         self.nodes: dict[str, Node] = {}
         self.datasets: dict[str, DatasetState] = {}
+        self.bandwidth: dict[str, float] = {}  # node -> what its bucket fetches get
         self.version = 0  # bumped when membership changes
         self._alive: set[str] = set()
         self._seen_saved = 0.0  # the latest last-seen time in the last snapshot
@@ -254,6 +255,7 @@ class CoordinatorState:
         """Remove ``node`` from the membership and from every dataset: its report, its
         jobs and their probes, and its shares of loading chunks."""
         del self.nodes[node]
+        self.bandwidth.pop(node, None)
         for ds in self.datasets.values():
             ds.reports.pop(node, None)
             for chunk, loaders in ds.loaders.items():
@@ -288,6 +290,8 @@ class CoordinatorState:
         now = time.time() if now is None else now
         self._check(beat, now)
         view = self.join(beat.node, beat.peer, beat.capacity, now)
+        if beat.bucket_bps is not None:
+            self.bandwidth[beat.node] = beat.bucket_bps
         self.forget(now)
         self._expire(now)
         alive = {n.id for n in view.nodes}
@@ -343,7 +347,7 @@ class CoordinatorState:
         demands = []
         for ds in self.datasets.values():
             self._ask_for_probe(ds, now)
-            jobs = tuple(JobBenefit(j.gpus, j.t_miss, j.t_hit)
+            jobs = tuple(JobBenefit(j.gpus, j.t_miss, j.t_hit, j.batch_bytes)
                          for report in ds.reports.values() for j in report.jobs)
             reports = ds.reports.values()
             demands.append(DatasetDemand(
@@ -352,7 +356,8 @@ class CoordinatorState:
                 max((r.chunks for r in reports), default=1)))
         budget = self.budget if self.budget is not None else sum(
             n.capacity for n in self.live(now))
-        modes = allocate(demands, budget)
+        bandwidth = self.bucket_bandwidth(now)
+        modes = allocate(demands, budget, bandwidth)
         depths = resident_chunks(demands, modes, budget)
         changed = False
         for d in demands:
@@ -366,11 +371,18 @@ class CoordinatorState:
                 changed = True
             if d.jobs and modes[d.identity] != ds.mode:
                 log.info("dataset %s: %s -> %s (G %.2f over %d jobs; needs %d bytes for two "
-                         "chunks, %d in full; budget %d)", ds.name, ds.mode, modes[d.identity],
-                         d.gain, len(d.jobs), d.coop_cost, d.size, budget)
+                         "chunks, %d in full; budget %d; bucket %s B/s)", ds.name, ds.mode,
+                         modes[d.identity], d.gain, len(d.jobs), d.coop_cost, d.size, budget,
+                         bandwidth and round(bandwidth))
                 ds.mode = modes[d.identity]
                 changed = True
         return changed
+
+    def bucket_bandwidth(self, now: float) -> float | None:
+        """Bytes per second the bucket gives the cluster: the sum of what the live
+        nodes' fetches get (each measures its own); None before any has measured it."""
+        rates = [self.bandwidth[n.id] for n in self.live(now) if n.id in self.bandwidth]
+        return sum(rates) if rates else None
 
     def _advance(self, ds: DatasetState, alive: set[str], now: float) -> bool:
         """Move one dataset's cycle forward; True if anything changed."""
@@ -433,6 +445,7 @@ class CoordinatorState:
                       for n in sorted(self.nodes.values(), key=lambda n: n.id)],
             "budget": self.budget if self.budget is not None else sum(
                 n.capacity for n in self.live(now)),
+            "bucket_bandwidth": self.bucket_bandwidth(now),
             "datasets": [{"identity": d.identity, "name": d.name, **d.cycle.snapshot(),
                           "loading": d.cycle.loading, "active": d.cycle.active,
                           "loaders": {str(c): n for c, n in d.loaders.items()},

@@ -46,7 +46,7 @@ class ChunkLoader:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
-            await self.cluster.run(self.report, self.apply)
+            await self.cluster.run(self.report, self.apply, self.reader.stats.bucket.rate)
 
     def report(self) -> dict[str, DatasetReport]:
         """What the coordinator needs, per dataset identity with jobs here (one digest
@@ -106,14 +106,9 @@ class ChunkLoader:
         """t_hit -> the job's t_miss as modelled (``mountd.probing``): a batch's bytes at
         the bucket bandwidth this node's fetches get, overlapped with its step; None
         until a bandwidth is measured."""
-        digest = group.ds.digest
-
         def t_miss(t_hit: float) -> float | None:
             rate = self.reader.stats.bucket.rate()
-            if rate is None or job.sampler is None or not len(digest):
-                return None
-            batch_bytes = job.sampler.batch_size * digest.total_bytes / len(digest)
-            return max(t_hit, batch_bytes / rate)
+            return None if rate is None else max(t_hit, job.batch_bytes() / rate)
         return t_miss
 
     def _spawn(self, group: DatasetJobs, name: str, chunk: int, loaders: tuple[str, ...],

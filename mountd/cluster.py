@@ -13,8 +13,8 @@ from typing import Any, Protocol
 import trio
 
 from quiverfs import ownership
-from quiverfs.heartbeat import (CycleView, DatasetReport, Heartbeat, HeartbeatReply,
-                                from_wire, refusal, to_wire)
+from quiverfs.heartbeat import (MAX_BANDWIDTH, CycleView, DatasetReport, Heartbeat,
+                                HeartbeatReply, from_wire, refusal, to_wire)
 from quiverfs.rpc import RpcClient, RpcError, Unavailable
 
 log = logging.getLogger(__name__)
@@ -84,12 +84,14 @@ class Cluster:
         self._wake.set()
 
     async def run(self, report: Callable[[], dict[str, DatasetReport]],
-                  apply: Callable[[dict[str, CycleView], int], Awaitable[None]]) -> None:
-        """Heartbeat forever: send ``report()``, hand the answer to ``apply``."""
+                  apply: Callable[[dict[str, CycleView], int], Awaitable[None]],
+                  bandwidth: Callable[[], float | None]) -> None:
+        """Heartbeat forever: send ``report()`` and the bucket's ``bandwidth()`` as this
+        node's fetches get it, hand the answer to ``apply``."""
         while True:
             self._wake = trio.Event()
             beat = Heartbeat(self.me, self.peer_address, self.capacity,
-                             self._reportable(report()))
+                             self._reportable(report()), _bandwidth(bandwidth()))
             try:
                 reply = await self.link.heartbeat(beat)
             except Unavailable as exc:
@@ -140,3 +142,8 @@ class Cluster:
         return {"node": self.me, "peer": self.peer_address, "version": self.version,
                 "members": sorted(self.members), "live": self.live(),
                 "coordinator_ok": self.coordinator_ok}
+
+
+def _bandwidth(rate: float | None) -> float | None:
+    """A measured rate as the protocol takes it (positive, in range), else None."""
+    return rate if rate is not None and 0 < rate <= MAX_BANDWIDTH else None

@@ -54,6 +54,10 @@ class MountedDataset:
     def name(self) -> str:
         return self.reg.name
 
+    @property
+    def mean_item_bytes(self) -> int:
+        return self.digest.total_bytes // max(1, len(self.digest))
+
     def entry_inode(self, index: int) -> int:
         """The inode of digest entry ``index``'s file."""
         return self.inode_base + self.tree.n_dirs + index

@@ -240,11 +240,18 @@ class Job:
         """What the coordinator needs of the job; None until its epoch has begun."""
         if self.ref is None or self.config is None:
             return None
-        t_miss, t_hit = self.probe.measured or (None, None)
+        t_miss, t_hit = self.probe.times()
         return JobReport(id=self.id, gen=self.ref.started_generation, gpus=self.config.gpus,
                          remaining=tuple(int(n) for n in self.ref.remaining_chunks),
                          probe_seq=self.probe.seq, t_miss=t_miss, t_hit=t_hit,
-                         probing=self.probe.active)
+                         probing=self.probe.active, batch_bytes=self.batch_bytes())
+
+    def batch_bytes(self) -> int:
+        """Bytes of one of its batches, at its dataset's mean item size; 0 before its
+        epoch began."""
+        if self.sampler is None or self.group is None:
+            return 0
+        return self.sampler.batch_size * self.group.ds.mean_item_bytes
 
     @staticmethod
     def kept_for(items: np.ndarray) -> np.ndarray:
@@ -253,8 +260,8 @@ class Job:
         return np.zeros(len(items), dtype=bool)
 
     def benefit(self) -> dict[str, Any]:
-        """t_miss and t_hit (seconds per batch) as the last complete probe measured them."""
-        t_miss, t_hit = self.probe.measured or (None, None)
+        """t_miss and t_hit (seconds per batch) as the last probe measured them."""
+        t_miss, t_hit = self.probe.times()
         return {"t_miss": t_miss, "t_hit": t_hit, "probing": self.probe.active,
                 "benefit": t_miss / t_hit if t_miss and t_hit else None}
 

@@ -102,6 +102,17 @@ class BenefitProbe:
                 plans[index] == HIT):
             plans[index] = MISSED
 
+    def times(self) -> tuple[float | None, float | None]:
+        """(t_miss, t_hit) as last measured; t_miss alone once this probe's misses are
+        measured and its hits not yet (the coordinator can tell a job that hides its
+        misses behind its compute from that alone)."""
+        if self.measured is not None:
+            return self.measured
+        missed = self.missed if self.model is not None else self.miss
+        if self.window and len(missed) >= self.window and not self.active:
+            return statistics.fmean(missed[:self.window]), None
+        return None, None
+
     @property
     def run(self) -> int:
         """Batches of one run of probe batches: N/2 to settle, N/2 measured."""

@@ -19,6 +19,7 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 
 METER_WINDOW = 30.0  # seconds of fetching that the bucket's bandwidth is judged over
 METER_MIN_FETCHES = 8  # fetches in that window before it is judged at all
+PEAK_HALF_LIFE = 600.0  # seconds in which the best window's rate counts for half as much
 
 
 class FetchCause(enum.StrEnum):
@@ -72,8 +73,9 @@ class ReadStats:
 class BucketMeter:
     """The bucket's bandwidth as this node's fetches see it: the bytes fetched per second
     during which at least one fetch was in flight, over the last METER_WINDOW such
-    seconds. It is what this node's misses get (fetch depth and the bucket's latency
-    included), not the bucket's peak, and it does not count time without fetches."""
+    seconds, or the most that any such window saw, halved every PEAK_HALF_LIFE seconds,
+    where that is more: misses alone, a few at a time, ask less of the bucket than it
+    gives chunk loads. It counts no time without fetches."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -84,6 +86,7 @@ class BucketMeter:
         self._fetches: collections.deque[tuple[float, int]] = collections.deque()
         self._busy = 0.0
         self._bytes = 0
+        self._peak, self._peak_at = 0.0, 0.0
 
     def begin(self) -> None:
         """A fetch from the bucket started."""
@@ -103,9 +106,19 @@ class BucketMeter:
             old_busy, old_bytes = self._fetches.popleft()
             self._busy -= old_busy
             self._bytes -= old_bytes
+        current = self._window()
+        if current is not None and current >= self._decayed(now):
+            self._peak, self._peak_at = current, now
 
-    def rate(self) -> float | None:
-        """Bytes per second, or None before METER_MIN_FETCHES fetches were measured."""
+    def _window(self) -> float | None:
         if len(self._fetches) < METER_MIN_FETCHES or self._busy <= 0:
             return None
         return self._bytes / self._busy
+
+    def _decayed(self, now: float) -> float:
+        return self._peak * 0.5 ** ((now - self._peak_at) / PEAK_HALF_LIFE)
+
+    def rate(self) -> float | None:
+        """Bytes per second, or None before METER_MIN_FETCHES fetches were measured."""
+        current = self._window()
+        return None if current is None else max(current, self._decayed(self._clock()))

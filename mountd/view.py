@@ -180,7 +180,7 @@ class ViewJob:
         never probed (its reads are not timed per batch)."""
         return JobReport(id=self.id, gen=0, gpus=1,
                          remaining=(0,) * self.group.plan.n_chunks,
-                         probe_seq=0, probeable=False)
+                         probe_seq=0, probeable=False, batch_bytes=self.ds.mean_item_bytes)
 
     def stats(self) -> dict[str, Any]:
         return {"job": self.id, "dataset": self.ds.name, "uid": self.uid,

@@ -42,6 +42,7 @@ Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)]
 NodeId = Annotated[str, msgspec.Meta(pattern=rf"^{NODE_ID.pattern}\Z")]
 Text = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_TEXT)]
 Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_BATCH_SECONDS)]  # no NaN, no inf
+MAX_BANDWIDTH = 1e15  # bytes per second a node may say its bucket fetches get
 
 
 class CacheMode(enum.StrEnum):
@@ -66,6 +67,7 @@ class JobReport:
     t_hit: Seconds | None = None  # seconds per batch with them
     probing: bool = False
     probeable: bool = True  # False: the coordinator never asks to probe it (a view's job)
+    batch_bytes: Count = 0  # bytes of a batch (its items' mean size); 0: not known
 
     @property
     def benefit(self) -> float | None:
@@ -119,6 +121,9 @@ class Heartbeat:
     capacity: Count  # bytes of cache
     datasets: Annotated[dict[Text, DatasetReport], msgspec.Meta(max_length=MAX_ENTRIES)] = (
         dataclasses.field(default_factory=dict))
+    # bytes per second the node's bucket fetches get (read_stats.BucketMeter); None: not
+    # measured yet
+    bucket_bps: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_BANDWIDTH)] | None = None
 
     def disagreement(self) -> str | None:
         """The first dataset whose fields disagree, and how; None if none does."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import random
 import threading
 import time
 
@@ -14,12 +15,12 @@ from coordinator.allocation import NO_BENEFIT, DatasetDemand, JobBenefit, alloca
 from coordinator.embedded import EmbeddedCoordinator
 from coordinator.server import CoordinatorServer
 from coordinator.state import CoordinatorState
-from quiverfs.chunk_cycle import FORCE_EVICT_AFTER
-from quiverfs.heartbeat import (DatasetReport, Heartbeat, HeartbeatReply, JobReport, from_wire,
-                                to_wire)
 from quiverfs.bench.data import write_synthetic_tree
 from quiverfs.bench.processes import CoordinatorProcess, MountdProcess, unmount
 from quiverfs.bench.throttle_proxy import throttled
+from quiverfs.chunk_cycle import FORCE_EVICT_AFTER
+from quiverfs.heartbeat import (CacheMode, DatasetReport, Heartbeat, HeartbeatReply,
+                                JobReport, from_wire, to_wire)
 from quiverfs.torch import QuiverBatchSampler
 from tests.mountd_helpers import make_digest, mount, mountd_factory  # noqa: F401
 
@@ -71,6 +72,100 @@ def test_unprobed_jobs_are_given_the_benefit_of_the_doubt():
     assert allocate([new], 20 * GiB) == {"new": "coop"}
     small = demand("small", 5 * GiB, 10 * GiB, (None, 1))  # smaller than two chunks
     assert allocate([small], 20 * GiB) == {"small": "full"}
+
+
+MB = 1_000_000
+BUCKET = 4e6  # bytes per second
+
+
+def jobs(n: int, t_hit: float | None, t_miss: float | None = None,
+         batch_bytes: int = MB) -> tuple[JobBenefit, ...]:
+    return tuple(JobBenefit(1, t_miss, t_hit, batch_bytes) for _ in range(n))
+
+
+def three(io_size: int, *, io: tuple[JobBenefit, ...] = jobs(4, 0.02, 1.0),
+          medium: tuple[JobBenefit, ...] = jobs(2, 0.67, 1.9),
+          heavy: tuple[JobBenefit, ...] = jobs(1, 3.0, 3.0)) -> list[DatasetDemand]:
+    """The allocation benchmark's datasets: four jobs reading `io` that compute 20 ms a
+    batch, two on `medium` (0.67 s), one on `heavy` (3 s, hiding its reads)."""
+    return [DatasetDemand("io", io_size, 2 * MB, io, io_size // (2 * MB)),
+            DatasetDemand("medium", 18 * MB, 2 * MB, medium, 9),
+            DatasetDemand("heavy", 40 * MB, 2 * MB, heavy, 20)]
+
+
+def cost(demands: list[DatasetDemand], modes: dict[str, CacheMode]) -> int:
+    return sum(d.size if modes[d.identity] is CacheMode.FULL else
+               d.coop_cost if modes[d.identity] is CacheMode.COOP else 0 for d in demands)
+
+
+@pytest.mark.parametrize("io_size, budget, expected", [
+    (15 * MB, 11 * MB, ("coop", "coop", "none")),
+    (15 * MB, 22 * MB, ("full", "coop", "none")),  # io fits whole beside medium's chunks
+    (15 * MB, 44 * MB, ("full", "full", "none")),  # heavy's lone chunks: no gain
+    (48 * MB, 32 * MB, ("coop", "full", "none")),  # io does not fit: medium does
+    (48 * MB, 64 * MB, ("full", "coop", "none")),
+    (48 * MB, 96 * MB, ("full", "full", "none")),
+])
+def test_the_search_caches_an_io_bound_dataset_whole_where_it_fits(io_size, budget, expected):
+    demands = three(io_size)
+    modes = allocate(demands, budget, BUCKET)
+    assert tuple(modes[n].value for n in ("io", "medium", "heavy")) == expected
+    assert cost(demands, modes) <= budget
+
+
+def test_an_unmeasured_job_does_not_keep_an_io_bound_dataset_from_fitting_whole():
+    """heavy's job not measured yet: the probe-only rule gives every dataset two chunks
+    first, and io has no room left to go full (run E at 30%); the model sees that io's
+    jobs gain far more from it."""
+    demands = three(15 * MB, heavy=jobs(1, None))
+    assert allocate(demands, 22 * MB) == {"io": "coop", "medium": "coop", "heavy": "coop"}
+    assert allocate(demands, 22 * MB, BUCKET) == {"io": "full", "medium": "coop",
+                                                  "heavy": "none"}
+
+
+def test_the_search_never_allots_more_than_the_budget():
+    rng = random.Random(35)
+    for _ in range(300):
+        demands = []
+        for k in range(rng.randint(1, 5)):
+            size = rng.randint(1, 100) * MB
+            measured = rng.random() < 0.7
+            demands.append(DatasetDemand(
+                f"d{k}", size, rng.randint(1, 20) * MB,
+                jobs(rng.randint(0, 4), rng.uniform(0.01, 3) if measured else None,
+                     rng.uniform(0.01, 5) if rng.random() < 0.7 else None,
+                     rng.randint(1, 4) * MB)))
+        budget = rng.randint(0, 200) * MB
+        modes = allocate(demands, budget, rng.uniform(1e6, 1e8))
+        assert cost(demands, modes) <= budget
+        assert all(modes[d.identity] is CacheMode.NONE for d in demands if not d.jobs)
+
+
+def test_an_unmeasured_dataset_is_ranked_by_the_model():
+    """With room for two chunks of one dataset: jobs no probe measured gain the benefit
+    of the doubt over jobs measured to hide their misses; of two unmeasured datasets,
+    the one whose chunk loads serve four jobs gains more than the one of a lone job; of
+    two unmeasured lone jobs, the one whose measured misses are slower than loads."""
+    hides = DatasetDemand("hides", 100 * MB, 10 * MB, jobs(2, 1.0, 1.0), 10)
+    new = DatasetDemand("new", 100 * MB, 10 * MB, jobs(2, None), 10)
+    assert allocate([hides, new], 25 * MB, BUCKET) == {"hides": "none", "new": "coop"}
+    shared = DatasetDemand("shared", 100 * MB, 10 * MB, jobs(4, None), 10)
+    lone = DatasetDemand("lone", 100 * MB, 10 * MB, jobs(1, None), 10)
+    assert allocate([lone, shared], 25 * MB, BUCKET) == {"lone": "none", "shared": "coop"}
+    # five jobs of 1 MB batches share 4 MB/s: 1.25 s of reads a batch
+    fast = DatasetDemand("fast", 100 * MB, 10 * MB, jobs(1, None, 1.25), 10)
+    slow = DatasetDemand("slow", 100 * MB, 10 * MB, jobs(1, None, 4.0), 10)
+    assert allocate([fast, slow, shared], 45 * MB, BUCKET) == {
+        "fast": "none", "slow": "coop", "shared": "coop"}
+
+
+def test_a_lone_job_gets_chunks_only_where_its_misses_are_slower_than_loads():
+    """Chunk loads read a lone job's items as its misses would, but many at a time: they
+    gain only where its misses take longer than the bandwidth explains."""
+    bandwidth_bound = DatasetDemand("d", 100 * MB, 10 * MB, jobs(1, 0.1, 0.25), 10)
+    latency_bound = DatasetDemand("d", 100 * MB, 10 * MB, jobs(1, 0.1, 2.0), 10)
+    assert allocate([bandwidth_bound], 25 * MB, BUCKET) == {"d": "none"}
+    assert allocate([latency_bound], 25 * MB, BUCKET) == {"d": "coop"}
 
 
 ITEMS = 80  # per dataset: 20 batches of 4 an epoch
@@ -207,22 +302,25 @@ def test_reallocation_keeps_exactly_once(tmp_path, digits_tree):
         coordinator.stop()
 
 
-def two_datasets(t_miss_b: float) -> Heartbeat:
+def two_datasets(t_miss_b: float, bandwidth: float | None) -> Heartbeat:
     """One node's heartbeat: datasets a (its job gains 3x) and b (t_miss_b / 1 s), each
-    of 100 bytes in chunks of 10, with a cache of 30 bytes: two chunks of one of them."""
+    of 100 bytes in chunks of 10, with a cache of 30 bytes: two chunks of one of them;
+    batches of 10 bytes, from a bucket of ``bandwidth``."""
     def report(name: str, t_miss: float) -> DatasetReport:
         job = JobReport(id=f"{name}-job", gen=0, gpus=1, remaining=(10,) * 10, probe_seq=1,
-                        t_miss=t_miss, t_hit=1.0)
+                        t_miss=t_miss, t_hit=1.0, batch_bytes=10)
         return DatasetReport(name=name, chunks=10, size=100, chunk_bytes=10, jobs=(job,))
     return Heartbeat("n", "127.0.0.1:7000", 30, {"a": report("a", 3.0),
-                                                 "b": report("b", t_miss_b)})
+                                                 "b": report("b", t_miss_b)}, bandwidth)
 
 
 def modes(reply: HeartbeatReply) -> dict[str, str]:
     return {name: view.mode.value for name, view in sorted(reply.cycles.items())}
 
 
-async def test_a_dataset_allotted_none_wins_cache_back_the_same_on_both_coordinators(tmp_path):
+@pytest.mark.parametrize("bandwidth", [None, 1000.0])  # by the probes alone; by the model
+async def test_a_dataset_allotted_none_wins_cache_back_the_same_on_both_coordinators(
+        tmp_path, bandwidth):
     """b's job gains less than a's, so b gets no cache; then its misses slow down (mountd
     measures t_miss again from its batches without the cache) and b wins the cache. The
     coordinator process and the one embedded in mountd allot the same at each step."""
@@ -232,6 +330,6 @@ async def test_a_dataset_allotted_none_wins_cache_back_the_same_on_both_coordina
                                    trio.CapacityLimiter(1))
     for t_miss_b, expected in ((1.5, {"a": "coop", "b": "none"}),
                                (5.0, {"a": "none", "b": "coop"})):
-        beat = two_datasets(t_miss_b)
+        beat = two_datasets(t_miss_b, bandwidth)
         by_server = from_wire(await server.heartbeat(to_wire(beat)), HeartbeatReply)
         assert modes(by_server) == modes(await embedded.heartbeat(beat)) == expected

@@ -66,6 +66,10 @@ def test_records_survive_the_wire():
     (lambda w: w["datasets"]["ident"]["jobs"][0].update(t_hit=float("inf")), "t_hit"),
     (lambda w: w["datasets"]["ident"]["jobs"][0].update(t_hit=-0.5), "t_hit"),
     (lambda w: w["datasets"]["ident"]["jobs"][0].update(id="j" * 1025), "id"),
+    (lambda w: w["datasets"]["ident"]["jobs"][0].update(batch_bytes=-1), "batch_bytes"),
+    (lambda w: w.update(bucket_bps=0.0), "bucket_bps"),
+    (lambda w: w.update(bucket_bps=float("nan")), "bucket_bps"),
+    (lambda w: w.update(bucket_bps=1e300), "bucket_bps"),
     (lambda w: w["datasets"]["ident"].update(
         loaded=[{"chunk": 0, "loaders": ["a/b"]}]), "loaders"),
     (lambda w: w.update(datasets={"i" * 1025: w["datasets"]["ident"]}), "datasets"),
@@ -157,10 +161,27 @@ async def test_a_node_leaves_out_a_report_out_of_range_and_beats_on(tmp_path):
         applied.append(sorted(cycles))
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(cluster.run, lambda: reports, apply)
+        nursery.start_soon(cluster.run, lambda: reports, apply, lambda: 2e6)
         await cluster.synced.wait()
         nursery.cancel_scope.cancel()
     assert applied == [["ident"]] and list(link.state.datasets) == ["ident"]
+    assert link.state.bucket_bandwidth(time.time()) == 2e6  # what its fetches measured
+
+
+@pytest.mark.parametrize("rate", [float("nan"), float("inf"), 0.0, -1.0])
+async def test_a_bandwidth_out_of_range_is_not_reported(tmp_path, rate):
+    link = EmbeddedCoordinator(str(tmp_path), FORCE_EVICT_AFTER, PROBE_BATCHES,
+                               trio.CapacityLimiter(1))
+    cluster = Cluster("node", "local", 1500, link, None)
+
+    async def apply(cycles: dict, version: int) -> None:
+        pass
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(cluster.run, lambda: {}, apply, lambda: rate)
+        await cluster.synced.wait()
+        nursery.cancel_scope.cancel()
+    assert link.state.bucket_bandwidth(time.time()) is None
 
 
 def test_a_silent_node_is_forgotten_everywhere(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 
 from coordinator.allocation import NO_BENEFIT
 from mountd.probing import PROBE_LIMIT, BenefitProbe
-from mountd.read_stats import METER_MIN_FETCHES, METER_WINDOW, BucketMeter
+from mountd.read_stats import METER_MIN_FETCHES, METER_WINDOW, PEAK_HALF_LIFE, BucketMeter
 
 
 def train(probe: BenefitProbe, *, epochs: int, n: int, compute: float, load_miss: float,
@@ -168,6 +168,18 @@ def test_a_long_epoch_gives_t_hit_within_it(probe):
     assert short.measured is None and short.miss  # probe to 31, hits from 63: 16 need 79
 
 
+def test_a_job_never_probed_has_no_times():
+    assert BenefitProbe().times() == (None, None)
+
+
+def test_a_probe_gives_t_miss_alone_once_its_misses_are_measured(probe):
+    """Before its hits are: the coordinator tells a job that hides its misses from it."""
+    train(probe, epochs=1, n=40, compute=0.05, load_miss=1.0, load_hit=0.1)
+    assert probe.measured is None and not probe.active
+    t_miss, t_hit = probe.times()
+    assert t_miss == pytest.approx(0.25, rel=0.05) and t_hit is None
+
+
 def test_a_probe_without_forced_misses_models_t_miss_from_its_hits():
     """Where the cache holds the dataset a probe plans no batch without the cache: t_hit
     from the batches the job reads, t_miss from the model (here 2x t_hit); while the
@@ -208,8 +220,13 @@ def test_the_bucket_meter_counts_only_time_with_a_fetch_in_flight():
         meter.end(1 << 20)
         now[0] += 60.0  # idle: not counted
     assert meter.rate() == pytest.approx(2 << 20)
-    for _ in range(int(METER_WINDOW)):  # the window moves on: 1 MB/s now
+    peak_at = now[0] - 60.0
+    for _ in range(int(METER_WINDOW)):  # a window of 1 MB/s now
         meter.begin()
         now[0] += 1.0
         meter.end(1 << 20)
+    # the best window still counts, halved every PEAK_HALF_LIFE seconds
+    decayed = (2 << 20) * 0.5 ** ((now[0] - peak_at) / PEAK_HALF_LIFE)
+    assert meter.rate() == pytest.approx(decayed) and decayed > 1 << 20
+    now[0] += 10 * PEAK_HALF_LIFE
     assert meter.rate() == pytest.approx(1 << 20)

@@ -301,7 +301,7 @@ def _cycle(n_chunks: int, resident: tuple[int, ...], capacity: int) -> CycleView
 
 def test_a_pass_hands_out_each_item_once_and_the_jobs_needs_follow_it():
     d = _classes_digest(50, 10)
-    ds = types.SimpleNamespace(digest=d, pools=ViewPools.of(d), name="t")
+    ds = types.SimpleNamespace(digest=d, pools=ViewPools.of(d), name="t", mean_item_bytes=10)
     job = ViewJob("view:t:0:env:x", ds, 0, "env:x", DatasetJobs(ds, 200, None))
     assert job.need.all() and job.report().remaining == (0,) * job.group.plan.n_chunks
     a = job.pass_of(0)
@@ -348,7 +348,7 @@ def _two_view_jobs() -> tuple:
     class), chunk 2 resident and 3 next, with a fake store: (ds, group, store, jobs,
     the two jobs, the pool of item 0)."""
     d = _classes_digest(8, 100)
-    ds = types.SimpleNamespace(digest=d, pools=ViewPools.of(d), name="t")
+    ds = types.SimpleNamespace(digest=d, pools=ViewPools.of(d), name="t", mean_item_bytes=100)
     group = DatasetJobs(ds, 400, None)
     group.view = _cycle(group.plan.n_chunks, (2,), 2)
     store = _Store(d)
@@ -411,7 +411,7 @@ def test_a_planned_hit_is_spent_when_the_last_job_opens_it_not_when_planned():
 
 def test_the_readahead_fills_the_pools_with_the_fewest_cached_items_within_the_allotment():
     d = _classes_digest(8, 100)
-    ds = types.SimpleNamespace(digest=d, pools=ViewPools.of(d), name="t")
+    ds = types.SimpleNamespace(digest=d, pools=ViewPools.of(d), name="t", mean_item_bytes=100)
     group = DatasetJobs(ds, 400, None)
     group.view = _cycle(group.plan.n_chunks, (0,), 1)  # allotted one chunk: 400 bytes
     a, b = (ds.pools.members[int(ds.pools.pool_of[i])] for i in (0, 8))
