@@ -271,8 +271,8 @@ class BatchPlanner:
             if self.cluster.peers is not None:
                 await self.bulk.stage_from_peers(group.ds, batch.hits)
         hits = 0 if probing else len(batch.hits)
-        if not probing and not hits:
-            job.probe.found_nothing_cached(job.epoch, batch.index)
+        if not probing:
+            job.probe.planned_hits(job.epoch, batch.index, hits, len(batch.items))
         self._account(job, group, ref, batch, hits)
         job.manifests[batch.index] = json.dumps(
             self._manifest(job, digest, batch, hits)).encode()

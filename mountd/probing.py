@@ -42,8 +42,8 @@ benchmark.
 
 Where the cache holds the dataset (allotted ``full``, or every chunk may be resident),
 a probe forces no misses: they would read from the bucket what the cache holds. It
-measures the batches the job reads anyway: t_hit from N/2 intervals of batches planned
-with the cache, and t_miss from N/2 of those that found nothing cached (the job's
+measures the batches the job reads anyway: t_hit from N/2 intervals of batches that
+found all their items cached, and t_miss from N/2 of those that found none (the job's
 epoch 0 on a cold dataset) or, without them, from a model: a batch's bytes at the
 bandwidth this node's fetches get, overlapped with the job's step,
 max(t_hit, bytes / bandwidth). It is a lower bound on t_miss (jobs that miss together
@@ -94,13 +94,14 @@ class BenefitProbe:
         self.miss, self.hit, self.uncached, self.ended_at = [], [], [], None
         self.missed = []
 
-    def found_nothing_cached(self, epoch: int, index: int) -> None:
-        """Batch ``index`` of ``epoch``, planned with the cache, found nothing cached: a
-        probe that forces no misses measures t_miss from such batches."""
+    def planned_hits(self, epoch: int, index: int, hits: int, items: int) -> None:
+        """Batch ``index`` of ``epoch``, planned with the cache, found ``hits`` of its
+        ``items`` cached. A probe that forces no misses measures t_hit only from
+        batches of hits, and t_miss from those that found nothing cached."""
         plans = self._plans.get(epoch)
-        if self.model is not None and plans is not None and len(plans) > index and (
-                plans[index] == HIT):
-            plans[index] = MISSED
+        if (self.model is not None and hits < items and plans is not None
+                and len(plans) > index and plans[index] == HIT):
+            plans[index] = MISSED if not hits else UNKNOWN
 
     def times(self) -> tuple[float | None, float | None]:
         """(t_miss, t_hit) as last measured; t_miss alone once this probe's misses are

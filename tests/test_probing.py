@@ -197,14 +197,14 @@ def test_a_probe_without_forced_misses_models_t_miss_from_its_hits():
 
 def test_a_probe_without_forced_misses_measures_t_miss_from_batches_that_missed():
     """A cold dataset allotted full: the job's batches that found nothing cached give
-    t_miss; only the other batches give t_hit."""
+    t_miss; those that found some cached give nothing; only batches of hits give t_hit."""
     probe = BenefitProbe()
     probe.begin(1, 8, lambda t_hit: 100.0)
-    for j in range(40):
-        assert not probe.plan(0, j, 40, cached=True)
-        if j < 20:
-            probe.found_nothing_cached(0, j)
-        probe.record(0, j, 2.0 if j < 20 else 0.5)
+    for j in range(60):
+        assert not probe.plan(0, j, 60, cached=True)
+        hits = 0 if j < 20 else 8 if j < 40 else 16
+        probe.planned_hits(0, j, hits, 16)
+        probe.record(0, j, 2.0 if j < 20 else 1.0 if j < 40 else 0.5)
     assert probe.measured == (2.0, 0.5)
 
 
