@@ -33,11 +33,10 @@ import functools
 import itertools
 from collections.abc import Sequence
 
-from coordinator.batch_model import BatchModel, ModelJob
+from coordinator.batch_model import NO_BENEFIT, BatchModel, ModelJob
 from quiverfs.chunk_cycle import MIN_RESIDENT
 from quiverfs.heartbeat import CacheMode
 
-NO_BENEFIT = 1.1  # a job whose t_miss / t_hit is below this hides its I/O
 # Of the budget, kept free of extra chunks: the next chunk's early misses (a chunk is up
 # to an eighth of a lone node's cache), and promised hits of an evicted chunk not read
 # yet, live there. Less, and the store culls the resident chunks' items to make room.

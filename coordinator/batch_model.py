@@ -14,6 +14,10 @@ batch takes at least the job's t_miss where measured. Where not, it takes DOUBT 
 its share of the bandwidth: the benefit of the doubt, which gives an unmeasured job
 some gain from the cache.
 
+A job measured both ways whose t_miss is under NO_BENEFIT times its t_hit hides its
+misses: the difference is noise, and its misses are taken to cost its t_hit (else a
+compute-bound lone job measured at 1.001 kept two chunks loading beside the others).
+
 A job's compute time is its t_hit where measured (batches with the cache: compute plus
 what a hit costs); else its misses' time / DOUBT: again the doubt, so a job no probe
 has measured on hits gains a little from a full cache, no more. (t_miss far above what
@@ -29,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from quiverfs.heartbeat import CacheMode
 
 DOUBT = 1.2  # what an unmeasured job gains from a full cache, as the model takes it
+NO_BENEFIT = 1.1  # a job whose t_miss / t_hit is below this hides its I/O
 MIN_COMPUTE = 1e-4  # seconds a batch: a measured 0 would make the job's need infinite
 
 
@@ -61,6 +66,15 @@ def fair_shares(needs: Sequence[float], bandwidth: float) -> list[float]:
     return shares
 
 
+def _miss_time(job: ModelJob, share_time: float) -> float:
+    """What a batch of the job's own misses takes at least (the module docstring)."""
+    if job.t_miss is None:
+        return DOUBT * share_time
+    if job.t_hit is not None and job.t_miss < NO_BENEFIT * job.t_hit:
+        return job.t_hit
+    return job.t_miss
+
+
 class BatchModel:
     """Batch times of ``jobs`` under allocations, for a bucket of ``bandwidth``."""
 
@@ -73,8 +87,7 @@ class BatchModel:
         # cached and no job held back by its compute
         share = self._shares({j.dataset: CacheMode.NONE for j in self.jobs},
                              [0.0] * len(self.jobs))
-        self.miss_time = [j.t_miss if j.t_miss is not None else DOUBT * t
-                          for j, t in zip(self.jobs, share)]
+        self.miss_time = [_miss_time(j, t) for j, t in zip(self.jobs, share)]
         self.compute = [max(j.t_hit if j.t_hit is not None else miss / DOUBT, MIN_COMPUTE)
                         for j, miss in zip(self.jobs, self.miss_time)]
         self.uncached = self.times({j.dataset: CacheMode.NONE for j in self.jobs})

@@ -159,6 +159,15 @@ def test_an_unmeasured_dataset_is_ranked_by_the_model():
         "fast": "none", "slow": "coop", "shared": "coop"}
 
 
+@pytest.mark.parametrize("io_size, budget", [(15 * MB, 44 * MB), (15 * MB, 66 * MB),
+                                             (48 * MB, 32 * MB), (48 * MB, 96 * MB)])
+def test_a_job_measured_to_gain_under_the_threshold_gets_no_chunks(io_size, budget):
+    """heavy's t_miss 0.1% over its t_hit is noise: its lone chunks, loading from the
+    bucket beside io's, would gain nothing (bench allocation, run L)."""
+    modes = allocate(three(io_size, heavy=jobs(1, 3.0, 3.003)), budget, BUCKET)
+    assert modes["heavy"] is CacheMode.NONE
+
+
 def test_a_lone_job_gets_chunks_only_where_its_misses_are_slower_than_loads():
     """Chunk loads read a lone job's items as its misses would, but many at a time: they
     gain only where its misses take longer than the bandwidth explains."""
