@@ -15,8 +15,8 @@ its share of the bandwidth: the benefit of the doubt, which gives an unmeasured 
 some gain from the cache.
 
 A job measured both ways whose t_miss is under NO_BENEFIT times its t_hit hides its
-misses: the difference is noise, and its misses are taken to cost its t_hit (else a
-compute-bound lone job measured at 1.001 kept two chunks loading beside the others).
+misses: the difference is noise, and its misses are taken to cost its t_hit (a gain
+that small would keep a lone job's chunks loading from the bucket for nothing).
 
 A job's compute time is its t_hit where measured (batches with the cache: compute plus
 what a hit costs); else its misses' time / DOUBT: again the doubt, so a job no probe
