@@ -204,8 +204,7 @@ def resident_chunks(demands: list[DatasetDemand], modes: dict[str, CacheMode], b
     the datasets worth caching (among all, if none is), in whole chunks; what the shares
     leave goes a chunk at a time by G per byte, to any."""
     coop = [d for d in demands if modes[d.identity] is CacheMode.COOP]
-    used = sum(d.size if modes[d.identity] is CacheMode.FULL else d.coop_cost
-               for d in demands if modes[d.identity] is not CacheMode.NONE)
+    used = sum(_cost(d, modes[d.identity]) for d in demands)
     left = max(0, int(budget * (1 - HEADROOM)) - used)
     chunks = {d.identity: MIN_RESIDENT for d in coop}
     sharing = [d for d in coop if d.worth_caching] or coop

@@ -105,8 +105,8 @@ class BenefitProbe:
 
     def times(self) -> tuple[float | None, float | None]:
         """(t_miss, t_hit) as last measured; t_miss alone once this probe's misses are
-        measured and its hits not yet (the coordinator can tell a job that hides its
-        misses behind its compute from that alone)."""
+        measured and its hits not yet (the coordinator's model takes a batch of the
+        job's misses to last at least that long)."""
         if self.measured is not None:
             return self.measured
         missed = self.missed if self.model is not None else self.miss
