@@ -162,7 +162,6 @@ class QuiverBatchSampler(Sampler[list[int]]):
             raise
         self._last: float | None = None
         self._reports: list[str] = []  # "EPOCH BATCH SECONDS" lines not yet written
-        self._written: concurrent.futures.Future[None] | None = None  # an epoch's last lines
         self._ahead: concurrent.futures.ThreadPoolExecutor | None = None  # reads ahead
         self._previous_epoch: int | None = None  # the epoch iterated last
         # (epoch, its first manifest) read ahead
@@ -231,12 +230,6 @@ class QuiverBatchSampler(Sampler[list[int]]):
         if reports:
             os.write(self._report, reports)
 
-    def _check_written(self) -> None:
-        """Raise what writing an epoch's last reports met, once that write is done."""
-        if self._written is not None and self._written.done():
-            written, self._written = self._written, None
-            written.result()
-
     def _report_and_read(self, reports: bytes, batch: int, epoch: int) -> dict[str, Any]:
         self._write_reports(reports)
         return self.manifest(batch, epoch)
@@ -263,7 +256,6 @@ class QuiverBatchSampler(Sampler[list[int]]):
         while batch < len(self):
             m = self._first_manifest() if batch == 0 else (
                 self.manifest(batch) if next_manifest is None else next_manifest.result())
-            self._check_written()
             batches = [m["paths"], *m.get("segment", ())]
             after = batch + len(batches)
             for i, paths in enumerate(batches):
@@ -286,11 +278,7 @@ class QuiverBatchSampler(Sampler[list[int]]):
                     self._flush_reports()
                 batch += 1
                 yield indices
-        # in the thread, after any manifest read ahead: the loader's next epoch need not
-        # wait for a request to mountd
-        reports = self._take_reports()
-        if reports:
-            self._written = ahead.submit(self._write_reports, reports)
+        self._flush_reports()
 
     def close(self) -> None:
         """Unregister the job (also done when the sampler is garbage collected)."""

@@ -59,19 +59,6 @@ def job_counters(sampler: QuiverBatchSampler) -> dict[str, int]:
         return json.load(f)["counters"]
 
 
-def settled_counters(sampler: QuiverBatchSampler, timeout: float = 30.0) -> dict[str, int]:
-    """The job's counters once they hold still: an epoch's last reports are written in
-    the sampler's thread, and mountd plans ahead."""
-    deadline = time.monotonic() + timeout
-    counters = job_counters(sampler)
-    while True:
-        time.sleep(0.3)
-        again = job_counters(sampler)
-        if again == counters or time.monotonic() > deadline:
-            return again
-        counters = again
-
-
 def epoch_indices(batches: Iterator[list[int]], between: Callable[[int], None] | None = None
                   ) -> list[int]:
     """Every index the sampler's batches of one epoch hold; ``between(b)`` runs after the
@@ -103,11 +90,11 @@ def test_a_cached_full_dataset_gets_segments_and_each_item_once(warm_digits):
         assert n == 57
         epoch_indices(iter(sampler))  # the job's first epoch tells the coordinator of it
         m.wait_for_mode("full", MODE_TIMEOUT)
-        before = settled_counters(sampler)
+        before = job_counters(sampler)
         for epoch in (1, 2):
             sampler.set_epoch(epoch)
             assert sorted(epoch_indices(iter(sampler))) == list(range(1797))
-        after = settled_counters(sampler)
+        after = job_counters(sampler)
         manifests = after["manifests"] - before["manifests"]
         segments = after.get("segments", 0) - before.get("segments", 0)
         assert segments >= 2 and manifests < 2 * n / 10, after
