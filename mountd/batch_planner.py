@@ -108,6 +108,10 @@ class BatchPlanner:
                 self.tasks.start_soon(self._plan_ahead, job, sampler)
             return reply
 
+    def left(self, job: Job) -> None:
+        """``job`` unregistered: what was pushed for it no longer counts."""
+        self.reader.push.left(job.id)
+
     async def _plan_ahead(self, job: Job, sampler: EpochSampler) -> None:
         async with job.lock:
             if job.sampler is not sampler or job.group is None or (

@@ -13,6 +13,11 @@
     JOB/eE-bI       read: the manifest (JSON) of mini-batch I of epoch E (with the
                     batches after it, where it hands out a segment: mountd.batch_planner)
     JOB/report      write lines "EPOCH BATCH SECONDS": per-batch times (for probing)
+    JOB/next        the same manifests through one open file (read-write): a write of
+                    report lines that ends with a line "EPOCH BATCH" asks for that
+                    batch's manifest, which this open file's reads then return (from
+                    offset 0); two requests a manifest, where a file per batch takes a
+                    lookup, an open, a read and a release, and its report a write
     JOB/error       read: why the last config write or batch read failed
     JOB/stats       read: progress and hit counters (JSON)
     rmdir ROOT/.quiver/jobs/JOB          unregister
@@ -47,9 +52,11 @@ JOBS_INODE = 3  # ROOT/.quiver/jobs
 CONTROL_NAME = ".quiver"
 _JOB_BASE = 1 << 60  # + job number * 8 + file kind
 _BATCH_BASE = 1 << 61  # | job number << 36 | epoch << 20 | batch
-_KINDS = ("", "config", "report", "error", "stats", "paths")  # index = inode offset (0: dir)
+# index = inode offset (0: dir), at most 7
+_KINDS = ("", "config", "report", "error", "stats", "paths", "next")
 # Whole names, matched with fullmatch ('$' would also accept a trailing newline).
 _BATCH_NAME = re.compile(r"e(\d{1,5})-b(\d{1,7})")
+_ASK = re.compile(r"(\d{1,5}) (\d{1,7})")  # JOB/next: the batch asked for
 JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 TIMEOUT = 1.0  # seconds the kernel may cache control entries
 MAX_PATHS_BYTES = 128 << 20  # one job's JOB/paths: some 3 million paths of 40 bytes
@@ -174,7 +181,8 @@ class ControlFiles:
         job, kind, _, _ = self._job_of(inode)
         if kind == "dir":
             return self._attr(inode, stat.S_IFDIR | 0o700, job.uid, job.gid)
-        mode = {"config": 0o600, "report": 0o600, "paths": 0o200}.get(kind, 0o400)
+        mode = {"config": 0o600, "report": 0o600, "next": 0o600, "paths": 0o200}.get(
+            kind, 0o400)
         return self._attr(inode, stat.S_IFREG | mode, job.uid, job.gid)
 
     def lookup(self, parent: int, name: str) -> pyfuse3.EntryAttributes:
@@ -235,6 +243,7 @@ class ControlFiles:
         if ctx.uid not in (0, job.uid):
             raise pyfuse3.FUSEError(errno.EPERM)
         self.jobs.remove(job)
+        self.planner.left(job)
         self.lists.drop(job)
         del self._by_number[self._numbers.pop(name)]
 
@@ -244,7 +253,7 @@ class ControlFiles:
         writing = flags & 0o3 != 0
         if kind == "dir":
             raise pyfuse3.FUSEError(errno.EISDIR)
-        if writing and kind not in ("config", "report", "paths"):
+        if writing and kind not in ("config", "report", "paths", "next"):
             raise pyfuse3.FUSEError(errno.EACCES)
         if kind == "paths":
             if not writing:
@@ -266,6 +275,7 @@ class ControlHandle:
         self.epoch = epoch
         self.batch = batch
         self.data: bytes | None = None
+        self.asked = False  # JOB/next: a batch was asked for (epoch, batch)
 
     async def read(self, off: int, size: int) -> bytes:
         if self.data is None:
@@ -274,7 +284,10 @@ class ControlHandle:
 
     async def _content(self) -> bytes:
         job = self.job
-        if self.kind == "batch":
+        if self.kind == "next" and not self.asked:
+            job.error = "write 'EPOCH BATCH' to JOB/next before reading it"
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        if self.kind in ("batch", "next"):
             try:
                 return await self.planner.manifest(job, self.epoch, self.batch)
             except JobError as exc:
@@ -303,7 +316,10 @@ class ControlHandle:
             except JobError:
                 raise pyfuse3.FUSEError(errno.EINVAL) from None
             return len(buf)
-        for line in buf.decode("utf-8", "replace").splitlines():
+        lines = buf.decode("utf-8", "replace").splitlines()
+        if self.kind == "next":
+            self._ask(lines.pop() if lines else "")
+        for line in lines:
             parts = line.split()
             try:
                 epoch, batch, seconds = int(parts[0]), int(parts[1]), float(parts[2])
@@ -312,3 +328,13 @@ class ControlHandle:
             if 0 <= seconds <= MAX_BATCH_SECONDS:  # no NaN or inf: heartbeats carry them
                 self.job.record_time(epoch, batch, seconds)
         return len(buf)
+
+    def _ask(self, line: str) -> None:
+        """JOB/next's last line: the batch whose manifest the next reads return."""
+        m = _ASK.fullmatch(line)
+        if m is None:
+            self.job.error = (f"JOB/next: the last line written must be 'EPOCH BATCH', "
+                              f"not {line[:80]!r}")
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        self.epoch, self.batch = int(m.group(1)), int(m.group(2))
+        self.data, self.asked = None, True

@@ -15,10 +15,11 @@ stops counting at the OPEN of its inode; where files are served without OPEN (mo
 sees none of a page-cache read), when its job asks for a manifest after the next one:
 a sampler reads one manifest ahead, so it has then handed its loader every batch
 planned before the manifest it asked for last. A push neither opened nor passed within
-UNREAD_EXPIRY seconds (the job died, or read another way) stops counting too, and an
-item its job has passed is not pushed at all. Planned items beyond the budget wait in a
-queue of at most MAX_QUEUED, and the oldest are dropped beyond that: their reads simply
-reach mountd. Pages in the page cache are the kernel's to reclaim.
+UNREAD_EXPIRY seconds (the job died, or read another way) stops counting too, as do
+those of a job that unregisters, and an item its job has passed is not pushed at all.
+Planned items beyond the budget wait in a queue of at most MAX_QUEUED, and the oldest
+are dropped beyond that: their reads simply reach mountd. Pages in the page cache are
+the kernel's to reclaim.
 """
 from __future__ import annotations
 
@@ -85,6 +86,18 @@ class PagePush:
         state.when = time.monotonic()
         while state.pushed and state.pushed[0][0] < state.passed:
             self._read(state.pushed.popleft()[1], "pushed_passed")
+
+    def left(self, job: str) -> None:
+        """``job`` unregistered: its pushes stop counting, so that they neither hold the
+        budget nor keep another job's plan from pushing the same items."""
+        state = self._jobs.pop(job, None)
+        if state is None:
+            return
+        for _, inode in state.pushed:
+            pushed = self._pushed.pop(inode, None)
+            if pushed is not None:
+                self.held -= pushed[1]
+        self._changed.set()
 
     def _job(self, job: str) -> _JobPushes:
         state = self._jobs.get(job)

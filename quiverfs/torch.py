@@ -13,16 +13,21 @@ extensions, one with ``samples`` (a list of (path, label)), or any other given
 DatasetFolder's extensions (its own rule), else the list of files, written to
 ``JOB/paths`` (``mountd.job_files``); a file the mounted digest does not hold is a
 ValueError. Each epoch yields every item of this rank's shard exactly once, in batches
-mountd fills with whatever is cached (paper §4.7). Batches are read as manifests from
-``ROOT/.quiver/jobs/JOB/eE-bI``; the time between batches is reported back to mountd.
+mountd fills with whatever is cached (paper §4.7). Batches are read as manifests through
+``ROOT/.quiver/jobs/JOB/next`` (one open file: a write asks for batch I of epoch E, the
+reads return its manifest, the one ``JOB/eE-bI`` holds); the time between batches is
+reported back to mountd.
 Where the dataset is cached in full, one manifest hands out a segment of several
 batches (``mountd.batch_planner``): they are yielded without asking mountd again, their
 times are reported together when the next manifest is read, and the reports and the
 next segment's manifest are written and read by a thread while this one's batches are
-yielded (mountd plans it ahead anyway), so the loader does not wait for them. Where a
-segment runs to the end of the epoch and the job moved on by one epoch last time, the
-next epoch's first manifest is read ahead the same way (mountd then starts that epoch;
-a job that runs another epoch instead has it started afresh). A single batch's manifest
+yielded (mountd plans it ahead anyway), so the loader does not wait for them. That
+starts halfway through the segment, not as it starts: an epoch's first batches are
+read while the loader refills, and mountd's planning of the next segment (and the
+pushes of its items) would hold up those reads. Where a segment runs to the end of the
+epoch and the job moved on by one epoch last time, the next epoch's first manifest is
+read ahead the same way (mountd then starts that epoch; a job that runs another epoch
+instead has it started afresh). A single batch's manifest
 (items still being cached, or a probe timing the job) is read when the batch is asked
 for.
 """
@@ -33,6 +38,7 @@ import errno
 import json
 import math
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -157,10 +163,12 @@ class QuiverBatchSampler(Sampler[list[int]]):
                     "selects its files otherwise, pass paths=[the file of each index]; "
                     "else remount?")
             self._report = os.open(os.path.join(self.job_dir, "report"), os.O_WRONLY)
+            self._next = os.open(os.path.join(self.job_dir, "next"), os.O_RDWR)
         except BaseException:
             self.close()
             raise
         self._last: float | None = None
+        self._asking = threading.Lock()  # one question and its answer at a time on _next
         self._reports: list[str] = []  # "EPOCH BATCH SECONDS" lines not yet written
         self._ahead: concurrent.futures.ThreadPoolExecutor | None = None  # reads ahead
         self._previous_epoch: int | None = None  # the epoch iterated last
@@ -212,6 +220,22 @@ class QuiverBatchSampler(Sampler[list[int]]):
                 raise RuntimeError(f"quiver: {self._error()}") from None
             raise
 
+    def _ask(self, reports: bytes, batch: int, epoch: int) -> dict[str, Any]:
+        """Write ``reports`` and ask for batch ``batch`` of ``epoch`` in one write to
+        JOB/next, and read its manifest (what ``manifest`` reads from JOB/eE-bI)."""
+        with self._asking:
+            try:
+                os.pwrite(self._next, reports + f"{epoch} {batch}\n".encode(), 0)
+                chunks = [os.pread(self._next, MANIFEST_READ, 0)]
+                while len(chunks[-1]) == MANIFEST_READ:  # as in manifest: no read for EOF
+                    chunks.append(os.pread(self._next, MANIFEST_READ,
+                                           MANIFEST_READ * len(chunks)))
+            except OSError as exc:
+                if exc.errno == errno.EINVAL:
+                    raise RuntimeError(f"quiver: {self._error()}") from None
+                raise
+        return json.loads(b"".join(chunks))
+
     def _indices(self, paths: list[str]) -> list[int]:
         try:
             return [self._index[p] for p in paths]
@@ -230,10 +254,6 @@ class QuiverBatchSampler(Sampler[list[int]]):
         if reports:
             os.write(self._report, reports)
 
-    def _report_and_read(self, reports: bytes, batch: int, epoch: int) -> dict[str, Any]:
-        self._write_reports(reports)
-        return self.manifest(batch, epoch)
-
     def _first_manifest(self) -> dict[str, Any]:
         """Batch 0's manifest of this epoch: the one read ahead, where it was this one's."""
         ahead, self._next_epoch = self._next_epoch, None
@@ -241,7 +261,7 @@ class QuiverBatchSampler(Sampler[list[int]]):
             return ahead[1].result()
         if ahead is not None:  # another epoch was set: mountd starts this one afresh
             concurrent.futures.wait([ahead[1]])
-        return self.manifest(0)
+        return self._ask(b"", 0, self.epoch)
 
     def __iter__(self) -> Iterator[list[int]]:
         self._last = None
@@ -255,27 +275,29 @@ class QuiverBatchSampler(Sampler[list[int]]):
         next_manifest: concurrent.futures.Future[dict[str, Any]] | None = None
         while batch < len(self):
             m = self._first_manifest() if batch == 0 else (
-                self.manifest(batch) if next_manifest is None else next_manifest.result())
+                self._ask(b"", batch, self.epoch) if next_manifest is None
+                else next_manifest.result())
             batches = [m["paths"], *m.get("segment", ())]
             after = batch + len(batches)
+            ask_at = len(batches) // 2 if len(batches) > 1 else -1  # halfway: ahead
             for i, paths in enumerate(batches):
                 indices = self._indices(paths)
                 now = time.monotonic()  # the loader asked for this batch then (code
                 if self._last is not None:  # after the yield runs when it asks again)
                     self._reports.append(f"{self.epoch} {batch} {now - self._last:.6f}\n")
                 self._last = now
-                if i == 0 and len(batches) > 1 and after < len(self):
+                if ask_at < 0:  # a single batch: its times go now
+                    next_manifest = None
+                    self._flush_reports()
+                elif i == ask_at and after < len(self):
                     # the reports so far, then the next manifest, in the thread
-                    next_manifest = ahead.submit(self._report_and_read,
-                                                 self._take_reports(), after, self.epoch)
-                elif i == 0 and len(batches) > 1 and successive:
+                    next_manifest = ahead.submit(self._ask, self._take_reports(), after,
+                                                 self.epoch)
+                elif i == ask_at and successive:
                     # the rest of the epoch: the next one's first manifest, in the thread
                     next_manifest = None
                     self._next_epoch = (self.epoch + 1, ahead.submit(
-                        self._report_and_read, self._take_reports(), 0, self.epoch + 1))
-                elif i == 0:
-                    next_manifest = None
-                    self._flush_reports()
+                        self._ask, self._take_reports(), 0, self.epoch + 1))
                 batch += 1
                 yield indices
         self._flush_reports()
@@ -286,10 +308,11 @@ class QuiverBatchSampler(Sampler[list[int]]):
         if ahead is not None:  # a read ahead finished
             ahead.shutdown()
             self._ahead = None
-        report = getattr(self, "_report", None)
-        if report is not None:
-            os.close(report)
-            self._report = None
+        for name in ("_report", "_next"):
+            fd = getattr(self, name, None)
+            if fd is not None:
+                os.close(fd)
+                setattr(self, name, None)
         try:
             os.rmdir(self.job_dir)
         except FileNotFoundError:

@@ -107,9 +107,9 @@ def test_an_epoch_opens_with_a_short_segment_and_the_next_is_read_ahead(warm_dig
     m, root = warm_digits
     sampler = QuiverBatchSampler(root, 8, seed=5)
     replies: dict[int, dict] = {}
-    read = sampler.manifest
-    sampler.manifest = (  # type: ignore[method-assign]
-        lambda b, e=None: replies.setdefault(b, read(b, e)) if e in (None, 1) else read(b, e))
+    ask = sampler._ask  # every manifest the sampler reads (through JOB/next)
+    sampler._ask = (  # type: ignore[method-assign]
+        lambda r, b, e: replies.setdefault(b, ask(r, b, e)) if e == 1 else ask(r, b, e))
     try:
         n = len(sampler)
         epoch_indices(iter(sampler))
@@ -118,8 +118,14 @@ def test_an_epoch_opens_with_a_short_segment_and_the_next_is_read_ahead(warm_dig
         replies.clear()
         batches = iter(sampler)
         seen = next(batches)
-        # the first segment is short, and as it starts the next one's manifest is read
+        # the first segment is short, and halfway through it the next one's manifest is
+        # read (not before)
         assert len(replies[0]["segment"]) == FIRST_SEGMENT_BATCHES - 1
+        for _ in range(FIRST_SEGMENT_BATCHES // 2 - 1):
+            seen += next(batches)
+        time.sleep(0.5)
+        assert FIRST_SEGMENT_BATCHES not in replies
+        seen += next(batches)
         deadline = time.monotonic() + MODE_TIMEOUT
         while FIRST_SEGMENT_BATCHES not in replies:
             assert time.monotonic() < deadline, "the next segment was not read ahead"
@@ -140,14 +146,14 @@ def test_the_next_epochs_first_manifest_is_read_ahead(warm_digits):
     m, root = warm_digits
     sampler = QuiverBatchSampler(root, 32, seed=2)
     reads: list[tuple[int, int, bool]] = []  # (epoch, batch, read ahead by a thread)
-    read = sampler.manifest
+    ask = sampler._ask  # every manifest the sampler reads (through JOB/next)
 
-    def recorded(b: int, e: int | None = None) -> dict:
+    def recorded(reports: bytes, b: int, e: int) -> dict:
         ahead = threading.current_thread() is not threading.main_thread()
-        reads.append((sampler.epoch if e is None else e, b, ahead))
-        return read(b, e)
+        reads.append((e, b, ahead))
+        return ask(reports, b, e)
 
-    sampler.manifest = recorded  # type: ignore[method-assign]
+    sampler._ask = recorded  # type: ignore[method-assign]
     try:
         epoch_indices(iter(sampler))
         m.wait_for_mode("full", MODE_TIMEOUT)
@@ -183,6 +189,32 @@ def test_an_epoch_run_again_after_a_read_ahead_starts_afresh(warm_digits):
         assert sorted(epoch_indices(iter(sampler))) == list(range(1797))
     finally:
         sampler.close()
+
+
+def push_held(m: MountdProcess, settled: Callable[[int], bool]) -> int:
+    """mountd's unread pushed bytes, once ``settled`` by them (pushes run behind plans)."""
+    deadline = time.monotonic() + MODE_TIMEOUT
+    while not settled(held := m.status()["push"]["held"]):
+        assert time.monotonic() < deadline, f"{held} bytes pushed and unread"
+        time.sleep(0.01)
+    return held
+
+
+def test_a_jobs_pushes_stop_counting_when_it_leaves(warm_digits):
+    """The pages pushed for a job that unregisters no longer hold the push budget (nor
+    keep another job's plans from pushing the same items) until they expire."""
+    m, root = warm_digits
+    sampler = QuiverBatchSampler(root, 32, seed=4)
+    try:
+        epoch_indices(iter(sampler))
+        m.wait_for_mode("full", MODE_TIMEOUT)
+        sampler.set_epoch(1)
+        epoch_indices(iter(sampler))
+        # its last segment, and the next epoch's first one (read ahead), are not passed
+        push_held(m, lambda held: held > 0)
+    finally:
+        sampler.close()
+    assert push_held(m, lambda held: held == 0) == 0
 
 
 def test_a_probe_of_a_held_dataset_forces_no_misses_and_leaves_segments_on(mountd_factory,

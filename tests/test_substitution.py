@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import json
 import os
 import threading
 import time
@@ -322,6 +323,41 @@ def test_hostile_job_configs_are_refused_and_mountd_serves_on(digits_mount, conf
     m = digits_mount()
     errno_, error = refused_job_config(m.root, config)
     assert errno_ == 22 and message in error  # EINVAL: refused, not a failure (EIO)
+    assert len(os.listdir(os.path.join(m.root, "digits"))) == 10
+
+
+def test_next_returns_the_asked_batchs_manifest_and_refuses_what_it_cannot_read(
+        digits_mount):
+    """JOB/next: report lines and the batch asked for in one write, its manifest in the
+    reads (the one JOB/eE-bI holds); a read before any question, or a last line that
+    asks for nothing, is EINVAL with the reason in JOB/error."""
+    m = digits_mount()
+    sampler = QuiverBatchSampler(os.path.join(m.root, "digits"), 100, seed=7)
+    fd = os.open(os.path.join(sampler.job_dir, "next"), os.O_RDWR)
+    try:
+        with pytest.raises(OSError) as info:
+            os.pread(fd, 1 << 20, 0)
+        assert info.value.errno == 22 and "write 'EPOCH BATCH'" in sampler._error()
+        os.pwrite(fd, b"0 0\n", 0)
+        first = json.loads(os.pread(fd, 1 << 20, 0))
+        assert (first["epoch"], first["batch"]) == (0, 0) and len(first["paths"]) == 100
+        assert os.pread(fd, 1 << 20, 0) == json.dumps(first).encode()  # kept until asked
+        os.pwrite(fd, b"0 0 0.25\n0 1\n", 0)  # batch 0 took 0.25 s; batch 1, please
+        second = json.loads(os.pread(fd, 1 << 20, 0))
+        assert (second["epoch"], second["batch"]) == (0, 1)
+        assert sampler.manifest(1) == second  # the batch file holds the same manifest
+        assert settled_job(m)["counters"]["reported_batches"] == 1
+        for bad in (b"0 0 0.1\n", b"1 x\n", b"\n"):
+            with pytest.raises(OSError) as info:
+                os.pwrite(fd, bad, 0)
+            assert info.value.errno == 22 and "the last line written" in sampler._error()
+        os.pwrite(fd, b"0 9999\n", 0)
+        with pytest.raises(OSError) as info:
+            os.pread(fd, 1 << 20, 0)
+        assert info.value.errno == 22 and "has 18 batches" in sampler._error()
+    finally:
+        os.close(fd)
+        sampler.close()
     assert len(os.listdir(os.path.join(m.root, "digits"))) == 10
 
 
