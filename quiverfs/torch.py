@@ -34,6 +34,7 @@ for.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import errno
 import json
 import math
@@ -203,18 +204,18 @@ class QuiverBatchSampler(Sampler[list[int]]):
         """The manifest (paths, labels, hashes, hits) of one batch of this epoch (or of
         ``epoch``)."""
         epoch = self.epoch if epoch is None else epoch
-        path = os.path.join(self.job_dir, f"e{epoch}-b{batch}")
-        try:
-            fd = os.open(path, os.O_RDONLY)
+        with self._refusal_raised():
+            fd = os.open(os.path.join(self.job_dir, f"e{epoch}-b{batch}"), os.O_RDONLY)
             try:
-                chunks = [os.read(fd, MANIFEST_READ)]
-                # a job file is read past its end on the first short read: no read
-                # (a request to mountd) just to see EOF
-                while len(chunks[-1]) == MANIFEST_READ:
-                    chunks.append(os.read(fd, MANIFEST_READ))
+                return json.loads(_read_whole(fd))
             finally:
                 os.close(fd)
-            return json.loads(b"".join(chunks))
+
+    @contextlib.contextmanager
+    def _refusal_raised(self) -> Iterator[None]:
+        """mountd's refusal of a manifest (EINVAL) as a RuntimeError with its reason."""
+        try:
+            yield
         except OSError as exc:
             if exc.errno == errno.EINVAL:
                 raise RuntimeError(f"quiver: {self._error()}") from None
@@ -223,18 +224,9 @@ class QuiverBatchSampler(Sampler[list[int]]):
     def _ask(self, reports: bytes, batch: int, epoch: int) -> dict[str, Any]:
         """Write ``reports`` and ask for batch ``batch`` of ``epoch`` in one write to
         JOB/next, and read its manifest (what ``manifest`` reads from JOB/eE-bI)."""
-        with self._asking:
-            try:
-                os.pwrite(self._next, reports + f"{epoch} {batch}\n".encode(), 0)
-                chunks = [os.pread(self._next, MANIFEST_READ, 0)]
-                while len(chunks[-1]) == MANIFEST_READ:  # as in manifest: no read for EOF
-                    chunks.append(os.pread(self._next, MANIFEST_READ,
-                                           MANIFEST_READ * len(chunks)))
-            except OSError as exc:
-                if exc.errno == errno.EINVAL:
-                    raise RuntimeError(f"quiver: {self._error()}") from None
-                raise
-        return json.loads(b"".join(chunks))
+        with self._asking, self._refusal_raised():
+            os.pwrite(self._next, reports + f"{epoch} {batch}\n".encode(), 0)
+            return json.loads(_read_whole(self._next))
 
     def _indices(self, paths: list[str]) -> list[int]:
         try:
@@ -324,6 +316,15 @@ class QuiverBatchSampler(Sampler[list[int]]):
                 self.close()
             except OSError:
                 pass
+
+
+def _read_whole(fd: int) -> bytes:
+    """A job file's content from offset 0. It is read past its end on the first short
+    read: no read (a request to mountd) just to see EOF."""
+    chunks = [os.pread(fd, MANIFEST_READ, 0)]
+    while len(chunks[-1]) == MANIFEST_READ:
+        chunks.append(os.pread(fd, MANIFEST_READ, MANIFEST_READ * len(chunks)))
+    return b"".join(chunks)
 
 
 def batches_per_epoch(items: int, batch_size: int, rank: int, world_size: int) -> int:

@@ -2,6 +2,7 @@
 exact batches per manifest, through a real mount and ``QuiverBatchSampler``."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import threading
@@ -103,6 +104,19 @@ def test_a_cached_full_dataset_gets_segments_and_each_item_once(warm_digits):
         sampler.close()
 
 
+class RecordedAsks(concurrent.futures.ThreadPoolExecutor):
+    """A sampler's thread for reading ahead, recording each (batch, epoch) asked of it
+    as it is handed out."""
+
+    def __init__(self) -> None:
+        super().__init__(1, "quiver-manifest")
+        self.asked: list[tuple[int, int]] = []
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def, override]
+        self.asked.append(tuple(args[1:]))
+        return super().submit(fn, *args, **kwargs)
+
+
 def test_an_epoch_opens_with_a_short_segment_and_the_next_is_read_ahead(warm_digits):
     m, root = warm_digits
     sampler = QuiverBatchSampler(root, 8, seed=5)
@@ -116,16 +130,18 @@ def test_an_epoch_opens_with_a_short_segment_and_the_next_is_read_ahead(warm_dig
         m.wait_for_mode("full", MODE_TIMEOUT)
         sampler.set_epoch(1)
         replies.clear()
+        sampler._ahead.shutdown()  # the sampler's reads ahead, recorded as handed out
+        sampler._ahead = asks = RecordedAsks()
         batches = iter(sampler)
         seen = next(batches)
         # the first segment is short, and halfway through it the next one's manifest is
-        # read (not before)
+        # asked for (not before)
         assert len(replies[0]["segment"]) == FIRST_SEGMENT_BATCHES - 1
         for _ in range(FIRST_SEGMENT_BATCHES // 2 - 1):
             seen += next(batches)
-        time.sleep(0.5)
-        assert FIRST_SEGMENT_BATCHES not in replies
+        assert asks.asked == []
         seen += next(batches)
+        assert asks.asked == [(FIRST_SEGMENT_BATCHES, 1)]
         deadline = time.monotonic() + MODE_TIMEOUT
         while FIRST_SEGMENT_BATCHES not in replies:
             assert time.monotonic() < deadline, "the next segment was not read ahead"
