@@ -67,6 +67,13 @@ TIMEOUT = 60  # seconds a writer waits for SQLite's lock
 # most 155 MB); a store of more is served the rest through its index.
 MAX_KNOWN_FILES = 1_000_000
 MAX_VERIFIED = 1_000_000  # digests remembered as hashed in full (about 100 B each)
+# Seconds a read of an entry (or an open of its file) vouches that it is stored, to a
+# planner's look-up (``leading_known``, which would otherwise open and close each file
+# of a segment): an entry found at most 2 × this ago is taken as held. One culled since
+# costs its read a miss, as one culled just after an open would. At most SEEN_LATELY_MAX
+# are vouched for.
+READ_VOUCHES = 1.0
+SEEN_LATELY_MAX = 200_000
 # Bytes: an item up to this size whose content was not yet hashed in full in this run
 # is hashed on mountd's loop, which costs the loop less than handing it to a worker
 # thread; a larger one is hashed in a worker.
@@ -194,12 +201,18 @@ class _ValueFiles:
 
     Two generations bound it to MAX_KNOWN_FILES: when the newer is full it becomes the
     older, and the older is forgotten; an entry of the older that is read moves to the
-    newer."""
+    newer.
+
+    It also knows which entries were found in the store lately (``seen``,
+    ``seen_lately``), in two generations of READ_VOUCHES seconds each."""
 
     def __init__(self, directory: str) -> None:
         self._prefix = os.fsencode(directory) + b"/"
         self._new: dict[bytes, int] = {}
         self._old: dict[bytes, int] = {}
+        self._seen_new: set[bytes] = set()
+        self._seen_old: set[bytes] = set()
+        self._seen_since = self._seen_old_since = time.monotonic()  # when each began
 
     def locate(self, digest: bytes) -> tuple[bytes, int] | None:
         """The value file's path and tag for ``digest``, if known."""
@@ -227,12 +240,32 @@ class _ValueFiles:
             self._old, self._new = self._new, {}
         self._new[digest] = entry
 
+    def seen(self, digest: bytes) -> None:
+        """``digest``'s entry was just found in the store (read, or its file opened)."""
+        now = time.monotonic()
+        if (now - self._seen_since >= READ_VOUCHES
+                or len(self._seen_new) >= SEEN_LATELY_MAX // 2):
+            self._seen_old, self._seen_old_since = self._seen_new, self._seen_since
+            self._seen_new, self._seen_since = set(), now
+        self._seen_new.add(digest)
+
+    def seen_lately(self, digest: bytes) -> bool:
+        """Whether ``digest``'s entry was found at most 2 × READ_VOUCHES seconds ago (and
+        not forgotten since): a generation vouches while it began less than that ago."""
+        now = time.monotonic()
+        return ((now - self._seen_since < 2 * READ_VOUCHES and digest in self._seen_new)
+                or (now - self._seen_old_since < 2 * READ_VOUCHES
+                    and digest in self._seen_old))
+
     def forget(self, digest: bytes) -> None:
         self._new.pop(digest, None)
         self._old.pop(digest, None)
+        self._seen_new.discard(digest)
+        self._seen_old.discard(digest)
 
     def clear(self) -> None:
         self._new, self._old = {}, {}
+        self._seen_new, self._seen_old = set(), set()
 
 
 def _random_bits(name: str) -> int | None:
@@ -646,6 +679,7 @@ class ContentStore:
             self._mark_verified(digest)
         with self._hits_lock:
             self._hits.add(digest)
+        self._files.seen(digest)
         return data
 
     def _read_failed(self, index: _Index | None, digest: bytes,
@@ -667,6 +701,7 @@ class ContentStore:
             self._mark_verified(digest)
             with self._hits_lock:
                 self._hits.add(digest)
+            self._files.seen(digest)
             return value
         log.warning("cache entry %s %s: dropping it", digest.hex(), why)
         self.corrupt_dropped += 1
@@ -699,13 +734,15 @@ class ContentStore:
             os.close(_open_cached(known[0]))
         except OSError:
             return False
+        self._files.seen(digest)
         return True
 
     def leading_known(self, digests: Sequence[bytes]) -> int:
-        """How many of ``digests``, from the first, ``held_known`` says are stored (up to
-        the first it cannot tell at once); for an event loop."""
+        """How many of ``digests``, from the first, are stored as far as this process
+        knows at once (up to the first it cannot tell): found lately (READ_VOUCHES), or
+        ``held_known``; for an event loop."""
         for n, digest in enumerate(digests):
-            if not self.held_known(digest):
+            if not (self._files.seen_lately(digest) or self.held_known(digest)):
                 return n
         return len(digests)
 

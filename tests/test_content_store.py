@@ -585,6 +585,31 @@ def test_get_nowait_serves_only_entries_whose_pages_are_cached(store):
     assert store.get_nowait(digest, len(data)) is None
 
 
+def test_a_planners_look_up_trusts_entries_found_lately_and_opens_the_rest(store, tmp_path,
+                                                                           monkeypatch):
+    monkeypatch.setattr(content_store, "READ_VOUCHES", 0.2)
+    read, unread, dropped, culled = items = [item(40 + i) for i in range(4)]
+    for digest, data in items:
+        assert store.put(digest, data)
+    for digest, data in (read, dropped, culled):
+        assert store.get(digest) == data
+    opened: list[bytes] = []
+    open_cached = content_store._open_cached
+    monkeypatch.setattr(content_store, "_open_cached",
+                        lambda path: (opened.append(path), open_cached(path))[1])
+    assert store.leading_known([read[0], unread[0]]) == 2
+    assert opened == [store._files.locate(unread[0])[0]]  # the one not read lately
+    store.discard(dropped[0])
+    assert store.leading_known([dropped[0]]) == 0  # dropped here: vouched for no more
+    with diskcache.Cache(str(tmp_path / "store")) as other:  # another process culls it
+        assert other.delete(culled[0])
+    assert store.leading_known([culled[0]]) == 1  # taken as held: its read is a miss
+    assert store.get(culled[0]) is None
+    time.sleep(2 * content_store.READ_VOUCHES)
+    opened.clear()
+    assert store.leading_known([read[0]]) == 1 and len(opened) == 1  # too old: opened
+
+
 # -- hits without the index: where value files are is kept in memory ------------------
 
 @pytest.fixture
