@@ -112,6 +112,13 @@ class BatchPlanner:
         """``job`` unregistered: what was pushed for it no longer counts."""
         self.reader.push.left(job.id)
 
+    def _push(self, job: Job, group: DatasetJobs, indices: list[int], batch: int) -> None:
+        """Push the items planned for ``job``'s batch ``batch`` (and those after it in a
+        segment), unless the job left while they were planned: ``left`` has released
+        its pushes, and these would hold the budget until they expired."""
+        if job.group is not None:
+            self.reader.push.enqueue(group.ds, indices, job.id, (job.epoch, batch))
+
     async def _plan_ahead(self, job: Job, sampler: EpochSampler) -> None:
         async with job.lock:
             if job.sampler is not sampler or job.group is None or (
@@ -182,8 +189,7 @@ class BatchPlanner:
             reply = await trio.to_thread.run_sync(
                 self._segment_reply, job, digest, batches, limiter=self.reader.limiter)
         self.reader.staging.planned(hashes[:n * size])
-        self.reader.push.enqueue(group.ds, [int(i) for i in items[:n * size]], job.id,
-                                 (job.epoch, batches[0].index))
+        self._push(job, group, [int(i) for i in items[:n * size]], batches[0].index)
         # each batch's own manifest is made only if a reader asks for it
         job.manifests.update((batch.index, batch) for batch in batches)
         job.segments[batches[0].index] = (reply, n)
@@ -271,7 +277,7 @@ class BatchPlanner:
                                       (chunk_of, resident) if group.mode is CacheMode.COOP
                                       else None)
             self.reader.staging.planned([digest.hash(i) for i in batch.hits])
-            self.reader.push.enqueue(group.ds, batch.hits, job.id, (job.epoch, batch.index))
+            self._push(job, group, batch.hits, batch.index)
             if self.cluster.peers is not None:
                 await self.bulk.stage_from_peers(group.ds, batch.hits)
         hits = 0 if probing else len(batch.hits)
