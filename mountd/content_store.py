@@ -72,7 +72,7 @@ MAX_VERIFIED = 1_000_000  # digests remembered as hashed in full (about 100 B ea
 # of a segment): an entry found at most 2 × this ago is taken as held. One culled since
 # costs its read a miss, as one culled just after an open would. At most SEEN_LATELY_MAX
 # are vouched for.
-READ_VOUCHES = 1.0
+SEEN_LATELY_S = 1.0
 SEEN_LATELY_MAX = 200_000
 # Bytes: an item up to this size whose content was not yet hashed in full in this run
 # is hashed on mountd's loop, which costs the loop less than handing it to a worker
@@ -204,7 +204,7 @@ class _ValueFiles:
     newer.
 
     It also knows which entries were found in the store lately (``seen``,
-    ``seen_lately``), in two generations of READ_VOUCHES seconds each."""
+    ``seen_lately``), in two generations of SEEN_LATELY_S seconds each."""
 
     def __init__(self, directory: str) -> None:
         self._prefix = os.fsencode(directory) + b"/"
@@ -243,18 +243,18 @@ class _ValueFiles:
     def seen(self, digest: bytes) -> None:
         """``digest``'s entry was just found in the store (read, or its file opened)."""
         now = time.monotonic()
-        if (now - self._seen_since >= READ_VOUCHES
+        if (now - self._seen_since >= SEEN_LATELY_S
                 or len(self._seen_new) >= SEEN_LATELY_MAX // 2):
             self._seen_old, self._seen_old_since = self._seen_new, self._seen_since
             self._seen_new, self._seen_since = set(), now
         self._seen_new.add(digest)
 
     def seen_lately(self, digest: bytes) -> bool:
-        """Whether ``digest``'s entry was found at most 2 × READ_VOUCHES seconds ago (and
+        """Whether ``digest``'s entry was found at most 2 × SEEN_LATELY_S seconds ago (and
         not forgotten since): a generation vouches while it began less than that ago."""
         now = time.monotonic()
-        return ((now - self._seen_since < 2 * READ_VOUCHES and digest in self._seen_new)
-                or (now - self._seen_old_since < 2 * READ_VOUCHES
+        return ((now - self._seen_since < 2 * SEEN_LATELY_S and digest in self._seen_new)
+                or (now - self._seen_old_since < 2 * SEEN_LATELY_S
                     and digest in self._seen_old))
 
     def forget(self, digest: bytes) -> None:
@@ -739,7 +739,7 @@ class ContentStore:
 
     def leading_known(self, digests: Sequence[bytes]) -> int:
         """How many of ``digests``, from the first, are stored as far as this process
-        knows at once (up to the first it cannot tell): found lately (READ_VOUCHES), or
+        knows at once (up to the first it cannot tell): found lately (SEEN_LATELY_S), or
         ``held_known``; for an event loop."""
         for n, digest in enumerate(digests):
             if not (self._files.seen_lately(digest) or self.held_known(digest)):

@@ -587,7 +587,7 @@ def test_get_nowait_serves_only_entries_whose_pages_are_cached(store):
 
 def test_a_planners_look_up_trusts_entries_found_lately_and_opens_the_rest(store, tmp_path,
                                                                            monkeypatch):
-    monkeypatch.setattr(content_store, "READ_VOUCHES", 0.2)
+    monkeypatch.setattr(content_store, "SEEN_LATELY_S", 0.2)
     read, unread, dropped, culled = items = [item(40 + i) for i in range(4)]
     for digest, data in items:
         assert store.put(digest, data)
@@ -605,7 +605,7 @@ def test_a_planners_look_up_trusts_entries_found_lately_and_opens_the_rest(store
         assert other.delete(culled[0])
     assert store.leading_known([culled[0]]) == 1  # taken as held: its read is a miss
     assert store.get(culled[0]) is None
-    time.sleep(2 * content_store.READ_VOUCHES)
+    time.sleep(2 * content_store.SEEN_LATELY_S)
     opened.clear()
     assert store.leading_known([read[0]]) == 1 and len(opened) == 1  # too old: opened
 
