@@ -77,7 +77,9 @@ class ChunkLoader:
                 group.changed = trio.Event()
             group.ds.cache_mode = view.mode
             for job in group.jobs.values():
-                seq = view.probes.get(job.id)  # never a view's job: those are not probed
+                if not isinstance(job, Job):
+                    continue  # a view's job: those are not probed
+                seq = view.probes.get(job.id)
                 if seq is not None and seq > job.probe.seq:
                     # where the cache holds the dataset, forced misses would read from
                     # the bucket what it holds: the probe measures without them

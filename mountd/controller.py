@@ -20,7 +20,8 @@ from mountd.peers import PeerService
 from mountd.read_stats import FetchCause, ReadStats
 from mountd.registry import Registration, Registry, new_registration
 from mountd.shared_digests import SharedDigests
-from mountd.view import VIEWS, ViewJobs, has_labels
+from mountd.view import VIEWS, ViewJobs
+from mountd.view_pools import has_labels
 from quiverfs import digest as digest_format
 from quiverfs import ownership
 from quiverfs.background import BackgroundTasks

@@ -3,19 +3,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from typing import TYPE_CHECKING
 
 import trio
 
 from mountd.dataset_tree import DatasetTree
 from mountd.memory_budget import DigestCost
 from mountd.registry import Registration
+from mountd.view_pools import ViewPools
 from quiverfs.backends import Backend
 from quiverfs.digest import Digest
 from quiverfs.heartbeat import CacheMode
-
-if TYPE_CHECKING:
-    from mountd.view import ViewPools
 
 
 @dataclasses.dataclass
@@ -43,7 +40,7 @@ class MountedDataset:
     counters: Counter[str] = dataclasses.field(default_factory=Counter)
     prefetch: PrefetchProgress | None = None
     cache_mode: CacheMode = CacheMode.COOP  # the coordinator's allocation
-    pools: ViewPools | None = None  # a substitutable view's pools (mountd.view); None: exact
+    pools: ViewPools | None = None  # a substitutable view's pools (mountd.view_pools); None: exact
     fetch_depth: int = 1  # fetches from its storage in flight at once (ItemReader.fetch_depth)
     fetch_slots: trio.Semaphore = dataclasses.field(init=False)
 

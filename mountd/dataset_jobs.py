@@ -2,7 +2,7 @@
 coordinator last described it."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import trio
@@ -12,13 +12,21 @@ from mountd.dataset import MountedDataset
 from quiverfs import ownership
 from quiverfs.chunk_cycle import ChunkState, EpochRef
 from quiverfs.chunk_plan import default_chunk_bytes, make_plan
-from quiverfs.heartbeat import CacheMode, CycleView, DatasetReport, LoadedShare
+from quiverfs.heartbeat import CacheMode, CycleView, DatasetReport, JobReport, LoadedShare
 
 PROBE_AHEAD = 2  # chunks that load next where a probe takes its misses
 
-if TYPE_CHECKING:
-    from mountd.job_registry import Job
-    from mountd.view import ViewJob
+
+
+class DatasetJob(Protocol):
+    """What a dataset's jobs share, whether a sampler's (mountd.job_registry.Job) or a
+    view's (mountd.view.ViewJob): callers that need more narrow with ``isinstance``."""
+
+    id: str
+
+    def kept_for(self, items: np.ndarray) -> np.ndarray: ...
+
+    def report(self) -> JobReport | None: ...
 
 
 class DatasetJobs:
@@ -30,7 +38,7 @@ class DatasetJobs:
         if chunk_bytes is None and max_chunk_bytes is not None:
             chunk_bytes = min(default_chunk_bytes(ds.digest.total_bytes), max_chunk_bytes)
         self.plan = make_plan(ds.digest, chunk_bytes)
-        self.jobs: dict[str, Job | ViewJob] = {}  # sampler jobs and view jobs, by id
+        self.jobs: dict[str, DatasetJob] = {}  # sampler jobs and view jobs, by id
         self.view: CycleView | None = None  # the cycle, as the coordinator last said
         self.loaded: list[LoadedShare] = []  # shares this node finished loading
         self.busy: set[str] = set()  # load tasks running, by key
@@ -139,7 +147,7 @@ class DatasetJobs:
         ring = ((view.next + k) % view.chunks for k in range(view.chunks))
         return [c for c in ring if view.states[c] is ChunkState.EVICTED][:PROBE_AHEAD]
 
-    def alone(self, me: str) -> Job | ViewJob | None:
+    def alone(self, me: str) -> DatasetJob | None:
         """The dataset's one job in the cluster, where that is a job here (node ``me``)."""
         view = self.view
         if view is None or view.users != (me,) or len(self.jobs) != 1:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import weakref
 
 from mountd.dataset_tree import DatasetTree
-from mountd.view import ViewPools
+from mountd.view_pools import ViewPools
 from quiverfs.digest import Digest
 
 

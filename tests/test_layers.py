@@ -1,12 +1,15 @@
 """The import layers of docs/architecture.md hold: import-linter's contracts in
-pyproject.toml (who may import whom, no cycles within a package)."""
+pyproject.toml (who may import whom), and no module imports another in a circle."""
 from __future__ import annotations
 
+import ast
+import graphlib
 import os
 import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("quiverfs", "mountd", "coordinator", "digest_tools")
 
 
 def test_import_contracts_are_kept():
@@ -15,3 +18,66 @@ def test_import_contracts_are_kept():
                           timeout=300)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "0 broken" in done.stdout
+
+
+def _modules(root: str) -> dict[str, str]:
+    """Every module of the four packages, by dotted name: its file."""
+    found = {}
+    for package in PACKAGES:
+        for folder, dirs, files in os.walk(os.path.join(root, package)):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            for name in files:
+                if name.endswith(".py"):
+                    parts = os.path.relpath(os.path.join(folder, name), root)[:-3].split(os.sep)
+                    if parts[-1] == "__init__":
+                        parts.pop()
+                    found[".".join(parts)] = os.path.join(folder, name)
+    return found
+
+
+def import_graph(root: str) -> dict[str, set[str]]:
+    """Who imports whom among the packages' modules: every import statement, those
+    under ``if TYPE_CHECKING:`` and inside functions included; ``from P import N``
+    counts as an import of P.N where that is a module."""
+    modules = _modules(root)
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        is_package = path.endswith("__init__.py")
+        edges = graph[name] = set()
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    here = name.split(".") if is_package else name.split(".")[:-1]
+                    here = here[:len(here) - node.level + 1]
+                    base = ".".join(here + ([base] if base else []))
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                           for alias in node.names]
+            else:
+                continue
+            edges.update(t for t in targets if t in modules and t != name)
+    return graph
+
+
+def test_no_module_imports_another_in_a_circle():
+    try:
+        order = list(graphlib.TopologicalSorter(import_graph(ROOT)).static_order())
+    except graphlib.CycleError as cycle:  # each module in it imports the one before it
+        circle = " imports ".join(reversed(cycle.args[1]))
+        raise AssertionError(f"an import circle: {circle}") from None
+    assert "mountd.daemon" in order
+
+
+def test_the_circle_test_finds_a_type_checking_circle(tmp_path):
+    for package in PACKAGES:
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "mountd" / "a.py").write_text("from mountd.b import B\n")
+    (tmp_path / "mountd" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from mountd import a\n")
+    graph = import_graph(str(tmp_path))
+    assert graph["mountd.a"] == {"mountd.b"} and graph["mountd.b"] == {"mountd.a"}

@@ -19,7 +19,7 @@ import pytest
 
 from mountd.dataset_tree import DatasetTree
 from mountd.memory_budget import DigestCost, digest_cost
-from mountd.view import ViewPools
+from mountd.view_pools import ViewPools
 from quiverfs import digest as digest_format
 from quiverfs.sizes import human
 from tests.conftest import CLI_TIMEOUT
