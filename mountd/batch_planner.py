@@ -3,12 +3,11 @@ mini-batch I of epoch E, planned by an EpochSampler over the items the job's Ima
 sees. Misses the sampler picks are fetched before the manifest is returned, so the
 job's workers read cache hits.
 
-A manifest is one JSON object: ``epoch``, ``batch``, ``hits`` (how many of its items
-were planned as hits), and per item ``paths`` (relative to the job's prefix), ``labels``
-and ``hashes`` (hex SHA-256). While the job's dataset is allotted ``full`` and the items
-it visits next are all cached, there is nothing to substitute: the reply for batch I
-then also carries ``segment``, the ``paths`` of the batches I + 1, I + 2, ... (up to
-SEGMENT_BATCHES in all, in the job's exact shuffled order), already planned. A reader
+A manifest is a ``quiverfs.job_protocol.Manifest`` in JSON. While the job's dataset is
+allotted ``full`` and the items it visits next are all cached, there is nothing to
+substitute: the reply for batch I then also carries ``segment``, the ``paths`` of the
+batches I + 1, I + 2, ... (up to SEGMENT_BATCHES in all, in the job's exact shuffled
+order), already planned. A reader
 may take them without reading their files (whose manifests are kept, without a
 ``segment``, for readers that do) and asks again for the first batch after them.
 
@@ -19,10 +18,8 @@ epoch is an error).
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
-from typing import Any
 
 import numpy as np
 import trio
@@ -38,6 +35,7 @@ from quiverfs.background import BackgroundTasks
 from quiverfs.chunk_cycle import EpochRef
 from quiverfs.digest import Digest
 from quiverfs.heartbeat import CacheMode
+from quiverfs.job_protocol import Manifest, encode_manifest
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +98,8 @@ class BatchPlanner:
                 reply, handed = segment
                 job.counters["segments"] += 1
             elif isinstance(reply, Batch):  # a segment's batch, read on its own
-                reply = job.manifests[index] = json.dumps(self._manifest(
-                    job, group.ds.digest, reply, len(reply.items))).encode()
+                reply = job.manifests[index] = encode_manifest(self._manifest(
+                    job, group.ds.digest, reply, len(reply.items)))
             job.counters["manifests"] += 1
             if sampler.planned == index + handed < sampler.n_batches:
                 # plan the next batch while the job's workers read this one
@@ -199,9 +197,9 @@ class BatchPlanner:
     def _segment_reply(cls, job: Job, digest: Digest, batches: list[Batch]) -> bytes:
         """The reply that hands out a segment: its first batch's manifest, with the
         other batches' paths as its ``segment``."""
-        reply = {**cls._manifest(job, digest, batches[0], len(batches[0].items)),
-                 "segment": [cls._paths(job, digest, batch.items) for batch in batches[1:]]}
-        return json.dumps(reply).encode()
+        segment = [cls._paths(job, digest, batch.items) for batch in batches[1:]]
+        return encode_manifest(cls._manifest(job, digest, batches[0], len(batches[0].items),
+                                             segment))
 
     async def _plan_next(self, job: Job, group: DatasetJobs, sampler: EpochSampler) -> None:
         ref = job.ref
@@ -284,8 +282,7 @@ class BatchPlanner:
         if not probing:
             job.probe.planned_hits(job.epoch, batch.index, hits, len(batch.items))
         self._account(job, group, ref, batch, hits)
-        job.manifests[batch.index] = json.dumps(
-            self._manifest(job, digest, batch, hits)).encode()
+        job.manifests[batch.index] = encode_manifest(self._manifest(job, digest, batch, hits))
 
     def _account(self, job: Job, group: DatasetJobs, ref: EpochRef, batch: Batch,
                  hits: int) -> None:
@@ -304,13 +301,13 @@ class BatchPlanner:
         return [digest.path(i)[cut:] for i in items]
 
     @staticmethod
-    def _manifest(job: Job, digest: Digest, batch: Batch, hits: int) -> dict[str, Any]:
-        """A batch's manifest (the module docstring says what is in it)."""
+    def _manifest(job: Job, digest: Digest, batch: Batch, hits: int,
+                  segment: list[list[str]] | None = None) -> Manifest:
         items = batch.items
-        return {"epoch": job.epoch, "batch": batch.index, "hits": hits,
-                "paths": BatchPlanner._paths(job, digest, items),
-                "labels": [digest.label(i) for i in items],
-                "hashes": [digest.hash(i).hex() for i in items]}
+        return Manifest(epoch=job.epoch, batch=batch.index, hits=hits,
+                        paths=BatchPlanner._paths(job, digest, items),
+                        labels=[digest.label(i) for i in items],
+                        hashes=[digest.hash(i).hex() for i in items], segment=segment or [])
 
     async def _uncached_ahead(self, job: Job, group: DatasetJobs, need: int) -> float:
         """About how many of the job's pending items in the loading chunks, and the two

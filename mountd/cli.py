@@ -17,6 +17,7 @@ from quiverfs.cycle_cli import add_cycle_options
 from quiverfs.dataset_name import check_name
 from quiverfs import digest as digest_format
 from quiverfs.errors import ExitCode, QuietError
+from quiverfs.job_protocol import VIEWS
 from quiverfs.option_types import Address, ByteSize, IntAtLeast
 from quiverfs.peer_network import PeerNetworks
 from quiverfs.sizes import human
@@ -119,7 +120,7 @@ def add_parsers(sub: argparse._SubParsersAction,
     m.add_argument("--name", type=check_name,
                    help="directory name under ROOT (default: the digest's name)")
     m.add_argument("--prefetch", action="store_true", help="warm the cache in the background")
-    m.add_argument("--view", choices=("exact", "substitutable"), default="exact",
+    m.add_argument("--view", choices=VIEWS, default="exact",
                    help="exact (default): every path reads its own bytes. substitutable: "
                    "opening a file of a class folder reads an item of that folder this job "
                    "has not had in its current pass, cached ones first (docs/view.md)")

@@ -24,9 +24,9 @@ from mountd.job_files import CONTROL_INODE, ControlFiles, ControlHandle
 from mountd.mount_table import MountTable
 from mountd.read_stats import FetchCause
 from mountd.view import ViewJobs
+from quiverfs.job_protocol import VIEWS_NAME
 
 VIEWS_INODE = 4  # ROOT/.quiver/views
-VIEWS_NAME = "views"
 VIEW_TIMEOUT = 1.0  # seconds the kernel may cache names here: views come and go
 # On a view's open file: what the opening process was served (its SHA-256, hex, and path).
 XATTR_SERVED_HASH = b"user.quiver.served.sha256"

@@ -23,8 +23,9 @@ import trio
 
 from mountd.control_fs import ControlFS
 from mountd.control_mount_process import MAX_MESSAGE, attr_to_wire
-from mountd.job_files import CONTROL_INODE, CONTROL_NAME
+from mountd.job_files import CONTROL_INODE
 from quiverfs.errors import ExitCode, QuietError
+from quiverfs.job_protocol import CONTROL_NAME
 
 log = logging.getLogger(__name__)
 

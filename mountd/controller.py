@@ -20,7 +20,7 @@ from mountd.peers import PeerService
 from mountd.read_stats import FetchCause, ReadStats
 from mountd.registry import Registration, Registry, new_registration
 from mountd.shared_digests import SharedDigests
-from mountd.view import VIEWS, ViewJobs
+from mountd.view import ViewJobs
 from mountd.view_pools import has_labels
 from quiverfs import digest as digest_format
 from quiverfs import ownership
@@ -31,6 +31,7 @@ from quiverfs.digest import Digest
 from quiverfs.errors import ExitCode, QuietError
 from quiverfs.fs_identity import IdentityUnavailable, UserIdentity, acting_as, open_regular
 from quiverfs.heartbeat import to_wire
+from quiverfs.job_protocol import VIEWS
 
 log = logging.getLogger(__name__)
 

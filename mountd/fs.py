@@ -30,11 +30,11 @@ from typing import Any
 import pyfuse3
 import trio
 
-from mountd.control_fs import VIEWS_NAME
 from mountd.dataset import MountedDataset
 from mountd.item_reader import ItemReader, ReadFailed
-from mountd.job_files import CONTROL_INODE, CONTROL_NAME
+from mountd.job_files import CONTROL_INODE
 from mountd.mount_table import MountTable
+from quiverfs.job_protocol import CONTROL_NAME, VIEWS_NAME
 
 log = logging.getLogger(__name__)
 

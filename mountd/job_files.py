@@ -34,7 +34,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import re
 import stat
 import time
 from collections import Counter
@@ -44,20 +43,16 @@ import pyfuse3
 from mountd.batch_planner import BatchPlanner
 from mountd.job_registry import Job, JobError, JobLimit, JobRegistry
 from quiverfs.heartbeat import MAX_BATCH_SECONDS
+from quiverfs.job_protocol import ASK, BATCH_NAME, JOB_FILES, JOB_NAME, JOBS_NAME
 
 log = logging.getLogger(__name__)
 
 CONTROL_INODE = 2  # ROOT/.quiver
 JOBS_INODE = 3  # ROOT/.quiver/jobs
-CONTROL_NAME = ".quiver"
 _JOB_BASE = 1 << 60  # + job number * 8 + file kind
 _BATCH_BASE = 1 << 61  # | job number << 36 | epoch << 20 | batch
 # index = inode offset (0: dir), at most 7
-_KINDS = ("", "config", "report", "error", "stats", "paths", "next")
-# Whole names, matched with fullmatch ('$' would also accept a trailing newline).
-_BATCH_NAME = re.compile(r"e(\d{1,5})-b(\d{1,7})")
-_ASK = re.compile(r"(\d{1,5}) (\d{1,7})")  # JOB/next: the batch asked for
-JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_KINDS = ("", *JOB_FILES)
 TIMEOUT = 1.0  # seconds the kernel may cache control entries
 MAX_PATHS_BYTES = 128 << 20  # one job's JOB/paths: some 3 million paths of 40 bytes
 MAX_PATHS_BYTES_PER_USER = 256 << 20  # a uid's (not root's) lists no config has taken yet
@@ -186,7 +181,7 @@ class ControlFiles:
         return self._attr(inode, stat.S_IFREG | mode, job.uid, job.gid)
 
     def lookup(self, parent: int, name: str) -> pyfuse3.EntryAttributes:
-        if parent == CONTROL_INODE and name == "jobs":
+        if parent == CONTROL_INODE and name == JOBS_NAME:
             return self.getattr(JOBS_INODE)
         if parent == JOBS_INODE:
             job = self.jobs.jobs.get(name)
@@ -198,7 +193,7 @@ class ControlFiles:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         if name in _KINDS[1:]:
             return self.getattr(self._job_inode(job, name))
-        m = _BATCH_NAME.fullmatch(name)
+        m = BATCH_NAME.fullmatch(name)
         if m is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
         inode = (_BATCH_BASE | self._numbers[job.id] << 36 | int(m.group(1)) << 20
@@ -207,7 +202,7 @@ class ControlFiles:
 
     def entries(self, inode: int, uid: int) -> list[tuple[bytes, int]]:
         if inode == CONTROL_INODE:
-            return [(b"jobs", JOBS_INODE)]
+            return [(JOBS_NAME.encode(), JOBS_INODE)]
         if inode == JOBS_INODE:
             return [(job.id.encode(), self._job_inode(job)) for job in self.jobs.jobs.values()
                     if uid in (0, job.uid) and job.id in self._numbers]
@@ -331,7 +326,7 @@ class ControlHandle:
 
     def _ask(self, line: str) -> None:
         """JOB/next's last line: the batch whose manifest the next reads return."""
-        m = _ASK.fullmatch(line)
+        m = ASK.fullmatch(line)
         if m is None:
             self.job.error = (f"JOB/next: the last line written must be 'EPOCH BATCH', "
                               f"not {line[:80]!r}")

@@ -22,9 +22,10 @@ from mountd.dataset_jobs import DatasetJobs
 from mountd.dataset_tree import DatasetTree
 from mountd.mount_table import MountTable
 from mountd.probing import BenefitProbe
-from mountd.substitution import DEFAULT_SCAN_FACTOR, Batch, EpochSampler
+from mountd.substitution import Batch, EpochSampler
 from quiverfs.chunk_cycle import EpochRef
 from quiverfs.heartbeat import JobReport, to_wire
+from quiverfs.job_protocol import DEFAULT_SCAN_FACTOR
 
 log = logging.getLogger(__name__)
 

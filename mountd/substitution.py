@@ -26,11 +26,12 @@ from typing import TypeVar
 
 import numpy as np
 
+from quiverfs.job_protocol import DEFAULT_SCAN_FACTOR
+
 T = TypeVar("T")
 # A planning step: yields candidate items, is sent which may be hits, returns a T.
 Planning = Generator[np.ndarray, np.ndarray, T]
 
-DEFAULT_SCAN_FACTOR = 10
 SCAN_BLOCK = 256  # items whose cache state is asked for at once
 PROBE_SCAN = 4  # blocks a probe batch looks through for items that are not cached
 EWMA = 0.2  # weight of the newest scan in the hit-rate estimate

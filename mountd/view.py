@@ -50,17 +50,16 @@ from mountd.read_stats import FetchCause
 from mountd.view_readahead import JobNeeds, ViewReadahead
 from quiverfs.digest import Digest
 from quiverfs.heartbeat import CacheMode, JobReport, to_wire
+from quiverfs.job_protocol import JOB_ENV
 
 log = logging.getLogger(__name__)
 
-VIEWS = ("exact", "substitutable")
 POOL_BATCH = 8  # hits of one pool planned at once (one store look-up for up to 8 opens)
 MAX_JOBS_PER_USER = 64  # view jobs a uid holds at once; its least recently used goes first
 JOB_IDLE = 3600.0  # seconds without an open after which a job is forgotten
 SWEEP_EVERY = 5.0  # seconds between looks for jobs whose processes are gone
 MAX_IDENTITIES = 4096  # reader pids whose job identity is remembered
 MAX_PGIDS = 64  # process groups remembered per job (it ends when all of them are gone)
-JOB_ENV = "QUIVER_JOB"
 LOOKUP_BLOCK = 4 * POOL_BATCH  # pending items of a pool looked up in the store at once
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 

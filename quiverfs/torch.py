@@ -47,7 +47,11 @@ from typing import Any
 
 from torch.utils.data import Sampler
 
-CONTROL = os.path.join(".quiver", "jobs")
+from quiverfs.job_protocol import (CONTROL_NAME, DEFAULT_SCAN_FACTOR, JOBS_NAME, Manifest,
+                                    ManifestError, ask_line, batch_name, decode_manifest,
+                                    report_line)
+
+CONTROL = os.path.join(CONTROL_NAME, JOBS_NAME)
 MANIFEST_READ = 4 << 20  # bytes asked per read of a manifest (mountd's files are direct_io)
 
 
@@ -131,7 +135,8 @@ class QuiverBatchSampler(Sampler[list[int]]):
 
     def __init__(self, root: str, batch_size: int, *, seed: int = 0, rank: int = 0,
                  world_size: int = 1, dataset: Any = None, paths: Sequence[Any] | None = None,
-                 job_id: str | None = None, scan_factor: int = 10, gpus: int = 1) -> None:
+                 job_id: str | None = None, scan_factor: int = DEFAULT_SCAN_FACTOR,
+                 gpus: int = 1) -> None:
         """``dataset``'s files are its ``samples``, or ``paths`` (the file of each index,
         absolute or relative to ``root``); with neither, ImageFolder(root)'s."""
         self.root = os.path.abspath(root)
@@ -174,7 +179,7 @@ class QuiverBatchSampler(Sampler[list[int]]):
         self._ahead: concurrent.futures.ThreadPoolExecutor | None = None  # reads ahead
         self._previous_epoch: int | None = None  # the epoch iterated last
         # (epoch, its first manifest) read ahead
-        self._next_epoch: tuple[int, concurrent.futures.Future[dict[str, Any]]] | None = None
+        self._next_epoch: tuple[int, concurrent.futures.Future[Manifest]] | None = None
 
     def _error(self) -> str:
         with open(os.path.join(self.job_dir, "error"), encoding="utf-8") as f:
@@ -200,14 +205,14 @@ class QuiverBatchSampler(Sampler[list[int]]):
     def __len__(self) -> int:
         return int(self.config["batches_per_epoch"])
 
-    def manifest(self, batch: int, epoch: int | None = None) -> dict[str, Any]:
+    def manifest(self, batch: int, epoch: int | None = None) -> Manifest:
         """The manifest (paths, labels, hashes, hits) of one batch of this epoch (or of
         ``epoch``)."""
         epoch = self.epoch if epoch is None else epoch
         with self._refusal_raised():
-            fd = os.open(os.path.join(self.job_dir, f"e{epoch}-b{batch}"), os.O_RDONLY)
+            fd = os.open(os.path.join(self.job_dir, batch_name(epoch, batch)), os.O_RDONLY)
             try:
-                return json.loads(_read_whole(fd))
+                return _decoded(_read_whole(fd), epoch, batch)
             finally:
                 os.close(fd)
 
@@ -221,12 +226,12 @@ class QuiverBatchSampler(Sampler[list[int]]):
                 raise RuntimeError(f"quiver: {self._error()}") from None
             raise
 
-    def _ask(self, reports: bytes, batch: int, epoch: int) -> dict[str, Any]:
+    def _ask(self, reports: bytes, batch: int, epoch: int) -> Manifest:
         """Write ``reports`` and ask for batch ``batch`` of ``epoch`` in one write to
         JOB/next, and read its manifest (what ``manifest`` reads from JOB/eE-bI)."""
         with self._asking, self._refusal_raised():
-            os.pwrite(self._next, reports + f"{epoch} {batch}\n".encode(), 0)
-            return json.loads(_read_whole(self._next))
+            os.pwrite(self._next, reports + ask_line(epoch, batch), 0)
+            return _decoded(_read_whole(self._next), epoch, batch)
 
     def _indices(self, paths: list[str]) -> list[int]:
         try:
@@ -246,7 +251,7 @@ class QuiverBatchSampler(Sampler[list[int]]):
         if reports:
             os.write(self._report, reports)
 
-    def _first_manifest(self) -> dict[str, Any]:
+    def _first_manifest(self) -> Manifest:
         """Batch 0's manifest of this epoch: the one read ahead, where it was this one's."""
         ahead, self._next_epoch = self._next_epoch, None
         if ahead is not None and ahead[0] == self.epoch:
@@ -264,19 +269,19 @@ class QuiverBatchSampler(Sampler[list[int]]):
         # an epoch's first manifest is read ahead only for a job that moves on by one
         successive = self._previous_epoch == self.epoch - 1
         self._previous_epoch = self.epoch
-        next_manifest: concurrent.futures.Future[dict[str, Any]] | None = None
+        next_manifest: concurrent.futures.Future[Manifest] | None = None
         while batch < len(self):
             m = self._first_manifest() if batch == 0 else (
                 self._ask(b"", batch, self.epoch) if next_manifest is None
                 else next_manifest.result())
-            batches = [m["paths"], *m.get("segment", ())]
+            batches = [m.paths, *m.segment]
             after = batch + len(batches)
             ask_at = len(batches) // 2 if len(batches) > 1 else -1  # halfway: ahead
             for i, paths in enumerate(batches):
                 indices = self._indices(paths)
                 now = time.monotonic()  # the loader asked for this batch then (code
                 if self._last is not None:  # after the yield runs when it asks again)
-                    self._reports.append(f"{self.epoch} {batch} {now - self._last:.6f}\n")
+                    self._reports.append(report_line(self.epoch, batch, now - self._last))
                 self._last = now
                 if ask_at < 0:  # a single batch: its times go now
                     next_manifest = None
@@ -316,6 +321,20 @@ class QuiverBatchSampler(Sampler[list[int]]):
                 self.close()
             except OSError:
                 pass
+
+
+def _decoded(data: bytes, epoch: int, batch: int) -> Manifest:
+    """The manifest of batch ``batch`` of ``epoch`` in ``data``, as mountd returned it."""
+    try:
+        manifest = decode_manifest(data)
+    except ManifestError as exc:
+        raise RuntimeError(f"quiver: mountd returned {exc} for batch {batch} of epoch "
+                           f"{epoch}: is mountd the version of this sampler?") from None
+    if (manifest.epoch, manifest.batch) != (epoch, batch):
+        raise RuntimeError(f"quiver: mountd returned the manifest of batch {manifest.batch} "
+                           f"of epoch {manifest.epoch} when asked for batch {batch} of "
+                           f"epoch {epoch}")
+    return manifest
 
 
 def _read_whole(fd: int) -> bytes:

@@ -294,7 +294,7 @@ def test_reallocation_keeps_exactly_once(tmp_path, digits_tree):
         paths: list[str] = []
         sampler.set_epoch(0)
         for b in range(len(sampler)):
-            paths += sampler.manifest(b)["paths"]
+            paths += sampler.manifest(b).paths
             if b == 10:
                 restart("0", {"none"})
             elif b == 30:

@@ -45,8 +45,8 @@ def test_jobs_share_a_deep_cycle_within_the_budget(mountd_factory, digits_tree):
                 sampler.set_epoch(epoch)
                 paths = []
                 for b in range(len(sampler)):
-                    paths += sampler.manifest(b)["paths"]
-                    for path in sampler.manifest(b)["paths"][:2]:  # some real reads
+                    paths += sampler.manifest(b).paths
+                    for path in sampler.manifest(b).paths[:2]:  # some real reads
                         with open(os.path.join(root, path), "rb") as f:
                             f.read()
                     if b % 8 == 0:

@@ -16,9 +16,8 @@ from typing import Any
 
 import pytest
 
-from mountd import job_files
 from mountd.control_replies import ClusterReply, MountReply, PrefetchReply, StatusReply
-from quiverfs import control_client, wire
+from quiverfs import control_client, job_protocol, wire
 from quiverfs import digest as fmt
 from quiverfs.dataset_name import check_name
 from quiverfs.errors import ExitCode, QuietError
@@ -204,9 +203,10 @@ def test_dataset_name_must_match_as_a_whole(name: object) -> None:
 
 
 def test_job_and_batch_names_must_match_as_a_whole() -> None:
-    assert job_files.JOB_NAME.fullmatch("job-1") and not job_files.JOB_NAME.fullmatch("job\n")
-    assert job_files._BATCH_NAME.fullmatch("e1-b2")
-    assert not job_files._BATCH_NAME.fullmatch("e1-b2\n")
+    assert job_protocol.JOB_NAME.fullmatch("job-1")
+    assert not job_protocol.JOB_NAME.fullmatch("job\n")
+    assert job_protocol.BATCH_NAME.fullmatch(job_protocol.batch_name(1, 2))
+    assert not job_protocol.BATCH_NAME.fullmatch("e1-b2\n")
 
 
 @pytest.mark.parametrize("name", ["../x", "a\nb", ".hidden"])

@@ -136,8 +136,8 @@ def test_substitutable_hits_come_from_peers_in_batches(tmp_path, synthetic_tree)
             got, hits = {}, 0
             for b in range(len(sampler)):
                 manifest = sampler.manifest(b)
-                hits += manifest["hits"]
-                for p in manifest["paths"]:
+                hits += manifest.hits
+                for p in manifest.paths:
                     with open(os.path.join(root, p), "rb") as f:
                         got[p] = hashlib.sha256(f.read()).hexdigest()
                         # as for a dataset larger than RAM: the next read reaches mountd
@@ -196,8 +196,8 @@ def test_more_planners_than_worker_threads_finish(tmp_path, synthetic_tree):
                     got = {}
                     for b in range(len(sampler)):
                         manifest = sampler.manifest(b)
-                        hits[n] += manifest["hits"]
-                        for p in manifest["paths"]:
+                        hits[n] += manifest.hits
+                        for p in manifest.paths:
                             got[p] = hashlib.sha256(read(os.path.join(root, p))).hexdigest()
                     if got != expected:
                         wrong.append((n, epoch))
@@ -251,7 +251,7 @@ def test_peer_killed_mid_epoch_no_errors_and_exactly_once(cluster, digits_tree):
         paths: list[str] = []
         sampler.set_epoch(0)
         for b in range(len(sampler)):
-            batch = sampler.manifest(b)["paths"]
+            batch = sampler.manifest(b).paths
             for p in batch:  # the job reads every item it is given
                 assert len(read(os.path.join(root, p))) > 0
             paths += batch

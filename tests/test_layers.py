@@ -5,19 +5,63 @@ from __future__ import annotations
 import ast
 import graphlib
 import os
+import shutil
 import subprocess
 import sys
+import tomllib
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("quiverfs", "mountd", "coordinator", "digest_tools")
 
 
-def test_import_contracts_are_kept():
+def lint_imports(root: str) -> subprocess.CompletedProcess[str]:
+    """import-linter over the packages in ``root`` (its working directory comes first on
+    the import path, ahead of the editable install)."""
     linter = os.path.join(os.path.dirname(sys.executable), "lint-imports")
-    done = subprocess.run([linter, "--no-cache"], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([linter, "--no-cache"], cwd=root, capture_output=True, text=True,
                           timeout=300)
+
+
+def test_import_contracts_are_kept():
+    done = lint_imports(ROOT)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "0 broken" in done.stdout
+
+
+def _contracts() -> list[dict]:
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)["tool"]["importlinter"]["contracts"]
+
+
+def test_the_ground_layer_names_every_quiverfs_module_but_the_roof():
+    floors = next(c for c in _contracts() if c["type"] == "layers" and "containers" not in c)
+    ground = {name.strip() for name in floors["layers"][-1].split(":")}
+    assert floors["layers"][:2] == ["quiverfs.cli", "quiverfs.bench"]
+    modules = {f"quiverfs.{name.removesuffix('.py')}" for name in os.listdir(
+        os.path.join(ROOT, "quiverfs")) if name not in ("__init__.py", "__pycache__")}
+    assert ground == modules - {"quiverfs.cli", "quiverfs.bench"}
+    assert not any("ignore_imports" in c for c in _contracts())
+
+
+@pytest.mark.parametrize("importer, imported, contract", [
+    ("quiverfs/digest.py", "mountd.daemon", "The roof, the daemons"),
+    ("quiverfs/heartbeat.py", "digest_tools.create", "The roof, the daemons"),
+    ("mountd/cli.py", "quiverfs.bench.compare", "The roof, the daemons"),
+    ("coordinator/state.py", "mountd.daemon", "The roof, the daemons"),
+])
+def test_a_forbidden_import_breaks_a_contract(tmp_path, importer, imported, contract):
+    shutil.copy(os.path.join(ROOT, "pyproject.toml"), tmp_path)
+    for package in PACKAGES:
+        shutil.copytree(os.path.join(ROOT, package), tmp_path / package,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    assert lint_imports(str(tmp_path)).returncode == 0
+    with open(tmp_path / importer, "a", encoding="utf-8") as f:
+        f.write(f"\nimport {imported}  # noqa\n")
+    done = lint_imports(str(tmp_path))
+    assert done.returncode != 0 and contract in done.stdout
+    assert f"{importer[:-3].replace('/', '.')} -> {imported}" in done.stdout, done.stdout
 
 
 def _modules(root: str) -> dict[str, str]:

@@ -34,9 +34,9 @@ def _run_job(root: str, seed: int, epochs: int, pool: concurrent.futures.Executo
             seen: list[str] = []
             for b in range(len(sampler)):
                 m = sampler.manifest(b)
-                paths = [os.path.join(root, p) for p in m["paths"]]
-                assert list(pool.map(_sha, paths)) == m["hashes"], (epoch, b)
-                seen += m["paths"]
+                paths = [os.path.join(root, p) for p in m.paths]
+                assert list(pool.map(_sha, paths)) == m.hashes, (epoch, b)
+                seen += m.paths
             assert len(seen) == len(set(seen)) == 1797  # exactly once per epoch
             read += len(seen)
     finally:

@@ -136,7 +136,7 @@ def test_an_epoch_opens_with_a_short_segment_and_the_next_is_read_ahead(warm_dig
         seen = next(batches)
         # the first segment is short, and halfway through it the next one's manifest is
         # asked for (not before)
-        assert len(replies[0]["segment"]) == FIRST_SEGMENT_BATCHES - 1
+        assert len(replies[0].segment) == FIRST_SEGMENT_BATCHES - 1
         for _ in range(FIRST_SEGMENT_BATCHES // 2 - 1):
             seen += next(batches)
         assert asks.asked == []
@@ -149,7 +149,7 @@ def test_an_epoch_opens_with_a_short_segment_and_the_next_is_read_ahead(warm_dig
         seen += epoch_indices(batches)
         assert sorted(seen) == list(range(1797))
         starts = sorted(replies)
-        lengths = [1 + len(replies[b]["segment"]) for b in starts]
+        lengths = [1 + len(replies[b].segment) for b in starts]
         assert starts == [sum(lengths[:k]) for k in range(len(starts))]  # each read once
         assert sum(lengths) == n == 225
         # each as long as the epoch's batches before it: 8, 8, 16, 32, then 64 at most
@@ -246,14 +246,14 @@ def test_a_probe_of_a_held_dataset_forces_no_misses_and_leaves_segments_on(mount
     sampler = QuiverBatchSampler(root, 1, seed=2)
     try:
         replies = [sampler.manifest(b) for b in range(len(sampler))]  # no times reported
-        assert sorted(p for r in replies for p in r["paths"]) == digits_paths(digits_tree.root)
-        assert all(r["hits"] == 1 for r in replies)
-        segments = [b for b, r in enumerate(replies) if "segment" in r]
+        assert sorted(p for r in replies for p in r.paths) == digits_paths(digits_tree.root)
+        assert all(r.hits == 1 for r in replies)
+        segments = [b for b, r in enumerate(replies) if r.segment]
         assert segments and min(segments) < 100, segments
         for b in segments:  # a segment's batches are the ones after it, in their order
-            following = replies[b + 1:b + 1 + len(replies[b]["segment"])]
-            assert replies[b]["segment"] == [r["paths"] for r in following]
-            assert all(r["hits"] == len(r["paths"]) == len(r["hashes"]) for r in following)
+            following = replies[b + 1:b + 1 + len(replies[b].segment)]
+            assert replies[b].segment == [r.paths for r in following]
+            assert all(r.hits == len(r.paths) == len(r.hashes) for r in following)
         assert m.status()["counters"]["bucket_fetches"] == fetched
     finally:
         sampler.close()

@@ -17,6 +17,7 @@ import torchvision
 from mountd.substitution import EpochSampler, epoch_shard
 from quiverfs import digest as digest_format
 from quiverfs.chunk_plan import ChunkPlan, make_plan
+from quiverfs.job_protocol import decode_manifest
 from quiverfs.torch import QuiverBatchSampler
 from tests.mountd_helpers import make_digest, mount, mountd_factory  # noqa: F401
 
@@ -159,7 +160,7 @@ def epoch_paths(sampler: QuiverBatchSampler, epoch: int, between=None) -> list[s
     sampler.set_epoch(epoch)
     paths = []
     for b in range(len(sampler)):
-        paths += sampler.manifest(b)["paths"]
+        paths += sampler.manifest(b).paths
         if between is not None:
             between(b)
     return paths
@@ -339,12 +340,13 @@ def test_next_returns_the_asked_batchs_manifest_and_refuses_what_it_cannot_read(
             os.pread(fd, 1 << 20, 0)
         assert info.value.errno == 22 and "write 'EPOCH BATCH'" in sampler._error()
         os.pwrite(fd, b"0 0\n", 0)
-        first = json.loads(os.pread(fd, 1 << 20, 0))
+        raw = os.pread(fd, 1 << 20, 0)
+        first = json.loads(raw)
         assert (first["epoch"], first["batch"]) == (0, 0) and len(first["paths"]) == 100
-        assert os.pread(fd, 1 << 20, 0) == json.dumps(first).encode()  # kept until asked
+        assert os.pread(fd, 1 << 20, 0) == raw  # kept until asked
         os.pwrite(fd, b"0 0 0.25\n0 1\n", 0)  # batch 0 took 0.25 s; batch 1, please
-        second = json.loads(os.pread(fd, 1 << 20, 0))
-        assert (second["epoch"], second["batch"]) == (0, 1)
+        second = decode_manifest(os.pread(fd, 1 << 20, 0))
+        assert (second.epoch, second.batch) == (0, 1)
         assert sampler.manifest(1) == second  # the batch file holds the same manifest
         assert settled_job(m)["counters"]["reported_batches"] == 1
         for bad in (b"0 0 0.1\n", b"1 x\n", b"\n"):

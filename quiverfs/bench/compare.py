@@ -54,7 +54,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from mountd.view import JOB_ENV
 from quiverfs.bench import fetch_causes, figures
 from quiverfs.bench.bucket_dataset import Dataset, upload_synthetic
 from quiverfs.bench.cpu_time import own_cpu_seconds, process_cpu_seconds
@@ -63,6 +62,7 @@ from quiverfs.bench.job_child import JobChild, run_epoch
 from quiverfs.bench.processes import MountdProcess, running_mountd, terminate, unmount
 from quiverfs.bench.reading_job import read_dropping_pages
 from quiverfs.bench.throttle_proxy import ThrottleProxy, throttled
+from quiverfs.job_protocol import JOB_ENV
 from quiverfs.mount_point import is_mounted
 
 log = logging.getLogger(__name__)

@@ -64,6 +64,7 @@ from quiverfs.bench.processes import MountdProcess, running_mountd
 from quiverfs.bench import fetch_causes, reading_job
 from quiverfs.bench.reading_job import PREFETCH_BATCHES, READERS, JobSpec, MountSource
 from quiverfs.bench.throttle_proxy import ThrottleProxy, throttled
+from quiverfs.job_protocol import JOB_ENV
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +222,7 @@ def run_config(mode: str, fraction: float, n_jobs: int, data: Dataset, proxy: Th
         root = os.path.join(m.root, dataset)
         specs = {f"{seed}-{mode}": JobSpec(mode, root, seed, size.batch_size, size.compute_s,
                                            size.epochs) for seed in range(n_jobs)}
-        envs = {spec: {"QUIVER_JOB": job} for spec, job in zip(specs, job_names)}
+        envs = {spec: {JOB_ENV: job} for spec, job in zip(specs, job_names)}
         with running_jobs(reading_job.__name__, specs, workdir, EPOCH_TIMEOUT,
                           envs if view else None) as jobs:
             status = m.status()
@@ -476,7 +477,7 @@ def train_run(m: MountdProcess, spec: TrainSpec, workdir: str) -> dict[str, Any]
     test accuracy, and mountd's counters of its job (sampler or view)."""
     name = f"digits-{spec.mode}-seed{spec.seed}"
     job = JobProcess(name, __name__, spec, os.path.join(workdir, f"job-{name}.log"),
-                     {"QUIVER_JOB": name})
+                     {JOB_ENV: name})
     try:
         result = job.receive(EPOCH_TIMEOUT * spec.epochs)
         status = m.status()
