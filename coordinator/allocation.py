@@ -4,8 +4,8 @@ Where the bucket's bandwidth is known (measured by the nodes' fetches), the allo
 is a search over every set of modes that fits the budget: none, two chunks (coop) or
 full per dataset, each judged by the GPU shares its jobs save in a model of their batch
 times (``coordinator.batch_model``). It is exhaustive for up to MAX_SEARCH datasets with
-jobs (3^6 = 729 sets: 14 ms for 6 datasets of 4 jobs each on a 2-core VM); any further
-ones then get, one at a time, the mode that does best beside the others'. Heartbeats
+jobs (3^6 = 729 sets, few enough to search on every heartbeat whose inputs changed);
+any further ones then get, one at a time, the mode that does best beside the others'. Heartbeats
 come several times a second and their inputs seldom change, so searches are memoized,
 with the bandwidth rounded to two significant digits. Of the sets that save as much (to
 rounding), the one that reads the least from the bucket wins, then the one that caches

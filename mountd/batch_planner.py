@@ -53,16 +53,16 @@ WAIT_POLL = 0.25  # seconds between looks at what other nodes loaded, while wait
 # batches, and a reply stays around 0.5 MB for batches of 256.
 SEGMENT_BATCHES = 64
 # A segment is at most as long as the batches of the epoch planned before it, and at
-# least this: the job waits for an epoch's first segment, so that one is short (on the
-# 2-core machine 64 batches of 8 took 16 ms to plan), and each later one is planned while
-# the job reads the one before (the sampler reads it as that one starts), so it must
-# not take longer to plan than that one to read.
+# least this: the job waits for an epoch's first segment, so that one is short (its
+# planning time is the job's wait), and each later one is planned while the job reads
+# the one before (the sampler reads it as that one starts), so it must not take longer
+# to plan than that one to read.
 FIRST_SEGMENT_BATCHES = 8
 # A segment of up to this many items is looked up (``ContentStore.leading_known``) and
-# its reply made on mountd's loop. For an epoch's first segment of 128 items (a job
-# waits for it) the reply took 3.8-7.6 ms with a worker hop for each, 1.1-2.7 ms while
-# pushes held the loop, and 1.8-3.3 ms on the loop. A longer one would hold the loop
-# from every other request.
+# its reply made on mountd's loop: a job waits for an epoch's first segment, and a
+# worker hop for the look-up and another for the reply would add to that wait, and the
+# segment's pushes are queued after the reply so they do not delay it. A longer
+# segment would hold the loop from every other request.
 LOOP_SEGMENT_ITEMS = 512
 MIN_SEGMENT = 2  # fewer cached batches ahead are planned one at a time
 

@@ -149,10 +149,10 @@ class ChunkLoader:
     async def _after_lone_probe(self, group: DatasetJobs) -> None:
         """Wait while the dataset's one job in the cluster is a job here whose benefit
         is being probed. Without the cache whose benefit the probe measures, no chunk
-        load would share the bucket with the job's misses; beside one, a lone job read
-        each miss behind a loader process's 16 fetches in flight (t_miss 1.2-1.5 s per
-        batch of 8, where its exact reads take 0.09 s), kept a cache worth nothing to
-        it, and lost about 5 s of its first epoch to the probe."""
+        load would share the bucket with the job's misses. A load running beside the
+        probe puts each of the job's misses behind a loader process's fetches in
+        flight, so the probe would measure t_miss far above what the job's misses cost
+        it without a cache, and keep a cache worth nothing to the job."""
         while isinstance(job := group.alone(self.cluster.me), Job) and job.probe.active:
             await trio.sleep(PROBE_POLL)
 

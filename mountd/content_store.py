@@ -55,11 +55,10 @@ log = logging.getLogger(__name__)
 # diskcache settings (units in the comments).
 CULL_LIMIT = 8  # items evicted at once when an insert goes over the bound
 # Bytes: larger values are files, smaller ones sit in SQLite. A file's hit is served on
-# mountd's loop from the page cache (``get_nowait``); a row's takes a worker thread.
-# With diskcache's default (32 KiB) those hand-offs more than doubled a 25 KB hit's
-# median (0.66-0.72 against 0.26-0.28 ms) and nearly doubled its p99 during chunk loads
-# (``quiver bench loader``); a file costs a loader an open, a write and a close more,
-# which its loads per second did not show in a full run (1 process: 276 against 266).
+# mountd's loop from the page cache (``get_nowait``); a row's takes a worker thread,
+# a hand-off that costs a small item's read more than the read itself. So items of
+# 4 KiB and more are files (diskcache's default is 32 KiB); a file costs a loader an
+# open, a write and a close more, small beside a bucket fetch.
 DISK_MIN_FILE_SIZE = 4 << 10
 SQLITE_MMAP_SIZE = 256 << 20  # bytes of the index mapped into memory
 TIMEOUT = 60  # seconds a writer waits for SQLite's lock
@@ -151,9 +150,9 @@ class _TrackedDisk(diskcache.Disk):
     def store(self, value: Any, read: bool, key: object = UNKNOWN
               ) -> tuple[int, int, str | None, Any]:
         if type(value) is bytes and len(value) >= self.min_file_size:
-            # diskcache writes bytes from an io.BytesIO, whose iteration yields lines:
-            # about 430 writes and 0.3 ms more CPU for 110 KB of JPEG (docs/benchmarks.md,
-            # "Less CPU per miss"). Its own writer, given the value as one piece:
+            # diskcache writes bytes from an io.BytesIO, whose iteration yields lines: a
+            # JPEG of 100 KB becomes hundreds of write calls. Its own writer, given the value
+            # as one piece, writes it in one:
             name, full_path = self.filename(key, value)
             self._write(full_path, (value,), "xb")
             return len(value), MODE_BINARY, name, None
@@ -167,9 +166,9 @@ class _ContentBoundCache(diskcache.Cache):
     """diskcache's Cache, bounded by the bytes of the items it holds, as ``cache-size``
     says (rclone's and gcsfuse's cache sizes count their files' bytes too). diskcache's
     own volume counts the SQLite file's pages, where an item under DISK_MIN_FILE_SIZE
-    takes whole pages (27,000 bytes take 28,672): a store the size of a dataset held
-    1,170 of its 1,250 items, and every pass over it missed and culled the rest anew.
-    The index is on top of the bound (docs/operations.md)."""
+    takes whole pages, so a store sized to a dataset of small items would not hold it,
+    and every pass over it would miss and cull anew. The index is on top of the bound
+    (docs/operations.md)."""
 
     def volume(self) -> int:
         return int(self.reset("size"))

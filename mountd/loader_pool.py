@@ -40,8 +40,8 @@ THREADS_PER_PROCESS = 16  # requests in flight per process: ~30 ms to first byte
 # busy task at niceness 0 on the same core: mountd and the jobs come first.
 AHEAD_NICENESS = 10
 # The misses a cold epoch's readers wait on keep a process's interpreter busy (the
-# storage client's CPU per object): two use two cores even on a 2-core machine, where
-# one process left cold reads at 0.64-0.66 of the GCS client's and two at 0.78-0.82.
+# storage client's CPU per object), so one process is a one-core bottleneck for cold
+# reads: at least two, which use two cores even on a 2-core machine.
 MIN_SERVING_PROCESSES = 2
 RESTART_DELAY = 1.0  # seconds before a process that exited is started again
 START_TIMEOUT = 30.0  # seconds a load waits for a process to (re)start

@@ -36,9 +36,9 @@ the next probe measures a new one, except that while the dataset is allotted no 
 every N/2 intervals of batches planned without it (after N/2 such batches) replace
 t_miss: a probe measures one job's misses while the dataset's other jobs hit, and where
 they share a bucket that leaves to spare, its misses look cheap (the job hides them
-behind its compute) although all of them missing at once are not; without this the
-cache stayed off, at 5.7x the dataset per epoch from the bucket in the cluster
-benchmark.
+behind its compute) although all of them missing at once are not; without this a cache
+turned off on such a measure would stay off, and every job would read the whole
+dataset from the bucket every epoch.
 
 Where the cache holds the dataset (allotted ``full``, or every chunk may be resident),
 a probe forces no misses: they would read from the bucket what the cache holds. It

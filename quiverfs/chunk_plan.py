@@ -14,8 +14,9 @@ chunk is a uniform sample of the dataset, and lists its items in the permutation
 order, the order they are loaded in.
 
 The stratified chunks are then evened out in bytes: item sizes vary, so chunks of
-equal counts do not hold equal bytes (at 16 items a chunk, the largest can be 1.3x the
-mean), and the coordinator sizes a dataset's resident chunks by its largest. A chunk
+equal counts do not hold equal bytes (the fewer items a chunk, the further its largest
+is above the mean), and the coordinator sizes a dataset's resident chunks by its
+largest, which leaves the rest of the budget unused. A chunk
 swaps items of one label with the chunks that follow it until its bytes are nearest its
 share of what is left. Every chunk keeps its count of every label.
 """

@@ -72,9 +72,9 @@ class GCSBackend(Backend):
 
     def reader(self) -> AuthorizedHttp:
         """The calling thread's transport for reads: the client's credentials over
-        urllib3, with its session's proxy and CA bundle. A read costs about half the
-        CPU it costs through the client's requests session (1.0-1.3 against 2.1-2.5 ms
-        per 110 KB object here; docs/benchmarks.md, "Less CPU per miss")."""
+        urllib3, with its session's proxy and CA bundle. A GET through it costs less CPU
+        than one through the client's requests session, whose per-request work a read
+        does not need."""
         http = getattr(self._local, "reader", None)
         if http is None:
             client = self.client()
@@ -207,8 +207,9 @@ class GCSBackend(Backend):
 def _read_environment_once(session: requests.Session, url: str) -> None:
     """Give ``session`` what requests would otherwise look up in the environment for
     every request (the proxies for ``url``, a CA bundle), and stop it looking: those
-    look-ups took 4-15% of a loader process's CPU per object (#34). A ``~/.netrc`` is
-    no longer read: the bucket's credentials are the client's."""
+    look-ups scan the whole environment and read ``~/.netrc`` on every request, a
+    cost paid once per object. A ``~/.netrc`` is not read: the bucket's credentials
+    are the client's."""
     session.proxies.update(requests.utils.get_environ_proxies(url))
     bundle = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE")
     if bundle:

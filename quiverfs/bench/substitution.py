@@ -88,7 +88,7 @@ JOB_STOP_TIMEOUT = 30.0  # seconds a job may take to unregister and exit
 DIGITS_TEST_FRACTION = 0.2
 ACCURACY_BATCH = 64
 # Simulated compute per training step on the digits, standing for a model that takes
-# longer per batch than reading it (the small CNN on 8x8 images takes ~1 ms).
+# longer per batch than reading it (the small CNN on 8x8 images takes far less).
 ACCURACY_STEP_S = 0.1
 # Student t quantiles, two-sided 95% (0.975), by degrees of freedom (scipy is not a
 # dependency); past the table the last one, which makes the interval slightly wider.
