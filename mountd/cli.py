@@ -10,7 +10,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from mountd.control_replies import ClusterReply, MountReply, PrefetchReply, StatusReply
+from mountd.control.replies import ClusterReply, MountReply, PrefetchReply, StatusReply
 from quiverfs import control_client
 from quiverfs.chunk_cycle import ChunkState
 from quiverfs.cycle_cli import add_cycle_options
@@ -24,12 +24,12 @@ from quiverfs.sizes import human
 from quiverfs.storage_cli import add_storage_options, storage_options
 
 if TYPE_CHECKING:
-    from mountd.cluster import EmbeddedFactory
+    from mountd.cluster.membership import EmbeddedFactory
 
 STARTUP_TIMEOUT = 120.0  # seconds a backgrounded mountd may take to answer
 THREADS = 16  # mountd's blocking workers, by default
-PUSH_MEMORY = 256 << 20  # bytes, by default (mountd.page_push)
-MEMORY_PER_USER = 2 << 30  # bytes, by default (mountd.memory_budget)
+PUSH_MEMORY = 256 << 20  # bytes, by default (mountd.fetch.page_push)
+MEMORY_PER_USER = 2 << 30  # bytes, by default (mountd.datasets.memory_budget)
 MAX_LOADER_PROCESSES = 64
 
 

@@ -13,26 +13,26 @@ import subprocess
 import pyfuse3
 import trio
 
-from mountd.batch_planner import BatchPlanner
-from mountd.bulk_fetch import BulkFetch
-from mountd.chunk_loader import ChunkLoader
-from mountd.cluster import Cluster, EmbeddedFactory, RemoteCoordinator
-from mountd.content_store import ContentStore
-from mountd.control_server import ControlServer
-from mountd.controller import Controller
-from mountd.control_fs import ControlFS
-from mountd.control_mount import ControlMount
-from mountd.fs import QuiverFS, no_open_available
-from mountd.item_reader import ItemReader
-from mountd.job_files import ControlFiles
-from mountd.job_registry import JobRegistry
-from mountd.loader_pool import AHEAD_NICENESS, MIN_SERVING_PROCESSES, LoaderPool
-from mountd.memory_budget import MemoryBudget, MemoryLimits, default_total
-from mountd.metrics import MountdCollector
-from mountd.mount_table import MountTable
-from mountd.peers import PeerService, PeerSet
-from mountd.registry import Registry
-from mountd.view import ViewJobs
+from mountd.jobs.planner import BatchPlanner
+from mountd.fetch.bulk_fetch import BulkFetch
+from mountd.jobs.chunk_loader import ChunkLoader
+from mountd.cluster.membership import Cluster, EmbeddedFactory, RemoteCoordinator
+from mountd.store.content_store import ContentStore
+from mountd.control.server import ControlServer
+from mountd.control.controller import Controller
+from mountd.fs.control_fs import ControlFS
+from mountd.fs.control_mount import ControlMount
+from mountd.fs.datasets_fs import QuiverFS, no_open_available
+from mountd.fetch.item_reader import ItemReader
+from mountd.fs.job_files import ControlFiles
+from mountd.jobs.registry import JobRegistry
+from mountd.fetch.loader_pool import AHEAD_NICENESS, MIN_SERVING_PROCESSES, LoaderPool
+from mountd.datasets.memory_budget import MemoryBudget, MemoryLimits, default_total
+from mountd.control.metrics import MountdCollector
+from mountd.datasets.mount_table import MountTable
+from mountd.cluster.peers import PeerService, PeerSet
+from mountd.datasets.registry import Registry
+from mountd.view.view_jobs import ViewJobs
 from quiverfs import sd_notify
 from quiverfs.chunk_plan import CACHE_CHUNKS
 from quiverfs.fs_identity import (NOBODY, IdentityUnavailable, UserIdentity, acting_as,

@@ -11,14 +11,14 @@ Any map-style dataset of files under the root works: a ``DatasetFolder`` of any
 extensions, one with ``samples`` (a list of (path, label)), or any other given
 ``paths=`` (index i reads paths[i]). mountd learns the dataset's selection: a stock
 DatasetFolder's extensions (its own rule), else the list of files, written to
-``JOB/paths`` (``mountd.job_files``); a file the mounted digest does not hold is a
+``JOB/paths`` (``mountd.fs.job_files``); a file the mounted digest does not hold is a
 ValueError. Each epoch yields every item of this rank's shard exactly once, in batches
 mountd fills with whatever is cached (paper §4.7). Batches are read as manifests through
 ``ROOT/.quiver/jobs/JOB/next`` (one open file: a write asks for batch I of epoch E, the
 reads return its manifest, the one ``JOB/eE-bI`` holds); the time between batches is
 reported back to mountd.
 Where the dataset is cached in full, one manifest hands out a segment of several
-batches (``mountd.batch_planner``): they are yielded without asking mountd again, their
+batches (``mountd.jobs.planner``): they are yielded without asking mountd again, their
 times are reported together when the next manifest is read, and the reports and the
 next segment's manifest are written and read by a thread while this one's batches are
 yielded (mountd plans it ahead anyway), so the loader does not wait for them. That

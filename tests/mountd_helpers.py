@@ -12,9 +12,9 @@ import trio
 
 from coordinator.embedded import EmbeddedCoordinator
 from digest_tools.create import create_digest
-from mountd.cluster import Cluster
-from mountd.content_store import ContentStore
-from mountd.item_reader import ItemReader
+from mountd.cluster.membership import Cluster
+from mountd.store.content_store import ContentStore
+from mountd.fetch.item_reader import ItemReader
 from quiverfs import control_client
 from quiverfs.backends import StorageOptions
 from quiverfs.bench.processes import MountdProcess, unmount

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from mountd.read_stats import FetchCause
+from mountd.fetch.read_stats import FetchCause
 from quiverfs.bench.compare import (CACHED_MODES, FRACTIONS, GOALS, SIZES, VIEW_FRACTION,
                                     rclone_available, run)
 from quiverfs.bench.emulator import emulator_available

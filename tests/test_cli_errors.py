@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from mountd.control_replies import ClusterReply, MountReply, PrefetchReply, StatusReply
+from mountd.control.replies import ClusterReply, MountReply, PrefetchReply, StatusReply
 from quiverfs import control_client, job_protocol, wire
 from quiverfs import digest as fmt
 from quiverfs.dataset_name import check_name
@@ -257,7 +257,7 @@ def test_control_requests_need_a_valid_name(mountd_factory, digits_tree) -> None
 
 @needs_fuse
 def test_mountd_replies_are_what_the_client_reads(mountd_factory, digits_tree) -> None:
-    """The typed replies of the client (mountd.control_replies) match a real mountd's."""
+    """The typed replies of the client (mountd.control.replies) match a real mountd's."""
     m = mountd_factory()
     mounted = mount(m, make_digest(digits_tree.root, "digits"), "digits")
     assert control_client.typed(mounted, MountReply, "mount").items == 1797

@@ -17,17 +17,17 @@ from collections.abc import Iterator
 import diskcache
 import pytest
 
-from mountd import content_store
-from mountd.content_store import (DAMAGED_SUFFIX, DISK_MIN_FILE_SIZE, KEEP_DAMAGED,
+from mountd.store import content_store
+from mountd.store.content_store import (DAMAGED_SUFFIX, DISK_MIN_FILE_SIZE, KEEP_DAMAGED,
                                   VERIFY_ON_LOOP_MAX, ContentStore, IntegrityError,
                                   StoreError, StoreWriter)
-from mountd.job_registry import JobRegistry
-from mountd.metrics import MountdCollector
-from mountd.mount_table import MountTable
+from mountd.jobs.registry import JobRegistry
+from mountd.control.metrics import MountdCollector
+from mountd.datasets.mount_table import MountTable
 from quiverfs.bench.read import drop_page_cache
 from tests.mountd_helpers import lone_reader
 
-STORE_LOGGER = "mountd.content_store"
+STORE_LOGGER = "mountd.store.content_store"
 
 
 def item(n: int, size: int = 40_000) -> tuple[bytes, bytes]:

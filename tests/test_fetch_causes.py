@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mountd.read_stats import FetchCause
+from mountd.fetch.read_stats import FetchCause
 from quiverfs.bench.data import Tree
 from quiverfs.bench.processes import MountdProcess, free_port, unmount
 from tests.mountd_helpers import make_digest, mount

@@ -13,7 +13,7 @@ import trio
 from coordinator.embedded import EmbeddedCoordinator
 from coordinator.server import CoordinatorServer
 from coordinator.state import CoordinatorState
-from mountd.cluster import Cluster
+from mountd.cluster.membership import Cluster
 from quiverfs.chunk_cycle import FORCE_EVICT_AFTER, ChunkState
 from quiverfs.heartbeat import (MAX_CHUNKS, PROBE_BATCHES, CacheMode, DatasetReport, Heartbeat,
                                 HeartbeatReply, JobReport, LoadedShare, from_wire, refusal,

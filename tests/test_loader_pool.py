@@ -15,9 +15,9 @@ import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
-from mountd import content_store
-from mountd.content_store import ContentStore, IntegrityError, StoreWriter
-from mountd.loader_pool import AHEAD_NICENESS
+from mountd.store import content_store
+from mountd.store.content_store import ContentStore, IntegrityError, StoreWriter
+from mountd.fetch.loader_pool import AHEAD_NICENESS
 from quiverfs import digest as digest_format
 from quiverfs.bench.emulator import Emulator
 from quiverfs.bench.processes import MountdProcess
@@ -64,7 +64,8 @@ def loader_pids(m: MountdProcess, niceness: int | None = None) -> set[int]:
                 state = f.read().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
             continue  # gone since the listing
-        if (any(b"mountd.loader_process" in a for a in argv) and store in argv and state != "Z"
+        if (any(b"mountd.fetch.loader_process" in a for a in argv) and store in argv
+                and state != "Z"
                 and (niceness is None or argv[-2] == str(niceness).encode())):
             pids.add(int(entry))
     return pids

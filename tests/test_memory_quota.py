@@ -17,9 +17,9 @@ import tracemalloc
 import msgpack
 import pytest
 
-from mountd.dataset_tree import DatasetTree
-from mountd.memory_budget import DigestCost, digest_cost
-from mountd.view_pools import ViewPools
+from mountd.datasets.tree import DatasetTree
+from mountd.datasets.memory_budget import DigestCost, digest_cost
+from mountd.datasets.pools import ViewPools
 from quiverfs import digest as digest_format
 from quiverfs.sizes import human
 from tests.conftest import CLI_TIMEOUT

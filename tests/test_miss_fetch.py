@@ -16,8 +16,8 @@ import sys
 
 import pytest
 
-from mountd.item_reader import LOCAL_FETCH_DEPTH
-from mountd.loader_pool import MIN_SERVING_PROCESSES, THREADS_PER_PROCESS
+from mountd.fetch.item_reader import LOCAL_FETCH_DEPTH
+from mountd.fetch.loader_pool import MIN_SERVING_PROCESSES, THREADS_PER_PROCESS
 from quiverfs import digest as digest_format
 from quiverfs.bench.processes import MountdProcess
 from quiverfs.bench.throttle_proxy import throttled

@@ -17,7 +17,7 @@ import torchvision
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
-from mountd.fs import FAILED_HOLD
+from mountd.fs.datasets_fs import FAILED_HOLD
 from quiverfs import digest as digest_format
 from quiverfs.bench.processes import unmount
 from tests.mountd_helpers import (call_as, dataset_counters, make_digest, mount,
@@ -117,7 +117,7 @@ def test_hash_mismatch_at_source_is_eio_and_not_cached(mountd_factory, synthetic
         f.write(b"\xff" * 16)
     m = mountd_factory()
     mount(m, data, "syn")
-    for _ in range(2):  # the second within mountd.fs.FAILED_HOLD: no fetch again
+    for _ in range(2):  # the second within mountd.fs.datasets_fs.FAILED_HOLD: no fetch again
         with pytest.raises(OSError) as info:
             read_bytes(os.path.join(m.root, "syn", victim))
         assert info.value.errno == errno.EIO

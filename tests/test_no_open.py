@@ -1,4 +1,4 @@
-"""Dataset files served without OPEN (mountd.fs's no-open mode, by mountd's patched
+"""Dataset files served without OPEN (mountd.fs.datasets_fs's no-open mode, by mountd's patched
 pyfuse3): the patch is built and used, reads are exact under eviction and concurrency,
 and the control area and views keep working on their own connection."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 import pyfuse3
 import pytest
 
-from mountd.fs import no_open_available
+from mountd.fs.datasets_fs import no_open_available
 from tests.mountd_helpers import (dataset_counters, make_digest, mount,  # noqa: F401
                                   mountd_factory, tree_hashes)
 
@@ -102,7 +102,7 @@ def test_the_control_area_and_views_are_their_own_mount(mountd_factory, digits_t
 def test_the_control_mount_comes_back_when_its_process_dies(mountd_factory):
     m = mountd_factory()
     control = os.path.join(m.root, ".quiver")
-    found = subprocess.run(["pgrep", "-f", f"mountd.control_mount_process .* {control}$"],
+    found = subprocess.run(["pgrep", "-f", f"mountd.fs.control_mount_process .* {control}$"],
                            capture_output=True, text=True, check=True)
     (pid,) = found.stdout.split()
     os.kill(int(pid), signal.SIGKILL)

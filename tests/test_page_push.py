@@ -1,4 +1,4 @@
-"""Planned items pushed into the kernel's page cache (mountd.page_push), through a real
+"""Planned items pushed into the kernel's page cache (mountd.fetch.page_push), through a real
 mount: every byte read is the item's, while chunk eviction, store culling and probes'
 page drops race with the pushes, and the unread pushed bytes stay within their bound."""
 from __future__ import annotations

@@ -10,7 +10,7 @@ import trio
 
 from coordinator.server import CoordinatorServer
 from coordinator.state import CoordinatorState
-from mountd.peers import PeerSet
+from mountd.cluster.peers import PeerSet
 from quiverfs.errors import ExitCode, QuietError
 from quiverfs.heartbeat import Heartbeat, to_wire
 from quiverfs.peer_network import PeerNetworks, peer_refusal

@@ -12,8 +12,8 @@ from collections.abc import Callable
 import pytest
 
 from coordinator.allocation import NO_BENEFIT
-from mountd.probing import PROBE_LIMIT, BenefitProbe
-from mountd.read_stats import METER_MIN_FETCHES, METER_WINDOW, PEAK_HALF_LIFE, BucketMeter
+from mountd.jobs.probing import PROBE_LIMIT, BenefitProbe
+from mountd.fetch.read_stats import METER_MIN_FETCHES, METER_WINDOW, PEAK_HALF_LIFE, BucketMeter
 
 
 def train(probe: BenefitProbe, *, epochs: int, n: int, compute: float, load_miss: float,

@@ -12,12 +12,12 @@ import pytest
 import trio
 import trio.testing
 
-from mountd.control_server import (MAX_CONNECTIONS_PER_UID, SMALL_FRAME, ControlServer,
+from mountd.control.server import (MAX_CONNECTIONS_PER_UID, SMALL_FRAME, ControlServer,
                                    FrameBytes, Peer)
-from mountd.fs import QuiverFS
-from mountd.job_registry import MAX_JOBS_PER_USER, JobLimit, JobRegistry
-from mountd.mount_table import FIRST_DATASET_INODE, MountTable
-from mountd.read_stats import ReadStats
+from mountd.fs.datasets_fs import QuiverFS
+from mountd.jobs.registry import MAX_JOBS_PER_USER, JobLimit, JobRegistry
+from mountd.datasets.mount_table import FIRST_DATASET_INODE, MountTable
+from mountd.fetch.read_stats import ReadStats
 from quiverfs import control_client, wire
 from quiverfs.errors import ExitCode, QuietError
 from tests.mountd_helpers import run_as
@@ -47,7 +47,7 @@ async def test_fuse_handler_fault_answers_eio_and_is_logged(caplog, no_open):
             await call
         assert info.value.errno == errno.EIO
     op = "read" if no_open else "open"
-    assert [r.getMessage() for r in caplog.records if r.name == "mountd.fs"] == [
+    assert [r.getMessage() for r in caplog.records if r.name == "mountd.fs.datasets_fs"] == [
         f"FUSE {name} failed: answered EIO" for name in ("getattr", "lookup", op)]
     assert caplog.text.count("RuntimeError: injected fault") == 3
     assert fs.reader.stats.fuse_requests == {"getattr": 1, "lookup": 1, op: 1}

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torchvision
 
-from mountd.job_files import MAX_PATHS_BYTES, MAX_PATHS_BYTES_PER_USER
+from mountd.fs.job_files import MAX_PATHS_BYTES, MAX_PATHS_BYTES_PER_USER
 from quiverfs.torch import QuiverBatchSampler
 from tests.mountd_helpers import (call_as, make_digest, mount, mountd_factory,  # noqa: F401
                                   run_as)

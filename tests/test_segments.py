@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from mountd.batch_planner import FIRST_SEGMENT_BATCHES, SEGMENT_BATCHES
-from mountd.substitution import EpochSampler, epoch_shard
+from mountd.jobs.planner import FIRST_SEGMENT_BATCHES, SEGMENT_BATCHES
+from mountd.jobs.substitution import EpochSampler, epoch_shard
 from quiverfs.bench.processes import CoordinatorProcess, MountdProcess, unmount
 from quiverfs.torch import QuiverBatchSampler
 from tests.mountd_helpers import make_digest, mount, mountd_factory, read_hashes  # noqa: F401

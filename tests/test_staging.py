@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import hashlib
 
-from mountd import staging
-from mountd.staging import Staging
+from mountd.fetch import staging
+from mountd.fetch.staging import Staging
 
 
 def item(n: int, size: int = 1000) -> tuple[bytes, bytes]:

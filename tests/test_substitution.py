@@ -14,7 +14,7 @@ import pytest
 import torch
 import torchvision
 
-from mountd.substitution import EpochSampler, epoch_shard
+from mountd.jobs.substitution import EpochSampler, epoch_shard
 from quiverfs import digest as digest_format
 from quiverfs.chunk_plan import ChunkPlan, make_plan
 from quiverfs.job_protocol import decode_manifest

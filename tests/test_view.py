@@ -23,10 +23,10 @@ import trio.testing
 from quiverfs import digest as digest_format
 from quiverfs.bench.processes import MountdProcess
 from quiverfs.errors import QuietError
-from mountd.dataset_jobs import DatasetJobs
-from mountd.view import ViewJob, ViewJobs, identity_from
-from mountd.view_pools import ViewPools
-from mountd.view_readahead import (EVICTION_PAUSE, IN_FLIGHT, MAX_AHEAD, ROUND_ITEMS,
+from mountd.jobs.dataset_jobs import DatasetJobs
+from mountd.view.view_jobs import ViewJob, ViewJobs, identity_from
+from mountd.datasets.pools import ViewPools
+from mountd.view.readahead import (EVICTION_PAUSE, IN_FLIGHT, MAX_AHEAD, ROUND_ITEMS,
                                    ViewReadahead, next_items)
 from quiverfs.chunk_cycle import ChunkState
 from quiverfs.heartbeat import CacheMode, CycleView

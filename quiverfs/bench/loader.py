@@ -139,7 +139,7 @@ def _loader_cpu(mountd_pid: int) -> float:
             if ppid != mountd_pid:
                 continue
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if b"mountd.loader_process" in f.read():
+                if b"mountd.fetch.loader_process" in f.read():
                     total += process_cpu_seconds(int(entry))
         except (FileNotFoundError, ProcessLookupError):
             continue  # exited since the listing

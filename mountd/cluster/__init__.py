@@ -1,0 +1,1 @@
+"""Membership, ownership and heartbeats, and the peer tier."""

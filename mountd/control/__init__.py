@@ -1,0 +1,1 @@
+"""The control socket (register, unregister, status, prefetch) and mountd's metrics."""

@@ -1,0 +1,206 @@
+"""mountd's Prometheus collectors, served by quiverfs.metrics_server on ``--metrics``.
+
+The read counters, the mount table, the jobs and the chunk cycles are only changed by
+tasks on mountd's trio loop, so their families are built there, in one plain function
+(``TrioLoop.run_sync`` from the scrape's thread): one consistent moment, with no locks.
+The store's numbers (a blocking SQLite read for its size and item count) are read in
+the scrape's own thread.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from mountd.fetch.read_stats import ReadStats
+from quiverfs.chunk_cycle import ChunkState
+from quiverfs.metrics_server import LoopUnavailable, TrioLoop
+
+if TYPE_CHECKING:
+    from mountd.fetch.item_reader import ItemReader
+    from mountd.jobs.registry import JobRegistry
+    from mountd.datasets.mount_table import MountTable
+
+log = logging.getLogger(__name__)
+
+# The ReadStats counters behind the per-tier families. An exact read ends as one of
+# local_hits, peer_hits or misses, and every miss as a bucket fetch or a bucket error.
+HITS = {"local": "local_hits", "peer": "peer_hits", "bucket": "bucket_fetches"}
+BYTES = {"local": "local_bytes", "peer": "peer_bytes", "bucket": "bucket_bytes"}
+ERRORS = {"local": "store_errors", "peer": "peer_errors", "bucket": "bucket_errors"}
+
+
+
+class MountdCollector:
+    """Metric families of a running mountd: its live state read on the trio loop
+    through ``loop``, its store read in the scrape's thread."""
+
+    def __init__(self, reader: ItemReader, table: MountTable, jobs: JobRegistry,
+                 loop: TrioLoop | None = None) -> None:
+        self.reader = reader
+        self.table = table
+        self.jobs = jobs
+        self.loop = loop or TrioLoop()
+        self._store_lock = threading.Lock()  # concurrent scrapes read the store in turn
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            yield from self.loop.run_sync(self._loop_families)
+        except LoopUnavailable as exc:  # the store's numbers need no loop
+            log.warning("metrics: %s: exporting only the store's numbers", exc)
+        yield from self._store()
+
+    def _loop_families(self) -> list[Metric]:
+        """Every family of the loop's state, built at one moment (runs on the loop)."""
+        return [*self._reads(), *self.reader.stats.latency.collect(), *self._datasets(),
+                *self._chunks(), *self._jobs()]
+
+    def _reads(self) -> Iterator[Metric]:
+        c = self.reader.stats.counters
+        hits = CounterMetricFamily("quiver_hits", "Reads served, by tier", labels=["tier"])
+        misses = CounterMetricFamily("quiver_misses", "Reads a tier could not serve "
+                                     "(local: went on to a peer or the bucket)", labels=["tier"])
+        nbytes = CounterMetricFamily("quiver_bytes", "Bytes served, by tier", labels=["tier"])
+        errors = CounterMetricFamily("quiver_read_errors", "Reads the local store failed "
+                                     "(EIO), failed peer calls and bucket reads",
+                                     labels=["tier"])
+        for tier, key in HITS.items():
+            hits.add_metric([tier], c[key])
+            nbytes.add_metric([tier], c[BYTES[tier]])
+        misses.add_metric(["local"], _local_misses(c))
+        misses.add_metric(["peer"], c["peer_misses"] + c["peer_errors"])
+        for tier, key in ERRORS.items():
+            errors.add_metric([tier], c[key])
+        yield from (hits, misses, nbytes, errors)
+        yield CounterMetricFamily("quiver_integrity_failures", "Fetched items whose content "
+                                  "did not match the digest (not cached, not served)",
+                                  value=c["integrity_failures"])
+        yield CounterMetricFamily("quiver_coalesced_reads", "Reads that waited for a fetch "
+                                  "already in flight", value=c["coalesced"])
+        requests = CounterMetricFamily("quiver_fuse_requests", "FUSE requests the kernel "
+                                       "sent mountd, by opcode", labels=["op"])
+        for op, n in sorted(self.reader.stats.fuse_requests.items()):
+            requests.add_metric([op], n)
+        yield requests
+        yield CounterMetricFamily("quiver_pushed_items", "Planned items pushed into the "
+                                  "kernel's page cache ahead of their reads",
+                                  value=c["pushed"])
+        yield CounterMetricFamily("quiver_pushed_opened_items", "Pushed items opened "
+                                  "(their reads served by the pushed pages)",
+                                  value=c["pushed_opens"])
+        yield CounterMetricFamily("quiver_pushed_passed_items", "Pushed items taken as read "
+                                  "when their job asked for a later manifest (files "
+                                  "served without OPEN)", value=c["pushed_passed"])
+        yield GaugeMetricFamily("quiver_pushed_unread_bytes", "Bytes pushed and not yet "
+                                "read (bounded by --push-memory)",
+                                value=self.reader.push.held)
+
+    def _datasets(self) -> Iterator[Metric]:
+        datasets = list(self.table.by_name.values())
+        yield GaugeMetricFamily("quiver_datasets", "Registered datasets", value=len(datasets))
+        items = GaugeMetricFamily("quiver_dataset_items", "Items in the dataset's digest",
+                                  labels=["dataset"])
+        size = GaugeMetricFamily("quiver_dataset_size_bytes", "Bytes in the dataset's digest",
+                                 labels=["dataset"])
+        hits = CounterMetricFamily("quiver_dataset_hits", "Reads of the dataset served, by "
+                                   "tier", labels=["dataset", "tier"])
+        misses = CounterMetricFamily("quiver_dataset_misses", "Reads of the dataset a tier "
+                                     "could not serve", labels=["dataset", "tier"])
+        nbytes = CounterMetricFamily("quiver_dataset_bytes", "Bytes of the dataset served, "
+                                     "by tier", labels=["dataset", "tier"])
+        fetches = CounterMetricFamily("quiver_bucket_fetches", "Items of the dataset read "
+                                      "from its bucket, by why they were read",
+                                      labels=["dataset", "cause"])
+        fetch_bytes = CounterMetricFamily("quiver_bucket_fetch_bytes", "Bytes of the "
+                                          "dataset read from its bucket, by why they were "
+                                          "read", labels=["dataset", "cause"])
+        view = CounterMetricFamily("quiver_view_opens", "Opens of a substitutable view's "
+                                   "files, by whether the item chosen was cached",
+                                   labels=["dataset", "result"])
+        for ds in datasets:
+            items.add_metric([ds.name], len(ds.digest))
+            size.add_metric([ds.name], ds.digest.total_bytes)
+            for tier, key in HITS.items():
+                hits.add_metric([ds.name, tier], ds.counters[key])
+                nbytes.add_metric([ds.name, tier], ds.counters[BYTES[tier]])
+            misses.add_metric([ds.name, "local"], _local_misses(ds.counters))
+            misses.add_metric([ds.name, "peer"],
+                              ds.counters["peer_misses"] + ds.counters["peer_errors"])
+            for cause, n in ReadStats.by_cause(ds.counters).items():
+                fetches.add_metric([ds.name, cause], n["fetches"])
+                fetch_bytes.add_metric([ds.name, cause], n["bytes"])
+            if ds.pools is not None:
+                view.add_metric([ds.name, "hit"], ds.counters["view_hits"])
+                view.add_metric([ds.name, "miss"], ds.counters["view_misses"])
+        yield from (items, size, hits, misses, nbytes, fetches, fetch_bytes, view)
+
+    def _chunks(self) -> Iterator[Metric]:
+        chunks = GaugeMetricFamily("quiver_chunks", "Chunks of a dataset with jobs, by state "
+                                   "(as the coordinator last said)", labels=["dataset", "state"])
+        for name, group in self.jobs.groups.items():
+            if group.view is None:
+                continue
+            counts = collections.Counter(group.view.states)
+            for state in ChunkState:
+                chunks.add_metric([name, state.value], counts[state.value])
+        yield chunks
+
+    def _jobs(self) -> Iterator[Metric]:
+        stats = [job.stats() for job in self.jobs.jobs.values()]
+        yield GaugeMetricFamily("quiver_jobs", "Registered jobs", value=len(stats))
+        labels = ["job", "dataset"]
+        hits = CounterMetricFamily("quiver_job_hits", "Batch items the job got as cache hits",
+                                   labels=labels)
+        fetched = CounterMetricFamily("quiver_job_fetched", "Batch items fetched for the job "
+                                      "before its manifest", labels=labels)
+        epoch = GaugeMetricFamily("quiver_job_epoch", "The job's current epoch", labels=labels)
+        batch = GaugeMetricFamily("quiver_job_mean_batch_seconds", "Mean of the batch times "
+                                  "the job reported (last 1000)", labels=labels)
+        probed = GaugeMetricFamily("quiver_job_probed_batch_seconds", "Mean batch time "
+                                   "measured with the job's reads all hits or all misses",
+                                   labels=[*labels, "reads"])
+        benefit = GaugeMetricFamily("quiver_job_benefit", "The job's speed-up from the "
+                                    "cache: miss batch time over hit batch time",
+                                    labels=labels)
+        for s in stats:
+            key = [s["job"], s["dataset"] or ""]
+            hits.add_metric(key, s["counters"].get("hits", 0))
+            fetched.add_metric(key, s["counters"].get("fetched", 0))
+            epoch.add_metric(key, s["epoch"])
+            if s["mean_batch_s"] is not None:
+                batch.add_metric(key, s["mean_batch_s"])
+            for reads, measured in (("hit", s["t_hit"]), ("miss", s["t_miss"])):
+                if measured is not None:
+                    probed.add_metric([*key, reads], measured)
+            if s["benefit"] is not None:
+                benefit.add_metric(key, s["benefit"])
+        yield from (hits, fetched, epoch, batch, probed, benefit)
+
+    def _store(self) -> Iterator[Metric]:
+        """The store's families (blocking: runs in the scrape's thread)."""
+        store = self.reader.store
+        with self._store_lock:
+            used, limit, items = store.volume(), store.size_limit, len(store)
+            corrupt, health = store.corrupt_dropped, store.health()
+        yield GaugeMetricFamily("quiver_cache_used_bytes", "Bytes the local store uses on "
+                                "disk", value=used)
+        yield GaugeMetricFamily("quiver_cache_limit_bytes", "The store's bound "
+                                "(--cache-size)", value=limit)
+        yield GaugeMetricFamily("quiver_cache_items", "Items in the local store", value=items)
+        yield CounterMetricFamily("quiver_cache_corrupt_dropped", "Store entries that failed "
+                                  "their checksum or hash and were dropped", value=corrupt)
+        yield GaugeMetricFamily("quiver_store_writable", "1 if the store's last write "
+                                "worked, 0 while it cannot write (reads served uncached)",
+                                value=int(health.writable))
+        yield CounterMetricFamily("quiver_store_write_failures", "Items the store could not "
+                                  "write (a full or failing disk): served uncached",
+                                  value=health.write_failures)
+
+
+def _local_misses(counters: collections.Counter[str]) -> int:
+    """Reads the local store could not serve: those a peer served, and the misses."""
+    return counters["peer_hits"] + counters["misses"]

@@ -1,0 +1,1 @@
+"""Registered datasets: their registrations, digests, trees, view pools and memory."""

@@ -1,0 +1,65 @@
+"""A view's pools: the items of a digest that may stand in for one another (the same
+directory and lower-case extension, so the same label). Shared by every registration
+of the digest (mountd.datasets.shared_digests), so read-only."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from quiverfs.digest import Digest
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PoolMembers(Sequence[np.ndarray]):
+    """The item indices of each pool, ascending: views of one array, so that a digest
+    of many small pools costs no array object per pool."""
+
+    order: np.ndarray  # item indices, pool by pool
+    bounds: np.ndarray  # pool p's items are order[bounds[p]:bounds[p + 1]]
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def __getitem__(self, pool: int) -> np.ndarray:  # type: ignore[override]
+        return self.order[self.bounds[pool]:self.bounds[pool + 1]]
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return (self[p] for p in range(len(self)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ViewPools:
+    """The pools of a view's digest: items that may stand in for one another. Shared by
+    every registration of the digest (mountd.datasets.shared_digests), so read-only."""
+
+    pool_of: np.ndarray  # int32 per item
+    members: PoolMembers  # item indices per pool
+    shared: np.ndarray  # bool per item: its pool has others (it may be substituted)
+
+    @classmethod
+    def of(cls, digest: Digest) -> ViewPools:
+        """Pools by (directory, lower-case extension) of labelled items; an unlabelled
+        item is a pool of its own."""
+        keys: dict[tuple[str, str], int] = {}
+        pool_of = np.empty(len(digest), dtype=np.int32)
+        for i in range(len(digest)):
+            path = digest.path(i)
+            if not digest.label(i):
+                key = (path, "")  # a path is never also a directory: no clash
+            else:
+                dirname, _, name = path.rpartition("/")
+                key = (dirname, os.path.splitext(name)[1].lower())
+            pool_of[i] = keys.setdefault(key, len(keys))
+        order = np.argsort(pool_of, kind="stable").astype(np.int64, copy=False)
+        bounds = np.searchsorted(pool_of[order], np.arange(len(keys) + 1))
+        shared = np.diff(bounds)[pool_of] > 1
+        for array in (pool_of, order, bounds, shared):
+            array.flags.writeable = False
+        return cls(pool_of, PoolMembers(order, bounds), shared)
+
+
+def has_labels(digest: Digest) -> bool:
+    return any(digest.labels)

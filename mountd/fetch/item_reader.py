@@ -1,0 +1,434 @@
+"""The read path: staged bytes, the local store, the owning peer, then the item's
+storage location.
+
+Misses are single-flight: concurrent readers of a missing item cause one fetch, and a
+fetch's flight lasts until its bytes are stored, so a read meanwhile joins it. A miss
+from a GCS bucket is fetched and checked in a loader process (``mountd.fetch.loader_pool``),
+whose reply brings the bytes before the store has them; other misses, and those the
+processes cannot take, are fetched in mountd's workers. Each dataset has at most its
+``fetch_depth`` fetches in flight. What a read finds staged (``mountd.fetch.staging``), what
+it counts (``mountd.fetch.read_stats``) and the items it hands to their owners
+(``mountd.fetch.owner_puts``) are kept in their own modules.
+
+Runs on the trio loop; every blocking call (diskcache, backend, hashing) goes to a
+worker thread bounded by one CapacityLimiter.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import NoReturn
+
+import pyfuse3
+import trio
+
+from mountd.cluster.membership import Cluster
+from mountd.store.content_store import ContentStore, IntegrityError, StoreError
+from mountd.datasets.dataset import MountedDataset
+from mountd.fetch.integrity_budget import IntegrityBudget
+from mountd.fetch.loader_pool import (LoaderPool, LoaderUnavailable, LoadFailed, LoadMismatch,
+                                load_source)
+from mountd.fetch.loader_process import LoadSource
+from mountd.fetch.owner_puts import OwnerPuts
+from mountd.fetch.page_push import PagePush
+from mountd.fetch.read_stats import FetchCause, ReadStats
+from mountd.fetch.staging import Staging
+from quiverfs.backends import Backend
+from quiverfs.errors import QuietError
+from quiverfs.heartbeat import CacheMode
+from quiverfs.rpc import Unavailable
+
+log = logging.getLogger(__name__)
+
+LOCAL_FETCH_DEPTH = 8  # a local directory's fetches in flight, per dataset
+
+
+class ReadFailed(Exception):
+    """An item could not be served (storage error or integrity failure); maps to EIO."""
+
+
+class IntegrityFailed(ReadFailed):
+    """The fetched bytes do not hash to the digest's SHA-256."""
+
+
+@dataclasses.dataclass
+class _Flight:
+    done: trio.Event = dataclasses.field(default_factory=trio.Event)
+    data: bytes | None = None
+    stored: bool = False  # stored by a loader process, which kept the bytes
+    error: Exception | None = None  # a ReadFailed; with none of the three, fetch again
+    storing: bool = False  # ``data`` is in, a loader process is storing it: still held
+
+
+class ItemReader:
+    """Serves item bytes by (dataset, entry) through the tiers, one fetch per missing item."""
+
+    def __init__(self, store: ContentStore, limiter: trio.CapacityLimiter,
+                 cluster: Cluster, push_budget: int = 0,
+                 pool: LoaderPool | None = None) -> None:
+        self.store = store
+        self.limiter = limiter
+        self.cluster = cluster
+        self.pool = pool  # loader processes for misses from GCS; None: all in mountd
+        self.stats = ReadStats()
+        self.integrity = IntegrityBudget()
+        self.staging = Staging()
+        self.puts = OwnerPuts(cluster, self.stats.counters)
+        self.push = PagePush(store, limiter, self.stats, self.staging, push_budget,
+                             skip=self._not_pushed)
+        self._inflight: dict[bytes, _Flight] = {}
+        # A probed job's batch: how the next read of each item misses (by the cause it
+        # is fetched for, and whether the fetch is kept), or, for PROBE, that it must.
+        self._probed: dict[bytes, tuple[FetchCause, bool]] = {}
+        # Dropping an inode's pages can wait in the kernel for a read of that inode,
+        # whose handler needs a worker of ``limiter``: so it never holds one of those.
+        self._invalidations = trio.CapacityLimiter(1)
+
+    def expect_misses(self, backend: Backend) -> None:
+        """A dataset on ``backend`` is mounted: where its misses go to loader processes,
+        start them now rather than at its first miss."""
+        if self.pool is not None and load_source(backend) is not None:
+            self.pool.want()
+
+    def fetch_depth(self, backend: Backend) -> int:
+        """Fetches of one dataset from ``backend`` in flight at once: a GCS bucket's
+        (tens of milliseconds to a first byte each) as many as the loader processes
+        serving misses hold; a local directory's few, in mountd's workers."""
+        if self.pool is not None and load_source(backend) is not None:
+            return self.pool.capacity
+        workers = int(self.limiter.total_tokens)
+        return min(LOCAL_FETCH_DEPTH, workers) if backend.uri.startswith("file://") else workers
+
+    def owner(self, digest: bytes) -> str | None:
+        """The node that should hold ``digest``; None when that is this node."""
+        node = self.cluster.owner(digest)
+        return None if node == self.cluster.me else node
+
+    def _not_pushed(self, ds: MountedDataset, digest: bytes) -> bool:
+        """Whether a planned item is left to its read: a probed job's (its read must
+        reach mountd), one a peer owns (this node's store does not hold it; a hit
+        from the peer is staged in memory for its read), or a suspended dataset's."""
+        return (self.probe_pending(digest) or self.owner(digest) is not None
+                or self.integrity.suspended(ds))
+
+    async def probe_reads(self, ds: MountedDataset, forced: list[int], uncached: list[int],
+                          keep: list[bool]) -> None:
+        """Make the next read of each item of a probed job's batch a miss, and drop the
+        kernel's pages of them. ``uncached`` items were not cached when planned: a read
+        that still misses fetches them as a cooperative miss (other jobs hit them next).
+        ``forced`` ones, and those not kept, are read from storage even if cached.
+        ``keep`` (per item, ``forced`` first) says whether what is fetched is cached."""
+        must = set(forced)
+        for i, k in zip(forced + uncached, keep):
+            # a miss that is not kept is read again when its chunk loads: the probe's cost
+            cause = FetchCause.PROBE if i in must or not k else FetchCause.COOP_MISS
+            self._probed[ds.digest.hash(i)] = (cause, k)
+        inodes = [ds.entry_inode(i) for i in forced + uncached]
+        self.push.forget(inodes)
+        await trio.to_thread.run_sync(_invalidate, inodes, limiter=self._invalidations)
+
+    def probe_pending(self, digest: bytes) -> bool:
+        """Whether a probed job's read of ``digest`` is to come: the chunk loader leaves
+        it to that read, whose miss is then a real one (and the only fetch of it)."""
+        return digest in self._probed
+
+    def in_hand(self, digest: bytes) -> bool:
+        """Whether a fetch of ``digest`` is under way (a read of it would join it), or
+        an uncached miss's bytes are kept for its chunk's load (a probe that read it
+        again would fetch what the load has already)."""
+        return digest in self._inflight or self.staging.kept_for_load(digest)
+
+    async def read(self, ds: MountedDataset, index: int, cause: FetchCause = FetchCause.EXACT,
+                   keep: bool = True) -> bytes:
+        """The verified content of entry ``index`` of ``ds``; a miss is fetched for
+        ``cause``, and cached where ``keep``. Content that hashes right but is not the
+        entry's size fails like content that does not: served to the entry's size, it
+        would be bytes the hash does not cover."""
+        self._check_not_suspended(ds)
+        data = await self._read(ds, index, cause, keep)
+        if len(data) != ds.digest.sizes[index]:
+            self._integrity_failed(ds)
+            log.error("dataset %s: %s is %d bytes in its digest, but the content of its "
+                      "hash %s is %d: not served", ds.name, ds.digest.path(index),
+                      ds.digest.sizes[index], ds.digest.hash(index).hex(), len(data))
+            raise IntegrityFailed("content is not the digest's size")
+        return data
+
+    def _check_not_suspended(self, ds: MountedDataset) -> None:
+        if self.integrity.suspended(ds):
+            self.stats.count(ds, "suspended_reads")
+            raise ReadFailed(f"dataset {ds.name} is suspended: too many failed hash checks")
+
+    def _integrity_failed(self, ds: MountedDataset) -> None:
+        self.stats.count(ds, "integrity_failures")
+        self.integrity.failed(ds)
+
+    async def _read(self, ds: MountedDataset, index: int, cause: FetchCause,
+                    keep: bool) -> bytes:
+        digest = ds.digest.hash(index)
+        probed = self._probed.pop(digest, None)
+        if probed is not None:
+            cause, keep = probed
+            if cause is FetchCause.PROBE:
+                self.stats.count(ds, "probe_misses")
+                return await self.fetch(ds, index, cause, keep=keep)
+        data = await self._cached(ds, index, digest)
+        if data is None:
+            self.stats.count(ds, "misses")
+            return await self.fetch(ds, index, cause, keep=keep)
+        if probed is not None:  # a probe planned a miss that was none: it measures less
+            self.stats.count(ds, "probe_hits")
+        return data
+
+    async def _cached(self, ds: MountedDataset, index: int, digest: bytes) -> bytes | None:
+        """Entry ``index`` (``digest``) staged, from the local store or from its owning
+        peer; None if none of them has it."""
+        staged = self.staging.take(digest)
+        if staged is not None:
+            self.stats.count(ds, "staged_hits")
+            return staged
+        started = time.perf_counter()
+        data = self.store.get_nowait(digest, ds.digest.sizes[index])
+        try:
+            if data is None:
+                data = await trio.to_thread.run_sync(self.store.get, digest,
+                                                     limiter=self.limiter)
+        except StoreError as exc:
+            self.stats.count(ds, "store_errors")
+            log.error("dataset %s: cannot read %s from the local store: %s", ds.name,
+                      ds.digest.path(index), exc)
+            raise ReadFailed(f"local store: {exc}") from None
+        if data is not None:
+            self.stats.observe("local", time.perf_counter() - started)
+            self.stats.count(ds, "local_hits")
+            self.stats.count(ds, "local_bytes", len(data))
+            return data
+        owner = self.owner(digest)
+        if owner is not None:
+            started = time.perf_counter()
+            try:
+                data = await self.cluster.peers.get(owner, digest)
+            except Unavailable:
+                self.stats.count(ds, "peer_errors")
+            if data is not None:
+                self.stats.observe("peer", time.perf_counter() - started)
+                self.stats.count(ds, "peer_hits")
+                self.stats.count(ds, "peer_bytes", len(data))
+                return data
+            self.stats.count(ds, "peer_misses")
+        return None
+
+    async def fetch(self, ds: MountedDataset, index: int, cause: FetchCause,
+                    keep: bool = True, recheck: bool = False) -> bytes:
+        """Fetch entry ``index`` from storage (into the store unless not ``keep``), for
+        ``cause``; concurrent callers share one fetch (counted once, for the first).
+        ``recheck`` where the caller's look-up may be a while old (a chunk load's items
+        wait for a slot; jobs plan misses side by side): the fetch looks in the store
+        once more, in its worker, and an item another fetch stored since is not read
+        again."""
+        self._check_not_suspended(ds)
+        digest = ds.digest.hash(index)
+        while (flight := self._inflight.get(digest)) is not None:
+            self.stats.count(ds, "coalesced")
+            data = await self._joined(flight, digest)
+            if data is not None:
+                return data
+        flight = self._inflight[digest] = _Flight()
+        # An uncached miss of bytes kept for the load serves them (a probe's miss must
+        # be a real one: it reads the bucket); a miss that caches them takes them.
+        kept = (self.staging.take_for_load(digest) if keep
+                else None if cause is FetchCause.PROBE else self.staging.kept_bytes(digest))
+        started = time.perf_counter()
+        with self._flying(ds, digest, flight):
+            async with ds.fetch_slots:
+                # bytes kept for a load are not the bucket's: not metered
+                with self._metered() if kept is None else contextlib.nullcontext([]) as got:
+                    data, fetched = await self._fetched(ds, index, keep, kept, recheck,
+                                                        flight)
+                    got.append(len(data) if fetched else 0)
+        if fetched:
+            self.stats.observe("bucket", time.perf_counter() - started)
+            self.stats.fetched(ds, cause, len(data))
+        else:
+            self.stats.count(ds, "refetches_saved")
+        flight.data = data
+        if not keep and ds.cache_mode is CacheMode.COOP:
+            self.staging.keep_for_load(digest, data)  # its chunk's load stores these
+        return data
+
+    async def _fetched(self, ds: MountedDataset, index: int, keep: bool, kept: bytes | None,
+                       recheck: bool, flight: _Flight) -> tuple[bytes, bool]:
+        """A miss's bytes, checked, and whether they were read from storage: in a
+        loader process where it can, else (and once more where its process exited
+        mid-fetch) in a worker."""
+        source = None if kept is not None or self.pool is None else load_source(ds.backend)
+        if source is not None:
+            got = await self._fetched_in_pool(ds, index, keep, recheck, flight, source)
+            if got is not None:
+                return got
+        return await trio.to_thread.run_sync(self._fetch_blocking, ds, index, keep, kept,
+                                             recheck, limiter=self.limiter)
+
+    async def _fetched_in_pool(self, ds: MountedDataset, index: int, keep: bool,
+                               recheck: bool, flight: _Flight,
+                               source: LoadSource) -> tuple[bytes, bool] | None:
+        """Fetch and check entry ``index`` in a loader process, which stores it where
+        this node keeps it (``flight`` is held until the store's outcome is in). None
+        where a worker is to fetch it: a process exited mid-fetch, or, with
+        ``recheck``, the store may hold it since (the worker reads it from there)."""
+        assert self.pool is not None
+        digest = ds.digest.hash(index)
+        owner = self.owner(digest)
+        if recheck and owner is None and self.store.held_known(digest):
+            return None
+        keep = keep and ds.cache_mode is not CacheMode.NONE  # allotted no cache: keep none
+        store = keep and owner is None and self.store.writable()
+
+        def stored() -> None:
+            if self._inflight.get(digest) is flight:
+                del self._inflight[digest]
+
+        loc = ds.digest.location(index)
+        try:
+            data, flight.storing = await self.pool.fetch(
+                source, ds.digest.key(index), loc.offset, loc.length, digest, store, stored)
+        except LoaderUnavailable as exc:
+            log.warning("dataset %s: %s: fetching %s in mountd", ds.name, exc,
+                        ds.digest.path(index))
+            return None
+        except LoadMismatch:
+            self._mismatch(ds, index)
+        except LoadFailed as exc:
+            log.error("dataset %s: cannot fetch %s from %s: %s", ds.name,
+                      ds.digest.path(index), loc.uri, exc)
+            raise ReadFailed(str(exc)) from None
+        self.stats.count(ds, "loader_process_misses")
+        if keep and owner is not None:
+            self.puts.put(owner, digest, data)
+        return data, True
+
+    async def fetch_stored(self, ds: MountedDataset, index: int, cause: FetchCause,
+                           fetch: Callable[[], Awaitable[int | bytes]]) -> None:
+        """Fetch entry ``index`` into the store for ``cause`` with ``fetch`` (a loader
+        process's load), single-flight with every other fetch of it. ``fetch`` stores it
+        and returns the number of bytes, or returns the bytes it could not store; it
+        raises ReadFailed as ``fetch`` does, or anything else to leave it unfetched."""
+        self._check_not_suspended(ds)
+        digest = ds.digest.hash(index)
+        flight = self._inflight.get(digest)
+        if flight is not None:  # a read fetches it already
+            self.stats.count(ds, "coalesced")
+            await flight.done.wait()
+            if flight.error is not None:
+                raise ReadFailed(str(flight.error))
+            return
+        if self.store.held_known(digest):  # stored since the caller looked
+            self.stats.count(ds, "refetches_saved")
+            return
+        flight = self._inflight[digest] = _Flight()
+        started = time.perf_counter()
+        with self._flying(ds, digest, flight), self._metered() as fetched:
+            got = await fetch()
+            fetched.append(len(got) if isinstance(got, bytes) else got)
+        self.stats.observe("bucket", time.perf_counter() - started)
+        if isinstance(got, bytes):
+            self.stats.fetched(ds, cause, len(got))
+            flight.data = got
+        else:
+            self.stats.fetched(ds, cause, got)
+            flight.stored = True
+
+    @contextlib.contextmanager
+    def _metered(self) -> Iterator[list[int]]:
+        """Time a fetch for the bucket's bandwidth; its bytes go into the list yielded
+        (none: it failed, or read nothing from the bucket)."""
+        got: list[int] = []
+        self.stats.bucket.begin()
+        try:
+            yield got
+        finally:
+            self.stats.bucket.end(sum(got))
+
+    @contextlib.contextmanager
+    def _flying(self, ds: MountedDataset, digest: bytes, flight: _Flight) -> Iterator[None]:
+        """Hold ``flight`` for ``digest`` while the fetch runs; count its failure."""
+        try:
+            yield
+        except ReadFailed as exc:
+            flight.error = exc
+            if isinstance(exc, IntegrityFailed):
+                self._integrity_failed(ds)
+            else:
+                self.stats.count(ds, "bucket_errors")
+            raise
+        finally:
+            if not flight.storing:
+                del self._inflight[digest]
+            flight.done.set()
+
+    async def _joined(self, flight: _Flight, digest: bytes) -> bytes | None:
+        """What another caller's flight fetched: its bytes, or None if it ended without
+        them (and the store no longer has what a loader process stored)."""
+        await flight.done.wait()
+        if flight.error is not None:
+            raise ReadFailed(str(flight.error))
+        if not flight.stored:
+            return flight.data
+        try:
+            return await trio.to_thread.run_sync(self.store.get, digest, limiter=self.limiter)
+        except StoreError as exc:
+            raise ReadFailed(f"local store: {exc}") from None
+
+    def _fetch_blocking(self, ds: MountedDataset, index: int, keep: bool,
+                        data: bytes | None, recheck: bool) -> tuple[bytes, bool]:
+        """Read from storage (unless ``data``, a miss's bytes kept, is given) and check
+        the hash; keep it here if this node owns it, else hand it to its owner (in the
+        background). With ``recheck``, an item this node's store took since the caller
+        looked is read from there instead. Returns the bytes, and whether they were
+        read from storage."""
+        digest = ds.digest.hash(index)
+        owner = self.owner(digest)
+        if recheck and owner is None and (stored := self.store.get(digest)) is not None:
+            return stored, False
+        fetched = data is None
+        loc = ds.digest.location(index)
+        if data is None:
+            try:
+                data = ds.backend.read(ds.digest.key(index), loc.offset, loc.length)
+            except (QuietError, OSError) as exc:
+                message = (exc.message if isinstance(exc, QuietError)
+                           else exc.strerror or str(exc))
+                log.error("dataset %s: cannot fetch %s from %s: %s", ds.name,
+                          ds.digest.path(index), loc.uri, message)
+                raise ReadFailed(message) from None
+        try:
+            keep = keep and ds.cache_mode is not CacheMode.NONE  # allotted no cache: keep none
+            if keep and owner is None:
+                # checks the hash; a store that cannot write leaves the item uncached
+                self.store.put(digest, data)
+            elif hashlib.sha256(data).digest() != digest:
+                raise IntegrityError(digest.hex())
+            elif keep:
+                trio.from_thread.run_sync(self.puts.put, owner, digest, data)
+        except IntegrityError:
+            self._mismatch(ds, index)
+        return data, fetched
+
+    def _mismatch(self, ds: MountedDataset, index: int) -> NoReturn:
+        loc = ds.digest.location(index)
+        log.error("dataset %s: %s at %s (offset %d, %d bytes) does not match its digest "
+                  "hash %s: not cached, not served", ds.name, ds.digest.path(index),
+                  loc.uri, loc.offset, loc.length, ds.digest.hash(index).hex())
+        raise IntegrityFailed("content does not match the digest") from None
+
+
+def _invalidate(inodes: list[int]) -> None:
+    for inode in inodes:
+        try:
+            pyfuse3.invalidate_inode(inode, attr_only=False)
+        except OSError:
+            pass  # the kernel holds nothing of it

@@ -1,0 +1,195 @@
+"""mountd's side of the ``ROOT/.quiver`` connection: the child process that mounts it
+(mountd.fs.control_mount_process), and its requests answered by mountd.fs.control_fs.
+
+The child is started once the datasets' connection serves (its mount looks ``.quiver``
+up there) and stopped before that connection ends (its unmount does too). Should it
+end on its own, its mount is detached and a new one started.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections import Counter
+from typing import Any
+
+import msgpack
+import pyfuse3
+import trio
+
+from mountd.fs.control_fs import ControlFS
+from mountd.fs.control_mount_process import MAX_MESSAGE, attr_to_wire
+from mountd.fs.job_files import CONTROL_INODE
+from quiverfs.errors import ExitCode, QuietError
+from quiverfs.job_protocol import CONTROL_NAME
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT = 30.0  # seconds for the child's mount to appear
+STOP_TIMEOUT = 10.0  # seconds for it to unmount and exit before it is killed
+RESTART_DELAY = 1.0
+
+
+class _Who:
+    """A request's sender, as the child saw it in its RequestContext."""
+
+    __slots__ = ("uid", "gid", "pid", "umask")
+
+    def __init__(self, uid: int, gid: int, pid: int, umask: int) -> None:
+        self.uid, self.gid, self.pid, self.umask = uid, gid, pid, umask
+
+
+def _inode(inode: int) -> int:
+    """The connection's root is mountd's CONTROL_INODE."""
+    return CONTROL_INODE if inode == pyfuse3.ROOT_INODE else inode
+
+
+def _attr(attr: pyfuse3.EntryAttributes) -> list[Any]:
+    values = attr_to_wire(attr)
+    if values[0] == CONTROL_INODE:
+        values[0] = pyfuse3.ROOT_INODE
+    return values
+
+
+class ControlMount:
+    """Runs the child that mounts ``ROOT/.quiver`` and answers its requests."""
+
+    def __init__(self, root: str, fs: ControlFS, requests: Counter[str]) -> None:
+        self.mountpoint = os.path.join(root, CONTROL_NAME)
+        self.fs = fs
+        self.requests = requests  # counted by opcode, "control." before it
+        self._proc: trio.Process | None = None
+        self._stopping = False
+        self._mounted = False  # the child said its mount is made
+
+    async def run(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve the connection until stopped; started once it is mounted."""
+        started = False
+        while True:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            with ours:
+                with theirs:
+                    self._proc = await trio.lowlevel.open_process(
+                        [sys.executable, "-m", "mountd.fs.control_mount_process",
+                         str(theirs.fileno()), self.mountpoint], pass_fds=(theirs.fileno(),),
+                        start_new_session=True)  # a terminal's ^C is mountd's to pass on
+                stream = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
+                self._mounted = False
+                said = trio.Event()  # mounted, or the child ended first
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._answer, stream, said)
+                    with trio.move_on_after(START_TIMEOUT):
+                        await said.wait()
+                    if not self._mounted:
+                        self._proc.kill()
+                        raise QuietError(f"cannot mount {self.mountpoint}: see the log",
+                                         ExitCode.MOUNT)
+                    if not started:
+                        started = True
+                        task_status.started()
+            code = await self._proc.wait()
+            if self._stopping:
+                return
+            log.error("the process serving %s ended (exit status %s): mounting it again",
+                      self.mountpoint, code)
+            await trio.to_thread.run_sync(_detach, self.mountpoint)
+            await trio.sleep(RESTART_DELAY)
+            if self._stopping:
+                return
+
+    async def stop(self) -> None:
+        """Unmount ``ROOT/.quiver`` (the child does) and wait for the child to end."""
+        self._stopping = True
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        with trio.move_on_after(STOP_TIMEOUT):
+            await proc.wait()
+            return
+        log.error("the process serving %s did not end: killed", self.mountpoint)
+        proc.kill()
+        await proc.wait()
+        await trio.to_thread.run_sync(_detach, self.mountpoint)
+
+    async def _answer(self, stream: trio.SocketStream, said: trio.Event) -> None:
+        """Answer the child's requests until it closes the socket (it ended); set
+        ``said`` once it has mounted, or when it ends before."""
+        unpacker = msgpack.Unpacker(max_buffer_size=MAX_MESSAGE)
+        send_lock = trio.Lock()
+        async with trio.open_nursery() as nursery:
+            try:
+                while data := await stream.receive_some(1 << 20):
+                    unpacker.feed(data)
+                    for rid, op, args, who in unpacker:
+                        if rid == 0:
+                            if op == "mounted":
+                                self._mounted = True
+                                said.set()
+                            continue
+                        nursery.start_soon(self._reply, stream, send_lock, rid, op, args, who)
+            except (trio.BrokenResourceError, ValueError, TypeError) as exc:
+                log.error("the link to the process serving %s failed: %s",
+                          self.mountpoint, exc)
+            nursery.cancel_scope.cancel()
+        said.set()
+
+    async def _reply(self, stream: trio.SocketStream, send_lock: trio.Lock, rid: int,
+                     op: str, args: list[Any], who: list[int] | None) -> None:
+        self.requests[f"control.{op}"] += 1
+        try:
+            result = await self._dispatch(op, args, None if who is None else _Who(*who))
+            err = 0
+        except pyfuse3.FUSEError as exc:
+            result, err = None, exc.errno
+        except Exception:
+            log.exception("FUSE control.%s failed: answered EIO", op)
+            result, err = None, errno.EIO
+        try:
+            async with send_lock:
+                await stream.send_all(msgpack.packb([rid, err, result]))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the child is gone; its kernel request went with it
+
+    async def _dispatch(self, op: str, args: list[Any], who: _Who | None) -> Any:
+        fs = self.fs
+        if op == "lookup":
+            return _attr(await fs.lookup(_inode(args[0]), args[1], who))
+        if op == "getattr":
+            return _attr(await fs.getattr(_inode(args[0]), who))
+        if op == "setattr":
+            return _attr(await fs.setattr(_inode(args[0]), who))
+        if op == "opendir":
+            return await fs.opendir(_inode(args[0]), who)
+        if op == "readdir":
+            return [[name, _attr(attr), nxt]
+                    for name, attr, nxt in fs.entries_from(args[0], args[1], args[2])]
+        if op == "releasedir":
+            return await fs.releasedir(args[0])
+        if op == "open":
+            info = await fs.open(_inode(args[0]), args[1], who)
+            return [info.fh, info.direct_io, info.keep_cache]
+        if op == "read":
+            return bytes(await fs.read(args[0], args[1], args[2]))
+        if op == "write":
+            return await fs.write(args[0], args[1], args[2])
+        if op == "release":
+            return await fs.release(args[0])
+        if op == "mkdir":
+            return _attr(await fs.mkdir(_inode(args[0]), args[1], args[2], who))
+        if op == "rmdir":
+            return await fs.rmdir(_inode(args[0]), args[1], who)
+        if op == "getxattr":
+            return await fs.getxattr(_inode(args[0]), args[1], who)
+        if op == "listxattr":
+            return await fs.listxattr(_inode(args[0]), who)
+        raise pyfuse3.FUSEError(errno.ENOSYS)
+
+
+def _detach(mountpoint: str) -> None:
+    """Lazily unmount whatever is left at ``mountpoint``."""
+    subprocess.run(["fusermount3", "-u", "-z", mountpoint], capture_output=True, check=False)

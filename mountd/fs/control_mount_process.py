@@ -1,0 +1,215 @@
+"""The process that serves ``ROOT/.quiver``'s FUSE connection for mountd.
+
+pyfuse3 serves one FUSE connection per process, and the datasets' connection runs
+without OPEN (mountd.fs.datasets_fs), so the files that need per-open state are mounted by this
+child of mountd on ``ROOT/.quiver``. It forwards every request, with who sent it, over
+a socket mountd made (mountd.fs.control_mount answers it with mountd.fs.control_fs) and
+replies with the answer. It holds no state of its own and trusts nothing but mountd.
+
+    python -m mountd.fs.control_mount_process FD MOUNTPOINT
+
+Wire: msgpack, each way a stream of arrays. Requests ``[id, op, args, who]`` (``who``
+is ``[uid, gid, pid, umask]`` or None), replies ``[id, errno, result]`` (errno 0 for a
+result). This process says ``[0, "mounted", []]`` once the mount is made.
+"""
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+import signal
+import socket
+import sys
+from typing import Any
+
+import msgpack
+import pyfuse3
+import trio
+
+log = logging.getLogger(__name__)
+
+ATTR_FIELDS = ("st_ino", "generation", "entry_timeout", "attr_timeout", "st_mode",
+               "st_nlink", "st_uid", "st_gid", "st_rdev", "st_size", "st_blksize",
+               "st_blocks", "st_atime_ns", "st_ctime_ns", "st_mtime_ns")
+READDIR_BATCH = 256  # entries asked of mountd per READDIR
+MAX_MESSAGE = 64 << 20  # a reply larger than this is mountd's bug: end the connection
+
+
+def attr_to_wire(attr: pyfuse3.EntryAttributes) -> list[Any]:
+    return [getattr(attr, name) for name in ATTR_FIELDS]
+
+
+def attr_from_wire(values: list[Any]) -> pyfuse3.EntryAttributes:
+    attr = pyfuse3.EntryAttributes()
+    for name, value in zip(ATTR_FIELDS, values, strict=True):
+        setattr(attr, name, value)
+    return attr
+
+
+def _who(ctx: pyfuse3.RequestContext) -> list[int]:
+    return [ctx.uid, ctx.gid, ctx.pid, ctx.umask]
+
+
+class _Link:
+    """Requests to mountd and their replies, matched by id."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, trio.MemorySendChannel] = {}
+        self._send_lock = trio.Lock()
+
+    async def call(self, op: str, *args: Any, ctx: pyfuse3.RequestContext | None = None
+                   ) -> Any:
+        rid = next(self._ids)
+        send, receive = trio.open_memory_channel[list[Any]](1)
+        self._waiting[rid] = send
+        try:
+            async with self._send_lock:
+                await self.stream.send_all(msgpack.packb(
+                    [rid, op, list(args), None if ctx is None else _who(ctx)]))
+            _, err, result = await receive.receive()
+        except (trio.BrokenResourceError, trio.EndOfChannel, trio.ClosedResourceError):
+            raise pyfuse3.FUSEError(errno.ENOTCONN) from None
+        finally:
+            self._waiting.pop(rid, None)
+        if err:
+            raise pyfuse3.FUSEError(err)
+        return result
+
+    async def receive_replies(self) -> None:
+        """Hand each reply to its caller until mountd closes the socket."""
+        unpacker = msgpack.Unpacker(max_buffer_size=MAX_MESSAGE)
+        while data := await self.stream.receive_some(1 << 20):
+            unpacker.feed(data)
+            for reply in unpacker:
+                send = self._waiting.get(reply[0])
+                if send is not None:
+                    send.send_nowait(reply)
+        for send in self._waiting.values():
+            send.close()
+
+    async def say(self, what: str) -> None:
+        async with self._send_lock:
+            await self.stream.send_all(msgpack.packb([0, what, [], None]))
+
+
+class ForwardingOperations(pyfuse3.Operations):
+    """Every request of this connection, asked of mountd."""
+
+    supports_dot_lookup = False  # "." and ".." are the kernel's (a mount's root above all)
+
+    link: _Link  # set once trio runs
+
+    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
+                     ) -> pyfuse3.EntryAttributes:
+        return attr_from_wire(await self.link.call("lookup", parent_inode, name, ctx=ctx))
+
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext
+                      ) -> pyfuse3.EntryAttributes:
+        return attr_from_wire(await self.link.call("getattr", inode, ctx=ctx))
+
+    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes,
+                      fields: pyfuse3.SetattrFields, fh: int | None,
+                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return attr_from_wire(await self.link.call("setattr", inode, ctx=ctx))
+
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        return await self.link.call("opendir", inode, ctx=ctx)
+
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        while True:
+            entries = await self.link.call("readdir", fh, start_id, READDIR_BATCH)
+            for name, attr, next_id in entries:
+                if not pyfuse3.readdir_reply(token, name, attr_from_wire(attr), next_id):
+                    return
+                start_id = next_id
+            if len(entries) < READDIR_BATCH:
+                return
+
+    async def releasedir(self, fh: int) -> None:
+        await self.link.call("releasedir", fh)
+
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext
+                   ) -> pyfuse3.FileInfo:
+        fh, direct_io, keep_cache = await self.link.call("open", inode, flags, ctx=ctx)
+        return pyfuse3.FileInfo(fh=fh, direct_io=direct_io, keep_cache=keep_cache)
+
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        return await self.link.call("read", fh, off, size)
+
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        return await self.link.call("write", fh, off, buf)
+
+    async def release(self, fh: int) -> None:
+        await self.link.call("release", fh)
+
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return attr_from_wire(await self.link.call("mkdir", parent_inode, name, mode, ctx=ctx))
+
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
+                    ) -> None:
+        await self.link.call("rmdir", parent_inode, name, ctx=ctx)
+
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        return await self.link.call("getxattr", inode, name, ctx=ctx)
+
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        return await self.link.call("listxattr", inode, ctx=ctx)
+
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        data = pyfuse3.StatvfsData()
+        data.f_bsize = data.f_frsize = 4096
+        data.f_namemax = 255
+        return data
+
+    async def _read_only(self, *args: object) -> None:
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    create = mknod = unlink = rename = symlink = link = _read_only
+
+
+async def _serve(ops: ForwardingOperations, sock: socket.socket) -> None:
+    link = ops.link = _Link(trio.SocketStream(trio.socket.from_stdlib_socket(sock)))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_until_closed, link)
+        nursery.start_soon(_on_signals)
+        await link.say("mounted")
+        await pyfuse3.main(min_tasks=1, max_tasks=64)
+        nursery.cancel_scope.cancel()
+
+
+async def _until_closed(link: _Link) -> None:
+    try:
+        await link.receive_replies()
+    except (trio.BrokenResourceError, msgpack.ExtraData, ValueError) as exc:
+        log.error("the link to mountd failed: %s", exc)
+    pyfuse3.terminate()  # mountd is gone: nobody can answer
+
+
+async def _on_signals() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+        async for _ in sigs:
+            pyfuse3.terminate()
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s control-mount %(levelname)s %(message)s")
+    fd, mountpoint = int(argv[0]), argv[1]
+    sock = socket.socket(fileno=fd)
+    options = set(pyfuse3.default_options)
+    options |= {"fsname=quiver-control", "subtype=quiver", "allow_other"}
+    ops = ForwardingOperations()
+    pyfuse3.init(ops, mountpoint, options)
+    try:
+        trio.run(_serve, ops, sock)
+    finally:
+        pyfuse3.close(unmount=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

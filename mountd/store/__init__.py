@@ -1,0 +1,1 @@
+"""The local SSD store: content by SHA-256 in diskcache."""

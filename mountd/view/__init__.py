@@ -1,0 +1,1 @@
+"""The substitutable view: the jobs behind a view's opens and the view's readahead."""

@@ -1,0 +1,379 @@
+"""The substitutable view (``quiver mount DIGEST --view substitutable``): substitution for
+readers that do not use the sampler (paper §4.7, in the filesystem itself).
+
+In a view, opening ``CLASS/x.jpg`` serves an item of the same *pool* (the same
+directory and file extension, so of the same label) that the opening job has not yet
+received in its current pass over that pool. A pass ends when the job has received
+every item of the pool once; the next open of the pool starts the next one. A plain
+``DataLoader(shuffle=True)`` reads every path once per epoch, so each epoch is one pass
+per pool, and the job gets every item exactly once per epoch.
+
+Every job takes a pool's items in one common order (the chunk cycle's: resident chunks
+first, then as the ring brings them; shuffled anew each pass): cached ones first, else a
+miss of the first. So what one job fetches is what the others want next; it stays cached
+until every view job here has opened it, and is then the store's first to evict
+(``spent``). The readahead
+(mountd.view.readahead) fetches the next items in that order, within the dataset's
+allotment, for the pools where some job has the fewest cached items left. The view's
+jobs do not drive the chunk cycle: each pool's demand runs at its own random rate, and
+the slowest pool of the slowest job would hold every chunk back.
+
+A job is recognised by who opens (the rule, in order; docs/view.md):
+1. ``QUIVER_JOB=NAME`` in the reader's environment (as it was when the process started);
+2. a torchrun run (``TORCHELASTIC_RUN_ID`` with ``MASTER_ADDR``/``MASTER_PORT``): its
+   local ranks start in sessions of their own, so they are recognised by the run;
+3. the reader's process group: the command a shell started, with its DataLoader workers
+   and ``mp.spawn`` ranks.
+Jobs are per view and per uid: no one shares another user's passes. Items without a
+label are their own pool: they are always served exactly.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import re
+import time
+from typing import Any
+
+import numpy as np
+import trio
+
+from mountd.fetch.bulk_fetch import BulkFetch
+from mountd.cluster.membership import Cluster
+from mountd.datasets.dataset import MountedDataset
+from mountd.jobs.dataset_jobs import DatasetJobs
+from mountd.fetch.item_reader import ItemReader
+from mountd.jobs.registry import JobRegistry
+from mountd.fetch.read_stats import FetchCause
+from mountd.view.readahead import JobNeeds, ViewReadahead
+from quiverfs.digest import Digest
+from quiverfs.heartbeat import CacheMode, JobReport, to_wire
+from quiverfs.job_protocol import JOB_ENV
+
+log = logging.getLogger(__name__)
+
+POOL_BATCH = 8  # hits of one pool planned at once (one store look-up for up to 8 opens)
+MAX_JOBS_PER_USER = 64  # view jobs a uid holds at once; its least recently used goes first
+JOB_IDLE = 3600.0  # seconds without an open after which a job is forgotten
+SWEEP_EVERY = 5.0  # seconds between looks for jobs whose processes are gone
+MAX_IDENTITIES = 4096  # reader pids whose job identity is remembered
+MAX_PGIDS = 64  # process groups remembered per job (it ends when all of them are gone)
+LOOKUP_BLOCK = 4 * POOL_BATCH  # pending items of a pool looked up in the store at once
+_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What an open of a view file serves, and how a miss of it is fetched."""
+
+    index: int
+    hit: bool  # cached when chosen
+    cause: FetchCause
+    keep: bool
+
+
+class _PoolPass:
+    """A job's current pass over one pool: which of its items the job has not been
+    served yet, and items chosen not yet served."""
+
+    def __init__(self, number: int, members: np.ndarray) -> None:
+        self.number = number
+        self.members = members  # the pool's items, ascending
+        self.pending = np.ones(len(members), dtype=bool)
+        self.queue: collections.deque[Choice] = collections.deque()
+        self.lock = trio.Lock()  # one planning at a time
+
+    def pending_items(self) -> np.ndarray:
+        """The items not yet served in this pass."""
+        return self.members[self.pending]
+
+    def place(self, items: list[int]) -> None:
+        """Hand out ``items``: each at most once per pass."""
+        positions = np.searchsorted(self.members, items)
+        if not self.pending[positions].all() or len(set(items)) < len(items):
+            raise AssertionError("an item was chosen twice in one pass")
+        self.pending[positions] = False
+
+    @property
+    def used_up(self) -> bool:
+        """Every item handed out (a planning under way may still be queueing some)."""
+        return not self.queue and not self.pending.any() and not self.lock.locked()
+
+
+class ViewJob:
+    """One job reading a view: its pass over each pool, and its counters."""
+
+    def __init__(self, job_id: str, ds: MountedDataset, uid: int, identity: str,
+                 group: DatasetJobs) -> None:
+        self.id = job_id
+        self.ds = ds
+        self.uid = uid
+        self.identity = identity
+        self.group = group
+        self.pools: dict[int, _PoolPass] = {}
+        # per item: whether the job is yet to be served it (in the current pass over its
+        # pool, or a first one); False for items that are always served exactly
+        self.need = ds.pools.shared.copy()
+        self.pgids: set[int] = set()  # process groups seen opening for it
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.last_used = time.monotonic()
+
+    def report(self) -> JobReport:
+        """What the coordinator needs: no chunk (the view does not drive the cycle), and
+        never probed (its reads are not timed per batch)."""
+        return JobReport(id=self.id, gen=0, gpus=1,
+                         remaining=(0,) * self.group.plan.n_chunks,
+                         probe_seq=0, probeable=False, batch_bytes=self.ds.mean_item_bytes)
+
+    def stats(self) -> dict[str, Any]:
+        return {"job": self.id, "dataset": self.ds.name, "uid": self.uid,
+                "identity": self.identity, "counters": dict(self.counters),
+                "pools_in_pass": len(self.pools), "remaining": int(self.need.sum())}
+
+    def pass_of(self, pool: int) -> _PoolPass:
+        """The job's current pass over ``pool``; a new one where the last is used up."""
+        current = self.pools.get(pool)
+        if current is not None and not current.used_up:
+            return current
+        number = 0 if current is None else current.number + 1
+        members = self.ds.pools.members[pool]
+        self.need[members] = True
+        self.counters["passes"] += 1
+        self.pools[pool] = made = _PoolPass(number, members)
+        return made
+
+    def pass_number(self, pool: int) -> int:
+        """The number of the job's current (or first) pass over ``pool``."""
+        current = self.pools.get(pool)
+        return 0 if current is None else current.number
+
+    def place(self, current: _PoolPass, items: list[int]) -> None:
+        """Hand out ``items`` in the pass ``current``: each at most once per pass."""
+        current.place(items)
+        self.need[items] = False
+
+    def queued(self, pool: int, item: int) -> bool:
+        """Whether the job has chosen ``item`` of ``pool`` and not opened it yet."""
+        current = self.pools.get(pool)
+        return current is not None and any(c.index == item for c in current.queue)
+
+    def kept_for(self, items: np.ndarray) -> np.ndarray:
+        """Which of an evicted chunk's ``items`` the job is yet to be served."""
+        return self.need[items]
+
+
+class ViewJobs:
+    """Recognises the job behind each open of a view file and chooses what it gets."""
+
+    def __init__(self, jobs: JobRegistry, reader: ItemReader, bulk: BulkFetch,
+                 cluster: Cluster) -> None:
+        self.registry = jobs
+        self.reader = reader
+        self.bulk = bulk
+        self.cluster = cluster
+        self.jobs: dict[tuple[str, int, str], ViewJob] = {}
+        self._identities: collections.OrderedDict[int, tuple[int, str]] = (
+            collections.OrderedDict())  # pid -> (its pgid then, job identity)
+        self.readahead = ViewReadahead(bulk, self._needs)
+
+    # -- which job ----------------------------------------------------------------------
+    async def _identity(self, pid: int) -> tuple[str, int | None]:
+        """(job identity, process group) of the reading process ``pid``."""
+        try:
+            pgid = os.getpgid(pid) if pid > 0 else None
+        except ProcessLookupError:  # gone, or in a pid namespace mountd cannot see
+            pgid = None
+        if pgid is None:
+            return "uid", None
+        known = self._identities.get(pid)
+        if known is not None and known[0] == pgid:
+            return known[1], pgid
+        env = await trio.to_thread.run_sync(_environment, pid, limiter=self.reader.limiter)
+        identity = identity_from(env, pgid)
+        self._identities[pid] = (pgid, identity)
+        while len(self._identities) > MAX_IDENTITIES:
+            self._identities.popitem(last=False)
+        return identity, pgid
+
+    async def job_for(self, ds: MountedDataset, pid: int, uid: int) -> ViewJob:
+        identity, pgid = await self._identity(pid)
+        key = (ds.name, uid, identity)
+        job = self.jobs.get(key)
+        if job is None:
+            group = await self.registry.group_for(ds)
+            job = self.jobs.get(key)  # another open may have made it meanwhile
+            if job is None:
+                job = self._create(key, ds, group)
+        job.last_used = time.monotonic()
+        if pgid is not None and len(job.pgids) < MAX_PGIDS:
+            job.pgids.add(pgid)
+        return job
+
+    def _create(self, key: tuple[str, int, str], ds: MountedDataset, group: DatasetJobs
+                ) -> ViewJob:
+        name, uid, identity = key
+        mine = [k for k in self.jobs if k[1] == uid]
+        if uid != 0 and len(mine) >= MAX_JOBS_PER_USER:
+            oldest = min(mine, key=lambda k: self.jobs[k].last_used)
+            log.info("uid %d holds %d view jobs: forgetting %s", uid, len(mine), oldest[2])
+            self._drop(oldest)
+        job_id = f"view:{name}:{uid}:{identity}"
+        job = self.jobs[key] = ViewJob(job_id, ds, uid, identity, group)
+        group.jobs[job_id] = job
+        log.info("view %s: new job %s (uid %d)", name, identity, uid)
+        return job
+
+    def _drop(self, key: tuple[str, int, str]) -> None:
+        job = self.jobs.pop(key)
+        job.group.jobs.pop(job.id, None)
+
+    def dataset_removed(self, name: str) -> None:
+        for key in [k for k in self.jobs if k[0] == name]:
+            self._drop(key)
+
+    async def run(self) -> None:
+        """The readahead, and the sweep of ended jobs."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.readahead.run)
+            nursery.start_soon(self._sweep)
+
+    async def _sweep(self) -> None:
+        """Forget jobs whose processes are all gone (their needs would keep items
+        cached, and draw the readahead), and jobs idle for JOB_IDLE."""
+        while True:
+            await trio.sleep(SWEEP_EVERY)
+            now = time.monotonic()
+            for key, job in list(self.jobs.items()):
+                if now - job.last_used > JOB_IDLE or (job.pgids and not any(
+                        _group_alive(g) for g in job.pgids)):
+                    log.info("view %s: job %s ended", key[0], key[2])
+                    self._drop(key)
+
+    def _needs(self) -> list[tuple[DatasetJobs, list[JobNeeds]]]:
+        """Each dataset with view jobs here, and what each of them is yet to be served
+        (and in which pass of each pool)."""
+        by_group: dict[int, tuple[DatasetJobs, list[JobNeeds]]] = {}
+        for job in self.jobs.values():
+            by_group.setdefault(id(job.group), (job.group, []))[1].append(
+                (job.need, job.pass_number))
+        return list(by_group.values())
+
+    def status(self, uid: int) -> list[dict[str, Any]]:
+        return [{**job.stats(),
+                 "chunks": to_wire(job.group.view) if job.group.view is not None else None}
+                for job in self.jobs.values() if uid in (0, job.uid)]
+
+    # -- what it gets -------------------------------------------------------------------
+    async def choose(self, ds: MountedDataset, entry: int, pid: int, uid: int) -> Choice:
+        """The item an open of ``entry`` serves to the job of process ``pid``."""
+        pool = int(ds.pools.pool_of[entry])
+        if len(ds.pools.members[pool]) == 1:
+            return Choice(entry, False, FetchCause.EXACT, True)
+        job = await self.job_for(ds, pid, uid)
+        while True:
+            current = job.pass_of(pool)
+            if current.queue:
+                choice = self._taken(job, pool, current.queue.popleft())
+                break
+            async with current.lock:
+                if not current.queue and current.pending.any():
+                    await self._plan(job, pool, current)
+        job.counters["opens"] += 1
+        job.counters["hits" if choice.hit else "misses"] += 1
+        self.reader.stats.count(ds, "view_hits" if choice.hit else "view_misses")
+        return choice
+
+    async def _plan(self, job: ViewJob, pool: int, current: _PoolPass) -> None:
+        """Choose the next items of a pool pass, in the common order: up to POOL_BATCH
+        cached ones, or where none is, a miss of the first item the job still needs."""
+        group, digest = job.group, job.ds.digest
+        pending = current.pending_items()
+        order = group.in_order(pending, current.number)
+        candidates = order[group.cached.findable(order)]
+        hits: list[int] = []
+        for start in range(0, len(candidates), LOOKUP_BLOCK):
+            block = [int(i) for i in candidates[start:start + LOOKUP_BLOCK]]
+            held = await self.bulk.held([digest.hash(i) for i in block])
+            group.cached.seen(block, held)
+            hits.extend(i for i, h in zip(block, held) if h)
+            if len(hits) >= POOL_BATCH:
+                break
+        hits = hits[:POOL_BATCH]
+        fetch = [] if hits else [int(order[0])]
+        job.place(current, hits + fetch)
+        # a miss no other job needs is read and not kept; hits are spent when opened
+        spent = [i for i in fetch if self._spent(job, pool, i)]
+        self._spend(group, spent)
+        self.reader.store.wanted(digest.hash(i) for i in hits + fetch if i not in spent)
+        kept = [i for i in fetch if i not in spent and group.mode is not CacheMode.NONE]
+        if kept:
+            group.cached.hold(kept)
+        current.queue.extend(Choice(i, True, FetchCause.COOP_MISS, True) for i in hits)
+        current.queue.extend(Choice(i, False, FetchCause.COOP_MISS, i not in spent)
+                             for i in fetch)
+        self.reader.staging.planned([digest.hash(i) for i in hits])
+        self.readahead.wake()
+
+    def _taken(self, job: ViewJob, pool: int, choice: Choice) -> Choice:
+        """``choice``, as an open of ``job``'s takes it from its queue: a hit that no
+        other job needs any more is spent now, not when planned (the job opens its
+        planned hits over a while, and the store evicts spent items first)."""
+        if choice.hit and self._spent(job, pool, choice.index):
+            self._spend(job.group, [choice.index])
+            return dataclasses.replace(choice, keep=False)
+        return choice
+
+    def _spend(self, group: DatasetJobs, items: list[int]) -> None:
+        if items:
+            group.cached.spend(items)
+            self.reader.store.spent(group.ds.digest.hash(i) for i in items)
+
+    def _spent(self, job: ViewJob, pool: int, item: int) -> bool:
+        """Whether no other job here needs ``item`` of ``pool`` (placed for ``job``) in
+        its current pass, nor has chosen it and not opened it yet: on a lone node with
+        view jobs only (elsewhere, other jobs and nodes may still read it)."""
+        if len(self.cluster.live()) > 1:
+            return False
+        for other in job.group.jobs.values():
+            if not isinstance(other, ViewJob):
+                return False
+            if other is not job and (other.need[item] or other.queued(pool, item)):
+                return False
+        return True
+
+
+def _environment(pid: int) -> dict[bytes, bytes]:
+    """The environment ``pid`` started with ({} where it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    pairs = (entry.partition(b"=") for entry in raw.split(b"\0") if entry)
+    return {k: v for k, sep, v in pairs if sep}
+
+
+def identity_from(env: dict[bytes, bytes], pgid: int) -> str:
+    """The job identity of a reader with environment ``env`` in process group ``pgid``."""
+    name = env.get(JOB_ENV.encode(), b"").decode("utf-8", "replace")
+    if _JOB_NAME.fullmatch(name):
+        return f"env:{name}"
+    run = env.get(b"TORCHELASTIC_RUN_ID")
+    port = env.get(b"MASTER_PORT")
+    if run is not None and port is not None:
+        addr = env.get(b"MASTER_ADDR", b"")
+        text = b":".join((addr, port, run)).decode("utf-8", "replace")[:200]
+        return f"torchrun:{text}"
+    return f"pgid:{pgid}"
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists: mountd is not root in some tests
+        pass
+    return True
