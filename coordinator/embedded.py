@@ -6,7 +6,8 @@ import logging
 import os
 import trio
 
-from coordinator.state import CoordinatorState, StateCorrupted
+from coordinator.state import CoordinatorState
+from coordinator.state_store import StateCorrupted
 from quiverfs.errors import ExitCode, QuietError
 from quiverfs.heartbeat import Heartbeat, HeartbeatReply
 

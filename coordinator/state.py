@@ -9,71 +9,28 @@ keys move to the survivors and its jobs stop pinning chunks. One not heard from 
 ``forget_after`` seconds is forgotten: gone from the membership and from every dataset.
 
 The same class runs inside ``quiver coordinator`` and, for a single node without
-``--coordinator``, inside mountd. Everything but the nodes' reports is persisted, the
-time each node was last heard from included (wall-clock), so a restart revives no node
-that was dead, and forgets those whose time has come.
+``--coordinator``, inside mountd. It is saved in its state directory, and resumed from
+there at a start, by ``coordinator.state_store``.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import math
-import os
 import time
 from typing import Any
 
-
+from coordinator import state_store
 from coordinator.allocation import DatasetDemand, JobBenefit, allocate, resident_chunks
+from coordinator.state_records import DatasetState, Node
 from quiverfs.chunk_cycle import FORCE_EVICT_AFTER, ChunkCycle
-from quiverfs.heartbeat import (PROBE_BATCHES, CacheMode, CycleView, DatasetReport, Heartbeat,
-                                HeartbeatReply, LoadedShare, Member)
-from quiverfs import digest as digest_format
-from quiverfs.errors import ExitCode, QuietError
+from quiverfs.heartbeat import (PROBE_BATCHES, CacheMode, CycleView, Heartbeat, HeartbeatReply,
+                                LoadedShare, Member)
 
 log = logging.getLogger(__name__)
 
-
-class StateCorrupted(QuietError):
-    """The state file cannot be read back: not JSON, or not the shape this writes."""
-
-    def __init__(self, path: str, exc: Exception) -> None:
-        super().__init__(f"coordinator state {path} is corrupted ({type(exc).__name__}): "
-                         "move it aside to start afresh (nodes and their datasets register "
-                         "again with their next heartbeat)", ExitCode.DAEMON)
-        self.path = path
-
-
-TIMELINE_KEEP = 5000  # chunk-state events kept per dataset
 HEARTBEAT_TIMEOUT = 5.0  # seconds without a heartbeat before a node is dead
 REPROBE_AFTER = 600.0  # seconds between probes of a job
 FORGET_AFTER = 600.0  # seconds without a heartbeat before a node is forgotten, at least
-
-
-@dataclasses.dataclass
-class Node:
-    """A member: where its peer server listens, how much it caches."""
-
-    id: str
-    peer: str
-    capacity: int
-    last_seen: float = 0.0  # time.time() of its last heartbeat
-
-
-@dataclasses.dataclass
-class DatasetState:
-    """One dataset's cycle, its loaders, and what every node last reported."""
-
-    identity: str
-    name: str
-    cycle: ChunkCycle
-    loaders: dict[int, list[str]] = dataclasses.field(default_factory=dict)  # per loading chunk
-    done: dict[int, set[str]] = dataclasses.field(default_factory=dict)  # its loaders done
-    reports: dict[str, DatasetReport] = dataclasses.field(default_factory=dict)  # by node
-    mode: CacheMode = CacheMode.COOP
-    gain: float = 0.0  # G, the GPU shares its jobs save with the cache
-    probes: dict[str, int] = dataclasses.field(default_factory=dict)  # job -> probe number
-    probed_at: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class CoordinatorState:
@@ -83,7 +40,6 @@ class CoordinatorState:
                  force_after: float = FORCE_EVICT_AFTER, budget: int | None = None,
                  probe_batches: int = PROBE_BATCHES, reprobe_after: float = REPROBE_AFTER,
                  forget_after: float | None = None) -> None:
-        self.state_dir = state_dir
         self.heartbeat_timeout = heartbeat_timeout
         # None: FORGET_AFTER, or the heartbeat timeout where longer (a node is dead first)
         self.forget_after = (max(FORGET_AFTER, heartbeat_timeout) if forget_after is None
@@ -98,77 +54,24 @@ class CoordinatorState:
         self.version = 0  # bumped when membership changes
         self._alive: set[str] = set()
         self._seen_saved = 0.0  # the latest last-seen time in the last snapshot
-        try:
-            os.makedirs(state_dir, exist_ok=True)
-        except OSError as exc:
-            raise QuietError(f"cannot create state directory {state_dir}: {exc.strerror}",
-                             ExitCode.PERMISSION) from None
-        self.save_error: str | None = None  # why the last save failed, until one works
+        self.store = state_store.StateStore(state_dir)
         self.dirty = False  # changed since ``changes()`` last gave the state to save
         self._load()
 
-    # -- persistence ------------------------------------------------------------------
-    @property
-    def _path(self) -> str:
-        return os.path.join(self.state_dir, "coordinator.json")
-
+    # -- persistence (the file is coordinator.state_store's) --------------------------
     def _load(self) -> None:
-        try:
-            with open(self._path, encoding="utf-8") as f:
-                data = json.load(f)
-        except FileNotFoundError:
+        saved = self.store.load(self.force_after)
+        if saved is None:
             return
-        except OSError as exc:  # permission denied, a directory in its place, a disk error
-            raise QuietError(f"cannot read coordinator state {self._path}: "
-                             f"{exc.strerror or exc}", ExitCode.PERMISSION) from None
-        except ValueError as exc:  # not JSON, or not UTF-8
-            raise StateCorrupted(self._path, exc) from None
-        try:
-            self._restore(data)
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
-            raise StateCorrupted(self._path, exc) from None
+        self.nodes, self.datasets = saved.nodes, saved.datasets
+        self.version = saved.version + 1
         log.info("resumed: %d nodes, %d datasets", len(self.nodes), len(self.datasets))
         self.forget()
-
-    def _restore(self, data: dict) -> None:
-        now = time.time()
-        for n in data["nodes"]:
-            # A file written before last-seen times were kept: as if never heard from
-            # (a live node joins again with its next heartbeat).
-            seen = float(n.get("last_seen", 0.0))
-            if not math.isfinite(seen):
-                raise ValueError(f"node {n['id']}: last_seen is {seen}")
-            # A time ahead of the clock (set back since) counts as now, not as later.
-            self.nodes[n["id"]] = Node(n["id"], n["peer"], n["capacity"], min(seen, now))
-        for d in data["datasets"]:
-            cycle = ChunkCycle.restore(d["cycle"], self.force_after)
-            cycle.timeline = [tuple(e) for e in d.get("timeline", [])]
-            loaders, done = d["loaders"], d["done"]
-            if isinstance(loaders, list):  # written by a two-chunk cycle: its one load
-                loaders = {str(c): loaders for c in cycle.loading}
-                done = {str(c): done for c in cycle.loading}
-            self.datasets[d["identity"]] = DatasetState(
-                d["identity"], d["name"], cycle,
-                {int(c): list(n) for c, n in loaders.items() if int(c) in cycle.loading},
-                {int(c): set(n) for c, n in done.items() if int(c) in cycle.loading},
-                mode=CacheMode(d.get("mode", CacheMode.COOP)))
-        self.version = int(data.get("version", 0)) + 1
 
     def snapshot(self) -> bytes:
         """The state file's contents (whose last-seen times count as saved)."""
         self._seen_saved = max((n.last_seen for n in self.nodes.values()), default=0.0)
-        data = {"version": self.version,
-                "nodes": [{"id": n.id, "peer": n.peer, "capacity": n.capacity,
-                           "last_seen": n.last_seen}
-                          for n in self.nodes.values()],
-                "datasets": [{"identity": d.identity, "name": d.name,
-                              "cycle": d.cycle.snapshot(),
-                              "loaders": {str(c): n for c, n in d.loaders.items()},
-                              "done": {str(c): sorted(n) for c, n in d.done.items()},
-                              "mode": d.mode.value,
-                              "timeline": d.cycle.timeline[-TIMELINE_KEEP:]}
-                             for d in self.datasets.values()]}
-        return json.dumps(data).encode()
+        return state_store.encode(self.version, self.nodes.values(), self.datasets.values())
 
     def changes(self) -> bytes | None:
         """The state file's contents if the state changed since the last call: the
@@ -180,22 +83,11 @@ class CoordinatorState:
 
     def save(self) -> None:
         """Write the state file now (atomically); raises OSError or QuietError."""
-        digest_format.write_atomic(self._path, self.snapshot())
+        self.store.save(self.snapshot())
 
     def write(self, data: bytes) -> None:
-        """Write ``data`` as the state file, or log why not: the state lives on in
-        memory, and the next change tries again (a full disk must not stop a daemon)."""
-        try:
-            digest_format.write_atomic(self._path, data)
-        except (OSError, QuietError) as exc:
-            if self.save_error is None:
-                log.warning("cannot save %s (%s): the state is kept in memory until a "
-                            "save works", self._path, exc)
-            self.save_error = str(exc)
-        else:
-            if self.save_error is not None:
-                log.info("saved %s again", self._path)
-            self.save_error = None
+        """Write ``data`` as the state file, or log why not (``StateStore.write``)."""
+        self.store.write(data)
 
     # -- membership -------------------------------------------------------------------
     def live(self, now: float | None = None) -> list[Node]:

@@ -8,6 +8,7 @@ import sys
 from digest_tools.hashing import default_workers
 from quiverfs import digest as digest_format
 from quiverfs.dataset_name import check_name
+from quiverfs.digest_checks import MAX_LABEL_LEVEL
 from quiverfs.errors import ExitCode
 from quiverfs.option_types import IntAtLeast
 from quiverfs.sizes import human
@@ -32,7 +33,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--workers", type=IntAtLeast("--workers", 1), default=default_workers(),
                    help="parallel readers/hashers (default: %(default)s)")
     c.add_argument("--label-level", default=1,
-                   type=IntAtLeast("--label-level", 0, digest_format.MAX_LABEL_LEVEL),
+                   type=IntAtLeast("--label-level", 0, MAX_LABEL_LEVEL),
                    help="which directory level names the label (default: 1, the first "
                    "directory under SRC; use 2 for SRC/train/CLASS/file)")
     add_storage_options(c)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from mountd.control.replies import ClusterReply, MountReply, PrefetchReply, StatusReply
 from quiverfs import control_client
 from quiverfs.chunk_cycle import ChunkState
+from quiverfs.counters import ReadCounter, SamplerJobCounter
 from quiverfs.cycle_cli import add_cycle_options
 from quiverfs.dataset_name import check_name
 from quiverfs import digest as digest_format
@@ -285,20 +286,24 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"cache NOT WRITABLE since {since}: {cache.write_error}; reads are served "
               f"uncached ({cache.write_failures} items not stored); mountd tries again "
               "every few seconds")
-    print(f"reads: {c.get('local_hits', 0)} local hits ({human(c.get('local_bytes', 0))}), "
-          f"{c.get('page_cache_opens', 0)} from the page cache, "
-          f"{c.get('peer_hits', 0)} peer hits ({human(c.get('peer_bytes', 0))}), "
-          f"{c.get('misses', 0)} misses, {c.get('bucket_fetches', 0)} bucket fetches "
-          f"({human(c.get('bucket_bytes', 0))}), {c.get('integrity_failures', 0)} integrity "
-          f"failures, {c.get('bucket_errors', 0)} storage errors")
+    print(f"reads: {c.get(ReadCounter.LOCAL_HITS, 0)} local hits "
+          f"({human(c.get(ReadCounter.LOCAL_BYTES, 0))}), "
+          f"{c.get(ReadCounter.PAGE_CACHE_OPENS, 0)} from the page cache, "
+          f"{c.get(ReadCounter.PEER_HITS, 0)} peer hits "
+          f"({human(c.get(ReadCounter.PEER_BYTES, 0))}), "
+          f"{c.get(ReadCounter.MISSES, 0)} misses, "
+          f"{c.get(ReadCounter.BUCKET_FETCHES, 0)} bucket fetches "
+          f"({human(c.get(ReadCounter.BUCKET_BYTES, 0))}), "
+          f"{c.get(ReadCounter.INTEGRITY_FAILURES, 0)} integrity failures, "
+          f"{c.get(ReadCounter.BUCKET_ERRORS, 0)} storage errors")
     causes = [f"{cause} {n.fetches} ({human(n.bytes)})"
               for cause, n in reply.bucket_fetch_causes.items() if n.fetches]
     if causes:
         print(f"bucket fetches by cause: {', '.join(causes)}")
     for ds in reply.datasets:
         line = (f"  {ds.name:<20} {ds.items:>9} items {human(ds.bytes):>10}  "
-                f"hits {ds.counters.get('local_hits', 0)}  "
-                f"misses {ds.counters.get('misses', 0)}  {ds.source}")
+                f"hits {ds.counters.get(ReadCounter.LOCAL_HITS, 0)}  "
+                f"misses {ds.counters.get(ReadCounter.MISSES, 0)}  {ds.source}")
         pf = ds.prefetch
         if pf is not None:
             state = "done" if pf.finished else "running"
@@ -326,8 +331,8 @@ def _cluster_status(args: argparse.Namespace) -> int:
               f"{cycle.max_resident}")
     for job in reply.jobs:
         print(f"  job {job.job}: epoch {job.epoch}, batch {job.batches_planned}/"
-              f"{job.batches_per_epoch}, hits {job.counters.get('hits', 0)}, "
-              f"fetched {job.counters.get('fetched', 0)}")
+              f"{job.batches_per_epoch}, hits {job.counters.get(SamplerJobCounter.HITS, 0)}, "
+              f"fetched {job.counters.get(SamplerJobCounter.FETCHED, 0)}")
     return ExitCode.OK
 
 

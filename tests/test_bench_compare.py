@@ -5,10 +5,10 @@ import os
 
 import pytest
 
-from mountd.fetch.read_stats import FetchCause
 from quiverfs.bench.compare import (CACHED_MODES, FRACTIONS, GOALS, SIZES, VIEW_FRACTION,
                                     rclone_available, run)
 from quiverfs.bench.emulator import emulator_available
+from quiverfs.counters import FetchCause
 from quiverfs.mount_point import is_mounted
 
 pytestmark = [

@@ -17,17 +17,20 @@ from collections.abc import Iterator
 import diskcache
 import pytest
 
-from mountd.store import content_store
-from mountd.store.content_store import (DAMAGED_SUFFIX, DISK_MIN_FILE_SIZE, KEEP_DAMAGED,
-                                  VERIFY_ON_LOOP_MAX, ContentStore, IntegrityError,
-                                  StoreError, StoreWriter)
+from mountd.store import content_store, index
+from mountd.store import health as store_health
+from mountd.store import value_files as known_files
+from mountd.store.content_store import VERIFY_ON_LOOP_MAX, ContentStore
+from mountd.store.errors import IntegrityError, StoreError
+from mountd.store.index import DAMAGED_SUFFIX, DISK_MIN_FILE_SIZE, KEEP_DAMAGED
+from mountd.store.writer import StoreWriter
 from mountd.jobs.registry import JobRegistry
 from mountd.control.metrics import MountdCollector
 from mountd.datasets.mount_table import MountTable
 from quiverfs.bench.read import drop_page_cache
 from tests.mountd_helpers import lone_reader
 
-STORE_LOGGER = "mountd.store.content_store"
+INDEX_LOGGER = "mountd.store.index"
 
 
 def item(n: int, size: int = 40_000) -> tuple[bytes, bytes]:
@@ -100,7 +103,7 @@ def store(tmp_path):
 
 @pytest.fixture
 def no_back_off(monkeypatch):
-    monkeypatch.setattr(content_store, "WRITE_RETRY_INTERVAL", 0.0)
+    monkeypatch.setattr(store_health, "WRITE_RETRY_INTERVAL", 0.0)
 
 
 def test_put_checks_the_hash(store):
@@ -157,6 +160,24 @@ def test_lru_keeps_recorded_hits(lru_store):
         assert store.volume() <= LRU_LIMIT
     assert items[0][0] in store
     assert items[1][0] not in store
+
+
+def test_the_recency_write_finds_the_diskcache_internals_it_uses(store):
+    """mountd.store.recency writes access times through diskcache's own connection
+    (``Cache._con``), as diskcache has no public way: this fails if diskcache drops it
+    or the columns it updates."""
+    hit, spent = item(60), item(61)
+    assert store.put(*hit) and store.put(*spent)
+    cache = store.index.current.cache
+    assert isinstance(cache._con, sqlite3.Connection)
+    columns = {row[1] for row in cache._con.execute("PRAGMA table_info(Cache)")}
+    assert {"key", "raw", "access_time"} <= columns
+    before = time.time()
+    assert store.get(hit[0]) == hit[1]
+    store.spent([spent[0]])
+    assert store.record_hits() == 1
+    times = dict(cache._con.execute("SELECT key, access_time FROM Cache"))
+    assert times[hit[0]] >= before and times[spent[0]] == 0.0
 
 
 def test_spent_entries_are_evicted_first_even_when_read_or_stored_after_the_mark(lru_store):
@@ -323,9 +344,9 @@ def test_writes_wait_for_the_back_off_then_recover(store, monkeypatch):
     assert not store.put(*item(9))  # within the back-off: not even tried
     assert len(calls) == 1 and store.health().write_failures == 2
     monkeypatch.undo()
-    monkeypatch.setattr(content_store, "WRITE_RETRY_INTERVAL", 0.0)
+    monkeypatch.setattr(store_health, "WRITE_RETRY_INTERVAL", 0.0)
     assert not store.put(*item(10))  # still waiting out the first back-off (5 s)
-    store._retry_at = 0.0  # the back-off has passed
+    store.write_health.retry_at = 0.0  # the back-off has passed
     digest, data = item(11)
     assert store.put(digest, data)
     health = store.health()
@@ -381,7 +402,7 @@ def test_an_index_that_cannot_be_read_fails_the_read(store, monkeypatch):
 
     for name in ("get", "__contains__", "__len__"):
         monkeypatch.setattr(diskcache.Cache, name, failing_get)
-    monkeypatch.setattr(content_store._ContentBoundCache, "volume", failing_get)
+    monkeypatch.setattr(index.ContentBoundCache, "volume", failing_get)
     with pytest.raises(StoreError, match="disk I/O error"):
         store.get(digest)
     assert store.get(in_file[0]) == in_file[1]  # its file is known: no query
@@ -405,7 +426,7 @@ def test_a_full_disk_stores_nothing_more_and_recovers(tmp_path, no_back_off):
         assert not health.writable and health.write_error == "No space left on device"
         assert [store.get(d) == v for d, v in items[:held]] == [True] * held
         subprocess.run(["mount", "-o", "remount,size=16m", fs], check=True)
-        store._retry_at = 0.0  # the back-off has passed
+        store.write_health.retry_at = 0.0  # the back-off has passed
         assert store.put(*items[held])
         assert store.health().writable and len(store) == held + 1
         store.close()
@@ -460,10 +481,10 @@ def test_a_damaged_index_is_moved_aside(tmp_path, caplog, damage):
     directory = str(tmp_path / "store")
     items = filled_store(directory)
     damage(os.path.join(directory, "cache.db"))
-    with caplog.at_level(logging.WARNING, logger=STORE_LOGGER):
+    with caplog.at_level(logging.WARNING, logger=INDEX_LOGGER):
         store = ContentStore(directory, 64 << 20)
     try:
-        (warning,) = [r.getMessage() for r in caplog.records if r.name == STORE_LOGGER]
+        (warning,) = [r.getMessage() for r in caplog.records if r.name == INDEX_LOGGER]
         assert "damaged" in warning and "15 value files removed" in warning
         assert len(store) == 0 and value_files(directory) == []
         assert len([n for n in os.listdir(directory) if DAMAGED_SUFFIX in n
@@ -480,10 +501,10 @@ def test_a_truncated_index_leaves_no_orphaned_files(tmp_path, caplog):
     directory = str(tmp_path / "store")
     items = filled_store(directory)
     os.truncate(os.path.join(directory, "cache.db"), 0)
-    with caplog.at_level(logging.WARNING, logger=STORE_LOGGER):
+    with caplog.at_level(logging.WARNING, logger=INDEX_LOGGER):
         store = ContentStore(directory, 64 << 20)
     try:
-        (warning,) = [r.getMessage() for r in caplog.records if r.name == STORE_LOGGER]
+        (warning,) = [r.getMessage() for r in caplog.records if r.name == INDEX_LOGGER]
         assert "removed 15 value files" in warning
         assert len(store) == 0 and value_files(directory) == []
         assert not [n for n in os.listdir(directory) if DAMAGED_SUFFIX in n]
@@ -496,7 +517,7 @@ def test_a_truncated_index_leaves_no_orphaned_files(tmp_path, caplog):
 def test_damaged_indexes_kept_are_bounded(tmp_path, monkeypatch):
     directory = str(tmp_path / "store")
     stamps = iter(f"2026010{i}T000000" for i in range(1, 10))
-    monkeypatch.setattr(content_store.time, "strftime", lambda fmt: next(stamps))
+    monkeypatch.setattr(index.time, "strftime", lambda fmt: next(stamps))
     for _ in range(KEEP_DAMAGED + 2):
         filled_store(directory, 4)
         garbage_header(os.path.join(directory, "cache.db"))
@@ -567,7 +588,7 @@ def test_get_nowait_serves_only_entries_whose_pages_are_cached(store):
     store.put(digest, data)
     assert store.get_nowait(digest, len(data)) == data  # stored here: file known, hashed
     assert store.get_nowait(digest, len(data) - 1) is None  # not the item's size
-    path, _ = store._files.locate(digest)
+    path, _ = store.files.locate(digest)
     # On disk only: a thread reads it. The kernel may keep a page that another CPU's
     # LRU batch still holds, so the pages are dropped until they are gone.
     for _ in range(DROP_TRIES):
@@ -587,25 +608,25 @@ def test_get_nowait_serves_only_entries_whose_pages_are_cached(store):
 
 def test_a_planners_look_up_trusts_entries_found_lately_and_opens_the_rest(store, tmp_path,
                                                                            monkeypatch):
-    monkeypatch.setattr(content_store, "SEEN_LATELY_S", 0.2)
+    monkeypatch.setattr(known_files, "SEEN_LATELY_S", 0.2)
     read, unread, dropped, culled = items = [item(40 + i) for i in range(4)]
     for digest, data in items:
         assert store.put(digest, data)
     for digest, data in (read, dropped, culled):
         assert store.get(digest) == data
     opened: list[bytes] = []
-    open_cached = content_store._open_cached
-    monkeypatch.setattr(content_store, "_open_cached",
+    open_cached = content_store.open_cached
+    monkeypatch.setattr(content_store, "open_cached",
                         lambda path: (opened.append(path), open_cached(path))[1])
     assert store.leading_known([read[0], unread[0]]) == 2
-    assert opened == [store._files.locate(unread[0])[0]]  # the one not read lately
+    assert opened == [store.files.locate(unread[0])[0]]  # the one not read lately
     store.discard(dropped[0])
     assert store.leading_known([dropped[0]]) == 0  # dropped here: vouched for no more
     with diskcache.Cache(str(tmp_path / "store")) as other:  # another process culls it
         assert other.delete(culled[0])
     assert store.leading_known([culled[0]]) == 1  # taken as held: its read is a miss
     assert store.get(culled[0]) is None
-    time.sleep(2 * content_store.SEEN_LATELY_S)
+    time.sleep(2 * known_files.SEEN_LATELY_S)
     opened.clear()
     assert store.leading_known([read[0]]) == 1 and len(opened) == 1  # too old: opened
 
@@ -735,27 +756,27 @@ def test_puts_and_drops_keep_the_index_of_value_files(store):
     large, small = item(42), item(43, 1_000)
     assert store.put(*large) and store.put(*small)
     assert store.get_nowait(large[0], len(large[1])) == large[1]
-    assert store._files.locate(small[0]) is None  # kept in the index: read by a worker
+    assert store.files.locate(small[0]) is None  # kept in the index: read by a worker
     assert store.get_nowait(small[0], len(small[1])) is None
     store.discard(large[0])
-    assert store._files.locate(large[0]) is None
+    assert store.files.locate(large[0]) is None
     assert store.get_nowait(large[0], len(large[1])) is None
     assert store.put(*large)
     assert store.get_nowait(large[0], len(large[1])) == large[1]
     store.clear()
-    assert store._files.locate(large[0]) is None
+    assert store.files.locate(large[0]) is None
     assert store.get_nowait(large[0], len(large[1])) is None
     assert store.get(large[0]) is None and store.get(small[0]) is None
 
 
 def test_the_index_of_value_files_is_bounded_and_keeps_the_most_recent(tmp_path,
                                                                        monkeypatch):
-    monkeypatch.setattr(content_store, "MAX_KNOWN_FILES", 4)
+    monkeypatch.setattr(known_files, "MAX_KNOWN_FILES", 4)
     items = [item(i) for i in range(50, 56)]
     store = reopened(str(tmp_path / "store"), items)
 
     def known() -> list[bool]:
-        files = store._files
+        files = store.files
         return [d in files._new or d in files._old for d, _ in items]
 
     try:
@@ -773,12 +794,12 @@ def test_the_index_of_value_files_is_bounded_and_keeps_the_most_recent(tmp_path,
 def test_a_path_not_in_the_dentry_cache_is_not_waited_for(tmp_path):
     path = os.fsencode(tmp_path / "never-looked-up")
     with pytest.raises(BlockingIOError):  # EAGAIN: the kernel would have to look
-        content_store._open_cached(path)
-    assert content_store._resolve_cached  # this kernel has RESOLVE_CACHED (5.12)
+        known_files.open_cached(path)
+    assert known_files._resolve_cached  # this kernel has RESOLVE_CACHED (5.12)
 
 
 def test_hits_are_served_where_the_kernel_lacks_resolve_cached(store, monkeypatch):
-    monkeypatch.setattr(content_store, "_resolve_cached", False)
+    monkeypatch.setattr(known_files, "_resolve_cached", False)
     digest, data = item(44)
     store.put(digest, data)
     assert store.get_nowait(digest, len(data)) == data
@@ -794,24 +815,24 @@ def test_a_loader_process_stores_a_batch_in_one_transaction_or_none_of_it(
     files = writer.put_many(batch)
     commits = [s for s in sqlite_statements[before:] if s.strip().upper() == "COMMIT"]
     assert len(commits) == 1
-    assert all(isinstance(f, content_store.ValueFile) for f in files)
+    assert all(isinstance(f, known_files.ValueFile) for f in files)
     assert len({f.name for f in files}) == 4
 
     failing = [item(60 + i) for i in range(3)]
     written = 0
-    store_value = content_store._TrackedDisk.store
+    store_value = index.TrackedDisk.store
 
-    def full_on_the_third(self, value, read, key=content_store.UNKNOWN):
+    def full_on_the_third(self, value, read, key=index.UNKNOWN):
         nonlocal written
         written += 1
         if written == 3:
             raise OSError(errno.ENOSPC, "No space left on device")
         return store_value(self, value, read, key=key)
 
-    monkeypatch.setattr(content_store._TrackedDisk, "store", full_on_the_third)
+    monkeypatch.setattr(index.TrackedDisk, "store", full_on_the_third)
     outcomes = writer.put_many(failing)
     assert written == 3
-    assert all(isinstance(o, content_store.StoreError) for o in outcomes)
+    assert all(isinstance(o, StoreError) for o in outcomes)
     assert "No space left" in str(outcomes[0])
     writer.release()
     store = ContentStore(directory, 10 << 20)

@@ -12,6 +12,8 @@ import msgpack
 import pytest
 
 from quiverfs import digest as fmt
+from quiverfs.digest_checks import (FORMAT_VERSION, HASH_LEN, MAGIC, MAX_ITEM_BYTES,
+                                    MAX_LABEL_LEVEL, MAX_TOTAL_BYTES, PREAMBLE)
 from quiverfs.errors import ExitCode, QuietError
 
 # Running as root bypasses file permissions; dropping these capabilities from the
@@ -231,8 +233,8 @@ def test_corrupted_digest(quiver, good_digest: bytes, tmp_path) -> None:
 
 
 def test_any_flipped_byte_is_detected(good_digest: bytes) -> None:
-    positions = list(range(fmt._PREAMBLE.size)) + random.Random(5).sample(
-        range(fmt._PREAMBLE.size, len(good_digest)), 40)
+    positions = list(range(PREAMBLE.size)) + random.Random(5).sample(
+        range(PREAMBLE.size, len(good_digest)), 40)
     for pos in positions:
         data = bytearray(good_digest)
         data[pos] ^= 0xFF
@@ -255,11 +257,11 @@ def test_future_format_version(quiver, good_digest: bytes, tmp_path) -> None:
     # The checksum covers the header and columns, not the preamble, so after rewriting
     # the version the checksum still holds and the version is the only thing wrong.
     data = bytearray(good_digest)
-    struct.pack_into("<H", data, len(fmt.MAGIC), fmt.FORMAT_VERSION + 1)
+    struct.pack_into("<H", data, len(MAGIC), FORMAT_VERSION + 1)
     fmt.decode(good_digest)  # the original is valid
     path = write(tmp_path / "future.qd", bytes(data))
     bad_digest_everywhere(quiver, path, ExitCode.BAD_DIGEST,
-                          f"version {fmt.FORMAT_VERSION + 1} is newer", "upgrade Quiver")
+                          f"version {FORMAT_VERSION + 1} is newer", "upgrade Quiver")
 
 
 def test_nonexistent_digest(quiver, tmp_path) -> None:
@@ -295,7 +297,7 @@ def craft(paths: list[bytes], sizes: list[int] | None = None, keys: list[bytes] 
         return u64(ends), b"".join(blobs)
 
     n = len(paths)
-    cols = {"hashes": bytes(fmt.HASH_LEN * n), "sizes": u64(sizes or [1] * n)}
+    cols = {"hashes": bytes(HASH_LEN * n), "sizes": u64(sizes or [1] * n)}
     cols["path_offsets"], cols["paths"] = strings(paths)
     cols["label_index"] = struct.pack(f"<{n}I", *[0] * n)
     if keys is not None:
@@ -311,8 +313,8 @@ def craft(paths: list[bytes], sizes: list[int] | None = None, keys: list[bytes] 
             "labels": [""], "columns": table, **(header or {})}
     packed = msgpack.packb(head, use_bin_type=True)
     body = packed + b"".join(cols.values())
-    return fmt._PREAMBLE.pack(fmt.MAGIC, fmt.FORMAT_VERSION, len(packed),
-                              hashlib.sha256(body).digest()) + body
+    return PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(packed),
+                         hashlib.sha256(body).digest()) + body
 
 
 GOOD_PATHS = [b"a/1.jpg", b"a/2.jpg", b"b/3.jpg"]
@@ -413,20 +415,20 @@ def test_hostile_digest_is_refused(case: str) -> None:
 
 def test_header_that_is_not_a_map() -> None:
     packed = msgpack.packb(["hostile"])
-    data = fmt._PREAMBLE.pack(fmt.MAGIC, fmt.FORMAT_VERSION, len(packed),
-                              hashlib.sha256(packed).digest()) + packed
+    data = PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(packed),
+                         hashlib.sha256(packed).digest()) + packed
     with pytest.raises(QuietError) as err:
         fmt.decode(data)
     assert err.value.exitcode == ExitCode.BAD_DIGEST and "header is not a map" in str(err.value)
 
 
 def test_total_size_over_the_bound() -> None:
-    n = fmt.MAX_TOTAL_BYTES // fmt.MAX_ITEM_BYTES + 1  # each item within its own bound
-    data = craft([b"%06d" % i for i in range(n)], sizes=[fmt.MAX_ITEM_BYTES] * n)
+    n = MAX_TOTAL_BYTES // MAX_ITEM_BYTES + 1  # each item within its own bound
+    data = craft([b"%06d" % i for i in range(n)], sizes=[MAX_ITEM_BYTES] * n)
     with pytest.raises(QuietError) as err:
         fmt.decode(data)
     assert err.value.exitcode == ExitCode.BAD_DIGEST
-    assert f"add up to {n * fmt.MAX_ITEM_BYTES} bytes" in str(err.value)
+    assert f"add up to {n * MAX_ITEM_BYTES} bytes" in str(err.value)
 
 
 @pytest.mark.parametrize("paths,words", [
@@ -452,9 +454,9 @@ def test_encode_refuses_what_decode_refuses(paths: list[str], words: str) -> Non
 @pytest.mark.parametrize("source,key,size,label_level,words", [
     ("data", None, 1, 1, "source 'data'"),
     ("file:///data", "../x", 1, 1, "object key '../x'"),
-    ("file:///data", None, fmt.MAX_ITEM_BYTES + 1, 1, "bound on an item"),
+    ("file:///data", None, MAX_ITEM_BYTES + 1, 1, "bound on an item"),
     ("file:///data", None, -1, 1, "negative"),
-    ("file:///data", None, 1, fmt.MAX_LABEL_LEVEL + 1, "'label_level'"),
+    ("file:///data", None, 1, MAX_LABEL_LEVEL + 1, "'label_level'"),
 ])
 def test_encode_refuses_bad_items(source: str, key: str | None, size: int, label_level: int,
                                   words: str) -> None:

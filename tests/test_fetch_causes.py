@@ -11,9 +11,9 @@ from collections.abc import Callable, Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mountd.fetch.read_stats import FetchCause
 from quiverfs.bench.data import Tree
 from quiverfs.bench.processes import MountdProcess, free_port, unmount
+from quiverfs.counters import FetchCause
 from tests.mountd_helpers import make_digest, mount
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")

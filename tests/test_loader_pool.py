@@ -15,8 +15,10 @@ import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
-from mountd.store import content_store
-from mountd.store.content_store import ContentStore, IntegrityError, StoreWriter
+from mountd.store import health as store_health
+from mountd.store.content_store import ContentStore
+from mountd.store.errors import IntegrityError
+from mountd.store.writer import StoreWriter
 from mountd.fetch.loader_pool import AHEAD_NICENESS
 from quiverfs import digest as digest_format
 from quiverfs.bench.emulator import Emulator
@@ -149,7 +151,7 @@ def test_a_loader_process_stores_only_what_hashes_to_its_digest(tmp_path):
 def test_mountd_opens_the_index_only_while_no_loader_process_holds_it(tmp_path, monkeypatch):
     """Opening an index removes the value files it does not name, and a damaged one is
     moved aside: neither may happen under a loader process's write."""
-    monkeypatch.setattr(content_store, "WRITE_RETRY_INTERVAL", 0.0)
+    monkeypatch.setattr(store_health, "WRITE_RETRY_INTERVAL", 0.0)
     directory = str(tmp_path / "store")
     writer = StoreWriter(directory, 1 << 30)
     data = os.urandom(100_000)

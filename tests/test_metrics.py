@@ -27,6 +27,7 @@ from quiverfs import metrics_server
 from quiverfs.bench.data import Tree
 from quiverfs.bench.processes import free_port
 from quiverfs.chunk_plan import make_plan
+from quiverfs.counters import ReadCounter
 from quiverfs.errors import ExitCode
 from quiverfs.metrics_server import MetricsServer, TrioLoop
 from tests.mountd_helpers import lone_reader
@@ -275,8 +276,8 @@ def test_scrapes_during_reads_see_one_moment(tmp_path):
 
     async def count_reads() -> None:
         while True:  # one read of 100 bytes per step, as ItemReader counts them
-            reader.stats.counters["local_hits"] += 1
-            reader.stats.counters["local_bytes"] += 100
+            reader.stats.counters[ReadCounter.LOCAL_HITS] += 1
+            reader.stats.counters[ReadCounter.LOCAL_BYTES] += 100
             await trio.lowlevel.checkpoint()
 
     async def main() -> list[Samples]:
@@ -305,7 +306,7 @@ def test_a_stalled_loop_costs_only_its_families(tmp_path, caplog):
     reader = lone_reader(store, str(tmp_path / "coordinator"))
     collector = MountdCollector(reader, MountTable(), JobRegistry(MountTable(), reader.limiter),
                                 TrioLoop(timeout=0.2))
-    reader.stats.counters["local_hits"] = 3
+    reader.stats.counters[ReadCounter.LOCAL_HITS] = 3
     stalled: list[Samples] = []
     done = threading.Event()
 

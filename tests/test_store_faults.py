@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from mountd.store.content_store import DAMAGED_SUFFIX, DISK_MIN_FILE_SIZE
+from mountd.store.index import DAMAGED_SUFFIX, DISK_MIN_FILE_SIZE
 from quiverfs.bench.processes import MountdProcess
 from tests.mountd_helpers import (dataset_counters, make_digest, mount,  # noqa: F401
                                   mountd_factory, read_hashes, tree_hashes)

@@ -14,7 +14,8 @@ from typing import Any
 
 import trio
 
-from mountd.store.content_store import ContentStore, IntegrityError, StoreError
+from mountd.store.content_store import ContentStore
+from mountd.store.errors import IntegrityError, StoreError
 from quiverfs.background import BackgroundTasks
 from quiverfs.peer_network import Networks, peer_refusal, split_peer
 from quiverfs.rpc import RpcClient, RpcError, RpcServer, Unavailable

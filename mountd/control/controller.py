@@ -17,7 +17,7 @@ from mountd.fetch.loader_pool import LoaderPool
 from mountd.datasets.memory_budget import DigestCost, Held, MemoryBudget, charged, digest_cost
 from mountd.datasets.mount_table import MountTable
 from mountd.cluster.peers import PeerService
-from mountd.fetch.read_stats import FetchCause, ReadStats
+from mountd.fetch.read_stats import ReadStats
 from mountd.datasets.registry import Registration, Registry, new_registration
 from mountd.datasets.shared_digests import SharedDigests
 from mountd.view.view_jobs import ViewJobs
@@ -26,8 +26,10 @@ from quiverfs import digest as digest_format
 from quiverfs import ownership
 from quiverfs.background import BackgroundTasks
 from quiverfs.backends import StorageOptions
+from quiverfs.counters import FetchCause
 from quiverfs.dataset_name import check_name
 from quiverfs.digest import Digest
+from quiverfs.digest_checks import decode_peak
 from quiverfs.errors import ExitCode, QuietError
 from quiverfs.fs_identity import IdentityUnavailable, UserIdentity, acting_as, open_regular
 from quiverfs.heartbeat import to_wire
@@ -184,7 +186,7 @@ class Controller:
         in_use = await trio.to_thread.run_sync(self.shared.find, data, limiter=self.limiter)
         if in_use is not None:
             return in_use
-        self.memory.check_decode(self._held(), digest_format.decode_peak(data))
+        self.memory.check_decode(self._held(), decode_peak(data))
         return await trio.to_thread.run_sync(digest_format.decode, data,
                                              "registered digest", limiter=self.limiter)
 

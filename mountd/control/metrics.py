@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from mountd.fetch.read_stats import ReadStats
 from quiverfs.chunk_cycle import ChunkState
+from quiverfs.counters import ReadCounter, SamplerJobCounter
 from quiverfs.metrics_server import LoopUnavailable, TrioLoop
 
 if TYPE_CHECKING:
@@ -29,9 +30,12 @@ log = logging.getLogger(__name__)
 
 # The ReadStats counters behind the per-tier families. An exact read ends as one of
 # local_hits, peer_hits or misses, and every miss as a bucket fetch or a bucket error.
-HITS = {"local": "local_hits", "peer": "peer_hits", "bucket": "bucket_fetches"}
-BYTES = {"local": "local_bytes", "peer": "peer_bytes", "bucket": "bucket_bytes"}
-ERRORS = {"local": "store_errors", "peer": "peer_errors", "bucket": "bucket_errors"}
+HITS = {"local": ReadCounter.LOCAL_HITS, "peer": ReadCounter.PEER_HITS,
+        "bucket": ReadCounter.BUCKET_FETCHES}
+BYTES = {"local": ReadCounter.LOCAL_BYTES, "peer": ReadCounter.PEER_BYTES,
+         "bucket": ReadCounter.BUCKET_BYTES}
+ERRORS = {"local": ReadCounter.STORE_ERRORS, "peer": ReadCounter.PEER_ERRORS,
+          "bucket": ReadCounter.BUCKET_ERRORS}
 
 
 
@@ -72,15 +76,15 @@ class MountdCollector:
             hits.add_metric([tier], c[key])
             nbytes.add_metric([tier], c[BYTES[tier]])
         misses.add_metric(["local"], _local_misses(c))
-        misses.add_metric(["peer"], c["peer_misses"] + c["peer_errors"])
+        misses.add_metric(["peer"], _peer_misses(c))
         for tier, key in ERRORS.items():
             errors.add_metric([tier], c[key])
         yield from (hits, misses, nbytes, errors)
         yield CounterMetricFamily("quiver_integrity_failures", "Fetched items whose content "
                                   "did not match the digest (not cached, not served)",
-                                  value=c["integrity_failures"])
+                                  value=c[ReadCounter.INTEGRITY_FAILURES])
         yield CounterMetricFamily("quiver_coalesced_reads", "Reads that waited for a fetch "
-                                  "already in flight", value=c["coalesced"])
+                                  "already in flight", value=c[ReadCounter.COALESCED])
         requests = CounterMetricFamily("quiver_fuse_requests", "FUSE requests the kernel "
                                        "sent mountd, by opcode", labels=["op"])
         for op, n in sorted(self.reader.stats.fuse_requests.items()):
@@ -88,13 +92,14 @@ class MountdCollector:
         yield requests
         yield CounterMetricFamily("quiver_pushed_items", "Planned items pushed into the "
                                   "kernel's page cache ahead of their reads",
-                                  value=c["pushed"])
+                                  value=c[ReadCounter.PUSHED])
         yield CounterMetricFamily("quiver_pushed_opened_items", "Pushed items opened "
                                   "(their reads served by the pushed pages)",
-                                  value=c["pushed_opens"])
+                                  value=c[ReadCounter.PUSHED_OPENS])
         yield CounterMetricFamily("quiver_pushed_passed_items", "Pushed items taken as read "
                                   "when their job asked for a later manifest (files "
-                                  "served without OPEN)", value=c["pushed_passed"])
+                                  "served without OPEN)",
+                                  value=c[ReadCounter.PUSHED_PASSED])
         yield GaugeMetricFamily("quiver_pushed_unread_bytes", "Bytes pushed and not yet "
                                 "read (bounded by --push-memory)",
                                 value=self.reader.push.held)
@@ -128,14 +133,13 @@ class MountdCollector:
                 hits.add_metric([ds.name, tier], ds.counters[key])
                 nbytes.add_metric([ds.name, tier], ds.counters[BYTES[tier]])
             misses.add_metric([ds.name, "local"], _local_misses(ds.counters))
-            misses.add_metric([ds.name, "peer"],
-                              ds.counters["peer_misses"] + ds.counters["peer_errors"])
+            misses.add_metric([ds.name, "peer"], _peer_misses(ds.counters))
             for cause, n in ReadStats.by_cause(ds.counters).items():
                 fetches.add_metric([ds.name, cause], n["fetches"])
                 fetch_bytes.add_metric([ds.name, cause], n["bytes"])
             if ds.pools is not None:
-                view.add_metric([ds.name, "hit"], ds.counters["view_hits"])
-                view.add_metric([ds.name, "miss"], ds.counters["view_misses"])
+                view.add_metric([ds.name, "hit"], ds.counters[ReadCounter.VIEW_HITS])
+                view.add_metric([ds.name, "miss"], ds.counters[ReadCounter.VIEW_MISSES])
         yield from (items, size, hits, misses, nbytes, fetches, fetch_bytes, view)
 
     def _chunks(self) -> Iterator[Metric]:
@@ -168,8 +172,8 @@ class MountdCollector:
                                     labels=labels)
         for s in stats:
             key = [s["job"], s["dataset"] or ""]
-            hits.add_metric(key, s["counters"].get("hits", 0))
-            fetched.add_metric(key, s["counters"].get("fetched", 0))
+            hits.add_metric(key, s["counters"].get(SamplerJobCounter.HITS, 0))
+            fetched.add_metric(key, s["counters"].get(SamplerJobCounter.FETCHED, 0))
             epoch.add_metric(key, s["epoch"])
             if s["mean_batch_s"] is not None:
                 batch.add_metric(key, s["mean_batch_s"])
@@ -201,6 +205,11 @@ class MountdCollector:
                                   value=health.write_failures)
 
 
-def _local_misses(counters: collections.Counter[str]) -> int:
+def _local_misses(counters: collections.Counter[ReadCounter]) -> int:
     """Reads the local store could not serve: those a peer served, and the misses."""
-    return counters["peer_hits"] + counters["misses"]
+    return counters[ReadCounter.PEER_HITS] + counters[ReadCounter.MISSES]
+
+
+def _peer_misses(counters: collections.Counter[ReadCounter]) -> int:
+    """Reads the owning peer could not serve: it did not hold the item, or failed."""
+    return counters[ReadCounter.PEER_MISSES] + counters[ReadCounter.PEER_ERRORS]

@@ -11,6 +11,7 @@ from mountd.datasets.memory_budget import DigestCost
 from mountd.datasets.registry import Registration
 from mountd.datasets.pools import ViewPools
 from quiverfs.backends import Backend
+from quiverfs.counters import ReadCounter
 from quiverfs.digest import Digest
 from quiverfs.heartbeat import CacheMode
 
@@ -37,7 +38,7 @@ class MountedDataset:
     backend: Backend
     inode_base: int
     cost: DigestCost  # the estimated bytes of its digest, tree and pools (shared copies)
-    counters: Counter[str] = dataclasses.field(default_factory=Counter)
+    counters: Counter[ReadCounter] = dataclasses.field(default_factory=Counter)
     prefetch: PrefetchProgress | None = None
     cache_mode: CacheMode = CacheMode.COOP  # the coordinator's allocation
     pools: ViewPools | None = None  # a substitutable view's pools; None: an exact view

@@ -15,7 +15,7 @@ from mountd.fetch.item_reader import IntegrityFailed, ItemReader, ReadFailed
 from mountd.fetch.loader_pool import (LoaderPool, LoaderUnavailable, LoadFailed, LoadMismatch,
                                 load_source)
 from mountd.fetch.loader_process import LoadSource
-from mountd.fetch.read_stats import FetchCause
+from quiverfs.counters import FetchCause, ReadCounter, SamplerJobCounter
 from quiverfs.heartbeat import CacheMode
 from quiverfs.rpc import Unavailable
 
@@ -56,11 +56,12 @@ class BulkFetch:
         return out
 
     async def fetch_all(self, ds: MountedDataset, items: list[int],
-                        counters: collections.Counter[str], cause: FetchCause,
+                        counters: collections.Counter[SamplerJobCounter], cause: FetchCause,
                         resident: tuple[np.ndarray, set[int]] | None = None) -> None:
         """Fetch items into the cache, for ``cause``; with ``resident`` (coop mode: every
         item's chunk, and the resident chunks), items of other chunks are only staged for
-        their one read, so they cannot evict the chunks."""
+        their one read, so they cannot evict the chunks. Failed fetches count in
+        ``counters`` (fetch_errors)."""
         # What the caller looked up may be a while old: items a chunk load (or another
         # job) brought in since are not fetched again.
         await self._fetch_missing(ds, await self._not_held(ds, items), counters, cause,
@@ -71,7 +72,8 @@ class BulkFetch:
         return [i for i, h in zip(items, held) if not h]
 
     async def _fetch_missing(self, ds: MountedDataset, items: list[int],
-                             counters: collections.Counter[str], cause: FetchCause,
+                             counters: collections.Counter[SamplerJobCounter],
+                             cause: FetchCause,
                              resident: tuple[np.ndarray, set[int]] | None = None) -> None:
         if not items:
             return
@@ -85,14 +87,15 @@ class BulkFetch:
                     else:
                         await self.reader.fetch(ds, i, cause, recheck=True)
                 except ReadFailed:
-                    counters["fetch_errors"] += 1  # the worker's own read will report it
+                    # the worker's own read will report it
+                    counters[SamplerJobCounter.FETCH_ERRORS] += 1
 
         async with trio.open_nursery() as nursery:
             for i in items:
                 nursery.start_soon(one, i)
 
     async def load(self, ds: MountedDataset, items: list[int],
-                   counters: collections.Counter[str], cause: FetchCause) -> None:
+                   counters: collections.Counter[SamplerJobCounter], cause: FetchCause) -> None:
         """Fetch those of a chunk load's items their owners do not hold into their
         stores, for ``cause``: those this node owns from a GCS bucket in the loader
         processes (while the store can write), the others as ``fetch_all`` does. Items a
@@ -122,8 +125,8 @@ class BulkFetch:
                                    slots)
 
     async def _load_one(self, pool: LoaderPool, source: LoadSource, ds: MountedDataset,
-                        index: int, counters: collections.Counter[str], cause: FetchCause,
-                        slots: trio.Semaphore) -> None:
+                        index: int, counters: collections.Counter[SamplerJobCounter],
+                        cause: FetchCause, slots: trio.Semaphore) -> None:
         loc = ds.digest.location(index)
 
         async def in_pool() -> int | bytes:
@@ -140,7 +143,7 @@ class BulkFetch:
                 log.error("dataset %s: cannot fetch %s from %s: %s", ds.name,
                           ds.digest.path(index), loc.uri, exc)
                 raise ReadFailed(str(exc)) from None
-            self.reader.stats.count(ds, "loader_process_fetches")
+            self.reader.stats.count(ds, ReadCounter.LOADER_PROCESS_FETCHES)
             return got
 
         try:
@@ -153,7 +156,8 @@ class BulkFetch:
                           ds.digest.path(index))
                 await self.reader.fetch(ds, index, cause, recheck=True)
         except ReadFailed:
-            counters["fetch_errors"] += 1  # a read of it fetches it again, and reports it
+            # a read of it fetches it again, and reports it
+            counters[SamplerJobCounter.FETCH_ERRORS] += 1
         finally:
             slots.release()
 
@@ -180,11 +184,11 @@ class BulkFetch:
                 got = await self.cluster.peers.get_many(owner, hashes)
             except Unavailable:
                 return  # the reads ask again, then fall back to the bucket
-            stats.count(ds, "peer_batch_gets")
+            stats.count(ds, ReadCounter.PEER_BATCH_GETS)
             for digest, data in zip(hashes, got):
                 if data is not None:
-                    stats.count(ds, "peer_hits")
-                    stats.count(ds, "peer_bytes", len(data))
+                    stats.count(ds, ReadCounter.PEER_HITS)
+                    stats.count(ds, ReadCounter.PEER_BYTES, len(data))
                     staging.keep(digest, data)
 
         async with trio.open_nursery() as nursery:

@@ -13,6 +13,7 @@ import collections
 import logging
 
 from mountd.datasets.dataset import MountedDataset
+from quiverfs.counters import ReadCounter
 
 log = logging.getLogger(__name__)
 
@@ -42,4 +43,4 @@ class IntegrityBudget:
     def suspended(self, ds: MountedDataset) -> bool:
         """Whether reads of ``ds`` are stopped: its owner's budget is spent and it has
         failed a hash check itself."""
-        return ds.counters["integrity_failures"] > 0 and self.spent(ds.reg.uid)
+        return ds.counters[ReadCounter.INTEGRITY_FAILURES] > 0 and self.spent(ds.reg.uid)

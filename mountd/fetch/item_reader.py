@@ -27,7 +27,8 @@ import pyfuse3
 import trio
 
 from mountd.cluster.membership import Cluster
-from mountd.store.content_store import ContentStore, IntegrityError, StoreError
+from mountd.store.content_store import ContentStore
+from mountd.store.errors import IntegrityError, StoreError
 from mountd.datasets.dataset import MountedDataset
 from mountd.fetch.integrity_budget import IntegrityBudget
 from mountd.fetch.loader_pool import (LoaderPool, LoaderUnavailable, LoadFailed, LoadMismatch,
@@ -35,9 +36,10 @@ from mountd.fetch.loader_pool import (LoaderPool, LoaderUnavailable, LoadFailed,
 from mountd.fetch.loader_process import LoadSource
 from mountd.fetch.owner_puts import OwnerPuts
 from mountd.fetch.page_push import PagePush
-from mountd.fetch.read_stats import FetchCause, ReadStats
+from mountd.fetch.read_stats import ReadStats
 from mountd.fetch.staging import Staging
 from quiverfs.backends import Backend
+from quiverfs.counters import FetchCause, ReadCounter
 from quiverfs.errors import QuietError
 from quiverfs.heartbeat import CacheMode
 from quiverfs.rpc import Unavailable
@@ -160,11 +162,11 @@ class ItemReader:
 
     def _check_not_suspended(self, ds: MountedDataset) -> None:
         if self.integrity.suspended(ds):
-            self.stats.count(ds, "suspended_reads")
+            self.stats.count(ds, ReadCounter.SUSPENDED_READS)
             raise ReadFailed(f"dataset {ds.name} is suspended: too many failed hash checks")
 
     def _integrity_failed(self, ds: MountedDataset) -> None:
-        self.stats.count(ds, "integrity_failures")
+        self.stats.count(ds, ReadCounter.INTEGRITY_FAILURES)
         self.integrity.failed(ds)
 
     async def _read(self, ds: MountedDataset, index: int, cause: FetchCause,
@@ -174,14 +176,14 @@ class ItemReader:
         if probed is not None:
             cause, keep = probed
             if cause is FetchCause.PROBE:
-                self.stats.count(ds, "probe_misses")
+                self.stats.count(ds, ReadCounter.PROBE_MISSES)
                 return await self.fetch(ds, index, cause, keep=keep)
         data = await self._cached(ds, index, digest)
         if data is None:
-            self.stats.count(ds, "misses")
+            self.stats.count(ds, ReadCounter.MISSES)
             return await self.fetch(ds, index, cause, keep=keep)
         if probed is not None:  # a probe planned a miss that was none: it measures less
-            self.stats.count(ds, "probe_hits")
+            self.stats.count(ds, ReadCounter.PROBE_HITS)
         return data
 
     async def _cached(self, ds: MountedDataset, index: int, digest: bytes) -> bytes | None:
@@ -189,7 +191,7 @@ class ItemReader:
         peer; None if none of them has it."""
         staged = self.staging.take(digest)
         if staged is not None:
-            self.stats.count(ds, "staged_hits")
+            self.stats.count(ds, ReadCounter.STAGED_HITS)
             return staged
         started = time.perf_counter()
         data = self.store.get_nowait(digest, ds.digest.sizes[index])
@@ -198,14 +200,14 @@ class ItemReader:
                 data = await trio.to_thread.run_sync(self.store.get, digest,
                                                      limiter=self.limiter)
         except StoreError as exc:
-            self.stats.count(ds, "store_errors")
+            self.stats.count(ds, ReadCounter.STORE_ERRORS)
             log.error("dataset %s: cannot read %s from the local store: %s", ds.name,
                       ds.digest.path(index), exc)
             raise ReadFailed(f"local store: {exc}") from None
         if data is not None:
             self.stats.observe("local", time.perf_counter() - started)
-            self.stats.count(ds, "local_hits")
-            self.stats.count(ds, "local_bytes", len(data))
+            self.stats.count(ds, ReadCounter.LOCAL_HITS)
+            self.stats.count(ds, ReadCounter.LOCAL_BYTES, len(data))
             return data
         owner = self.owner(digest)
         if owner is not None:
@@ -213,13 +215,13 @@ class ItemReader:
             try:
                 data = await self.cluster.peers.get(owner, digest)
             except Unavailable:
-                self.stats.count(ds, "peer_errors")
+                self.stats.count(ds, ReadCounter.PEER_ERRORS)
             if data is not None:
                 self.stats.observe("peer", time.perf_counter() - started)
-                self.stats.count(ds, "peer_hits")
-                self.stats.count(ds, "peer_bytes", len(data))
+                self.stats.count(ds, ReadCounter.PEER_HITS)
+                self.stats.count(ds, ReadCounter.PEER_BYTES, len(data))
                 return data
-            self.stats.count(ds, "peer_misses")
+            self.stats.count(ds, ReadCounter.PEER_MISSES)
         return None
 
     async def fetch(self, ds: MountedDataset, index: int, cause: FetchCause,
@@ -233,7 +235,7 @@ class ItemReader:
         self._check_not_suspended(ds)
         digest = ds.digest.hash(index)
         while (flight := self._inflight.get(digest)) is not None:
-            self.stats.count(ds, "coalesced")
+            self.stats.count(ds, ReadCounter.COALESCED)
             data = await self._joined(flight, digest)
             if data is not None:
                 return data
@@ -254,7 +256,7 @@ class ItemReader:
             self.stats.observe("bucket", time.perf_counter() - started)
             self.stats.fetched(ds, cause, len(data))
         else:
-            self.stats.count(ds, "refetches_saved")
+            self.stats.count(ds, ReadCounter.REFETCHES_SAVED)
         flight.data = data
         if not keep and ds.cache_mode is CacheMode.COOP:
             self.staging.keep_for_load(digest, data)  # its chunk's load stores these
@@ -306,7 +308,7 @@ class ItemReader:
             log.error("dataset %s: cannot fetch %s from %s: %s", ds.name,
                       ds.digest.path(index), loc.uri, exc)
             raise ReadFailed(str(exc)) from None
-        self.stats.count(ds, "loader_process_misses")
+        self.stats.count(ds, ReadCounter.LOADER_PROCESS_MISSES)
         if keep and owner is not None:
             self.puts.put(owner, digest, data)
         return data, True
@@ -321,13 +323,13 @@ class ItemReader:
         digest = ds.digest.hash(index)
         flight = self._inflight.get(digest)
         if flight is not None:  # a read fetches it already
-            self.stats.count(ds, "coalesced")
+            self.stats.count(ds, ReadCounter.COALESCED)
             await flight.done.wait()
             if flight.error is not None:
                 raise ReadFailed(str(flight.error))
             return
         if self.store.held_known(digest):  # stored since the caller looked
-            self.stats.count(ds, "refetches_saved")
+            self.stats.count(ds, ReadCounter.REFETCHES_SAVED)
             return
         flight = self._inflight[digest] = _Flight()
         started = time.perf_counter()
@@ -363,7 +365,7 @@ class ItemReader:
             if isinstance(exc, IntegrityFailed):
                 self._integrity_failed(ds)
             else:
-                self.stats.count(ds, "bucket_errors")
+                self.stats.count(ds, ReadCounter.BUCKET_ERRORS)
             raise
         finally:
             if not flight.storing:

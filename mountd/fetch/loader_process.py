@@ -30,7 +30,9 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from mountd.store.content_store import IndexDamaged, StoreError, StoreWriter, ValueFile
+from mountd.store.errors import IndexDamaged, StoreError
+from mountd.store.value_files import ValueFile
+from mountd.store.writer import StoreWriter
 from quiverfs.backends import StorageOptions
 from quiverfs.errors import QuietError
 

@@ -7,6 +7,7 @@ import trio
 
 from mountd.cluster.membership import Cluster
 from quiverfs.background import BackgroundTasks
+from quiverfs.counters import ReadCounter
 from quiverfs.rpc import Unavailable
 
 PUT_LINGER = 0.005  # seconds items bound for one owner wait to share a put request
@@ -15,7 +16,7 @@ PUT_LINGER = 0.005  # seconds items bound for one owner wait to share a put requ
 class OwnerPuts:
     """Queues items by owner; the first one queued starts the sender of its batch."""
 
-    def __init__(self, cluster: Cluster, counters: Counter[str]) -> None:
+    def __init__(self, cluster: Cluster, counters: Counter[ReadCounter]) -> None:
         self.cluster = cluster
         self.counters = counters  # the node's read counters: puts, requests, errors
         self.tasks = BackgroundTasks()  # where batches are sent
@@ -36,7 +37,7 @@ class OwnerPuts:
         try:
             stored = await self.cluster.peers.put_many(owner, items)
         except Unavailable:
-            self.counters["peer_put_errors"] += len(items)
+            self.counters[ReadCounter.PEER_PUT_ERRORS] += len(items)
             return
-        self.counters["peer_puts"] += sum(stored)
-        self.counters["peer_put_requests"] += 1
+        self.counters[ReadCounter.PEER_PUTS] += sum(stored)
+        self.counters[ReadCounter.PEER_PUT_REQUESTS] += 1

@@ -33,10 +33,12 @@ from collections.abc import Callable
 import pyfuse3
 import trio
 
-from mountd.store.content_store import ContentStore, StoreError
+from mountd.store.content_store import ContentStore
+from mountd.store.errors import StoreError
 from mountd.datasets.dataset import MountedDataset
 from mountd.fetch.read_stats import ReadStats
 from mountd.fetch.staging import Staging
+from quiverfs.counters import ReadCounter
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +87,7 @@ class PagePush:
         state.passed, state.asked = max(state.passed, state.asked), at
         state.when = time.monotonic()
         while state.pushed and state.pushed[0][0] < state.passed:
-            self._read(state.pushed.popleft()[1], "pushed_passed")
+            self._read(state.pushed.popleft()[1], ReadCounter.PUSHED_PASSED)
 
     def left(self, job: str) -> None:
         """``job`` unregistered: its pushes stop counting, so that they neither hold the
@@ -108,9 +110,9 @@ class PagePush:
     def opened(self, inode: int) -> bool:
         """An OPEN of ``inode``: whether its item was pushed. Its pages then serve the
         reads, which count as local hits here; the push no longer counts."""
-        return self._read(inode, "pushed_opens")
+        return self._read(inode, ReadCounter.PUSHED_OPENS)
 
-    def _read(self, inode: int, why: str) -> bool:
+    def _read(self, inode: int, why: ReadCounter) -> bool:
         """A push taken as read (``why``, a counter): whether ``inode`` was pushed. Its
         pages then serve the reads, which count as local hits here."""
         pushed = self._pushed.pop(inode, None)
@@ -121,8 +123,8 @@ class PagePush:
         # the pages hold the hit a manifest promised: its chunk need not wait for a READ
         self.staging.take(ds.digest.hash(ds.tree.entry_index(inode - ds.inode_base)))
         self.stats.count(ds, why)
-        self.stats.count(ds, "local_hits")
-        self.stats.count(ds, "local_bytes", n)
+        self.stats.count(ds, ReadCounter.LOCAL_HITS)
+        self.stats.count(ds, ReadCounter.LOCAL_BYTES, n)
         self._changed.set()
         return True
 
@@ -139,7 +141,7 @@ class PagePush:
                 break  # pushed in order: the rest are younger
             del self._pushed[inode]
             self.held -= n
-            self.stats.count(ds, "pushed_unopened")
+            self.stats.count(ds, ReadCounter.PUSHED_UNOPENED)
         for job, state in list(self._jobs.items()):  # jobs gone (their pushes expired)
             if now - state.when >= UNREAD_EXPIRY and not any(
                     inode in self._pushed for _, inode in state.pushed):
@@ -213,10 +215,10 @@ class PagePush:
             if ok:
                 self._pushed[item.inode] = (item.ds, len(data), now)
                 self.held += len(data)
-                self.stats.count(item.ds, "pushed")
-                self.stats.count(item.ds, "pushed_bytes", len(data))
+                self.stats.count(item.ds, ReadCounter.PUSHED)
+                self.stats.count(item.ds, ReadCounter.PUSHED_BYTES, len(data))
                 if self._passed(item):  # the job moved on while it was pushed
-                    self._read(item.inode, "pushed_passed")
+                    self._read(item.inode, ReadCounter.PUSHED_PASSED)
                 else:
                     self._job(item.job).pushed.append((item.at, item.inode))
 

@@ -3,7 +3,6 @@ their latency, and the bucket's bandwidth as this node's fetches see it."""
 from __future__ import annotations
 
 import collections
-import enum
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -11,6 +10,8 @@ from collections.abc import Callable, Mapping
 from prometheus_client import Histogram
 
 from mountd.datasets.dataset import MountedDataset
+from quiverfs.counters import (BUCKET_BYTES_BY_CAUSE, BUCKET_FETCHES_BY_CAUSE, FetchCause,
+                               ReadCounter)
 
 # Seconds: from a tenth of a millisecond (a hot local hit) to a slow bucket.
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
@@ -22,48 +23,38 @@ METER_MIN_FETCHES = 8  # fetches in that window before it is judged at all
 PEAK_HALF_LIFE = 600.0  # seconds in which the best window's rate counts for half as much
 
 
-class FetchCause(enum.StrEnum):
-    """Why an item was read from its storage location: each bucket fetch is counted
-    under one (``bucket_fetches_CAUSE`` and ``bucket_bytes_CAUSE``)."""
-
-    CHUNK_LOAD = "chunk_load"  # this node's share of a loading chunk
-    COOP_MISS = "coop_miss"  # a sampler job's miss within the resident chunks; a view's miss
-    STAGED_MISS = "staged_miss"  # its miss outside them, staged for one read
-    EXACT = "exact"  # an exact read that missed every cache tier
-    PROBE = "probe"  # a probed job's forced miss
-    REFILL = "refill"  # refilling the active chunk after a membership change
-    PREFETCH = "prefetch"  # `quiver prefetch`
-    VIEW_AHEAD = "view_ahead"  # the substitutable view's readahead
-
-
 class ReadStats:
     """Counters for the whole node and per dataset, and the latency of reads by tier
     (registered nowhere: mountd's metrics collector exports it)."""
 
     def __init__(self) -> None:
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[ReadCounter] = Counter()
         self.fuse_requests: Counter[str] = Counter()  # by opcode (the handler's name)
         self.latency = Histogram("quiver_read_seconds", "Seconds to serve a read, by the "
                                  "tier that served it", ["tier"], buckets=LATENCY_BUCKETS,
                                  registry=None)
         self.bucket = BucketMeter()
 
-    def count(self, ds: MountedDataset, key: str, n: int = 1) -> None:
+    def count(self, ds: MountedDataset, key: ReadCounter, n: int = 1) -> None:
+        """Add ``n`` to ``key`` for the node and for ``ds``; a bare string is refused
+        (TypeError), as a misspelt one would quietly start a counter of its own."""
+        if not isinstance(key, ReadCounter):
+            raise TypeError(f"a read counter is a ReadCounter, not {key!r}")
         self.counters[key] += n
         ds.counters[key] += n
 
     def fetched(self, ds: MountedDataset, cause: FetchCause, nbytes: int) -> None:
         """One item read from storage, for ``cause``."""
-        self.count(ds, "bucket_fetches")
-        self.count(ds, "bucket_bytes", nbytes)
-        self.count(ds, f"bucket_fetches_{cause}")
-        self.count(ds, f"bucket_bytes_{cause}", nbytes)
+        self.count(ds, ReadCounter.BUCKET_FETCHES)
+        self.count(ds, ReadCounter.BUCKET_BYTES, nbytes)
+        self.count(ds, BUCKET_FETCHES_BY_CAUSE[cause])
+        self.count(ds, BUCKET_BYTES_BY_CAUSE[cause], nbytes)
 
     @staticmethod
-    def by_cause(counters: Mapping[str, int]) -> dict[str, dict[str, int]]:
+    def by_cause(counters: Mapping[ReadCounter, int]) -> dict[str, dict[str, int]]:
         """Bucket fetches and their bytes by cause, from counters ``fetched`` added to."""
-        return {cause.value: {"fetches": counters.get(f"bucket_fetches_{cause}", 0),
-                              "bytes": counters.get(f"bucket_bytes_{cause}", 0)}
+        return {cause.value: {"fetches": counters.get(BUCKET_FETCHES_BY_CAUSE[cause], 0),
+                              "bytes": counters.get(BUCKET_BYTES_BY_CAUSE[cause], 0)}
                 for cause in FetchCause}
 
     def observe(self, tier: str, seconds: float) -> None:

@@ -22,8 +22,8 @@ from mountd.datasets.dataset import MountedDataset
 from mountd.fetch.item_reader import ItemReader, ReadFailed
 from mountd.fs.job_files import CONTROL_INODE, ControlFiles, ControlHandle
 from mountd.datasets.mount_table import MountTable
-from mountd.fetch.read_stats import FetchCause
 from mountd.view.view_jobs import ViewJobs
+from quiverfs.counters import FetchCause
 from quiverfs.job_protocol import VIEWS_NAME
 
 VIEWS_INODE = 4  # ROOT/.quiver/views

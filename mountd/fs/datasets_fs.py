@@ -34,6 +34,7 @@ from mountd.datasets.dataset import MountedDataset
 from mountd.fetch.item_reader import ItemReader, ReadFailed
 from mountd.fs.job_files import CONTROL_INODE
 from mountd.datasets.mount_table import MountTable
+from quiverfs.counters import ReadCounter
 from quiverfs.job_protocol import CONTROL_NAME, VIEWS_NAME
 
 log = logging.getLogger(__name__)
@@ -292,7 +293,7 @@ class QuiverFS(pyfuse3.Operations):
         if f is not None and f.data is None and not (f.failed or f.pushed):
             # opened and closed without a read reaching us: the kernel's page cache
             # served it (keep_cache), or nothing was read
-            self.reader.stats.count(f.ds, "page_cache_opens")
+            self.reader.stats.count(f.ds, ReadCounter.PAGE_CACHE_OPENS)
 
     async def _read_only(self, *args: object) -> None:
         raise pyfuse3.FUSEError(errno.EROFS)

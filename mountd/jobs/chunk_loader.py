@@ -16,9 +16,9 @@ from mountd.cluster.membership import Cluster
 from mountd.jobs.dataset_jobs import DatasetJobs
 from mountd.fetch.item_reader import ItemReader
 from mountd.jobs.registry import Job, JobRegistry
-from mountd.fetch.read_stats import FetchCause
 from quiverfs import ownership
 from quiverfs.chunk_cycle import MAX_LOADING, ChunkState
+from quiverfs.counters import FetchCause, SamplerJobCounter
 from quiverfs.heartbeat import CacheMode, CycleView, DatasetReport, LoadedShare
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,8 @@ class ChunkLoader:
                 lambda: [int(i) for i in group.plan.members[chunk]
                          if ownership.owner(digest.hash(int(i)), list(loaders)) == me],
                 limiter=self.reader.limiter)
-            counters: collections.Counter[str] = collections.Counter()
+            # the load's failed fetches, counted as BulkFetch counts a sampler job's
+            counters: collections.Counter[SamplerJobCounter] = collections.Counter()
             cause = FetchCause.REFILL if share is None else FetchCause.CHUNK_LOAD
             for start in range(0, len(mine), CHECK_BLOCK):
                 await self._after_lone_probe(group)

@@ -29,10 +29,10 @@ from mountd.cluster.membership import Cluster
 from mountd.jobs.dataset_jobs import DatasetJobs
 from mountd.fetch.item_reader import ItemReader
 from mountd.jobs.registry import Job, JobConfig, JobError
-from mountd.fetch.read_stats import FetchCause
 from mountd.jobs.substitution import Batch, EpochSampler, advance, epoch_shard
 from quiverfs.background import BackgroundTasks
 from quiverfs.chunk_cycle import EpochRef
+from quiverfs.counters import FetchCause, SamplerJobCounter
 from quiverfs.digest import Digest
 from quiverfs.heartbeat import CacheMode
 from quiverfs.job_protocol import Manifest, encode_manifest
@@ -96,11 +96,11 @@ class BatchPlanner:
             segment = job.segments.get(index)
             if segment is not None and self._segments_allowed(job, group):
                 reply, handed = segment
-                job.counters["segments"] += 1
+                job.counters[SamplerJobCounter.SEGMENTS] += 1
             elif isinstance(reply, Batch):  # a segment's batch, read on its own
                 reply = job.manifests[index] = encode_manifest(self._manifest(
                     job, group.ds.digest, reply, len(reply.items)))
-            job.counters["manifests"] += 1
+            job.counters[SamplerJobCounter.MANIFESTS] += 1
             if sampler.planned == index + handed < sampler.n_batches:
                 # plan the next batch while the job's workers read this one
                 self.tasks.start_soon(self._plan_ahead, job, sampler)
@@ -290,8 +290,8 @@ class BatchPlanner:
         heartbeat if that released the marked chunk), and count its hits."""
         if group.take(ref, batch.items):
             self.cluster.poke()  # this job-epoch released the marked chunk
-        job.counters["hits"] += hits
-        job.counters["fetched"] += len(batch.items) - hits
+        job.counters[SamplerJobCounter.HITS] += hits
+        job.counters[SamplerJobCounter.FETCHED] += len(batch.items) - hits
 
     @staticmethod
     def _paths(job: Job, digest: Digest, items: list[int]) -> list[str]:
@@ -374,5 +374,5 @@ class BatchPlanner:
         if scope.cancelled_caught:
             job.gave_up_on = key
             log.info("job %s: no chunk came in %.0f s; fetching misses", job.id, CHUNK_WAIT)
-        job.counters["chunk_wait_s"] += trio.current_time() - started
+        job.counters[SamplerJobCounter.CHUNK_WAIT_S] += trio.current_time() - started
 

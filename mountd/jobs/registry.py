@@ -24,6 +24,7 @@ from mountd.datasets.mount_table import MountTable
 from mountd.jobs.probing import BenefitProbe
 from mountd.jobs.substitution import Batch, EpochSampler
 from quiverfs.chunk_cycle import EpochRef
+from quiverfs.counters import SamplerJobCounter
 from quiverfs.heartbeat import JobReport, to_wire
 from quiverfs.job_protocol import DEFAULT_SCAN_FACTOR
 
@@ -226,7 +227,7 @@ class Job:
         # first batch -> (the reply handing out a segment from it, batches it covers)
         self.segments: dict[int, tuple[bytes, int]] = {}
         self.lock = trio.Lock()
-        self.counters: collections.Counter[str] = collections.Counter()
+        self.counters: collections.Counter[SamplerJobCounter] = collections.Counter()
         self.batch_times: collections.deque[float] = collections.deque(maxlen=1000)
         self.probe = BenefitProbe()
         self.gave_up_on: tuple[Any, ...] | None = None  # cycle state a chunk wait timed out in
@@ -234,7 +235,7 @@ class Job:
     def record_time(self, epoch: int, batch: int, seconds: float) -> None:
         """The time the job reported between asking for batch - 1 and ``batch``."""
         self.batch_times.append(seconds)
-        self.counters["reported_batches"] += 1
+        self.counters[SamplerJobCounter.REPORTED_BATCHES] += 1
         self.probe.record(epoch, batch, seconds)
 
     def report(self) -> JobReport | None:

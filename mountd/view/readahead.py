@@ -25,7 +25,7 @@ import trio
 
 from mountd.fetch.bulk_fetch import BulkFetch
 from mountd.jobs.dataset_jobs import DatasetJobs
-from mountd.fetch.read_stats import FetchCause
+from quiverfs.counters import FetchCause, SamplerJobCounter
 from quiverfs.heartbeat import CacheMode
 
 ROUND_ITEMS = 16  # items a look starts fetching at most
@@ -89,7 +89,8 @@ class ViewReadahead:
         self.groups = groups  # each dataset with view jobs, and those jobs' needs
         self._wake = trio.Event()
         self._in_flight: collections.Counter[str] = collections.Counter()  # items, by dataset
-        self._counters: collections.Counter[str] = collections.Counter()  # fetch errors
+        # its failed fetches, counted as BulkFetch counts a sampler job's
+        self._counters: collections.Counter[SamplerJobCounter] = collections.Counter()
 
     def wake(self) -> None:
         self._wake.set()

@@ -46,8 +46,8 @@ from mountd.datasets.dataset import MountedDataset
 from mountd.jobs.dataset_jobs import DatasetJobs
 from mountd.fetch.item_reader import ItemReader
 from mountd.jobs.registry import JobRegistry
-from mountd.fetch.read_stats import FetchCause
 from mountd.view.readahead import JobNeeds, ViewReadahead
+from quiverfs.counters import FetchCause, ReadCounter, ViewJobCounter
 from quiverfs.digest import Digest
 from quiverfs.heartbeat import CacheMode, JobReport, to_wire
 from quiverfs.job_protocol import JOB_ENV
@@ -117,7 +117,7 @@ class ViewJob:
         # pool, or a first one); False for items that are always served exactly
         self.need = ds.pools.shared.copy()
         self.pgids: set[int] = set()  # process groups seen opening for it
-        self.counters: collections.Counter[str] = collections.Counter()
+        self.counters: collections.Counter[ViewJobCounter] = collections.Counter()
         self.last_used = time.monotonic()
 
     def report(self) -> JobReport:
@@ -140,7 +140,7 @@ class ViewJob:
         number = 0 if current is None else current.number + 1
         members = self.ds.pools.members[pool]
         self.need[members] = True
-        self.counters["passes"] += 1
+        self.counters[ViewJobCounter.PASSES] += 1
         self.pools[pool] = made = _PoolPass(number, members)
         return made
 
@@ -280,9 +280,10 @@ class ViewJobs:
             async with current.lock:
                 if not current.queue and current.pending.any():
                     await self._plan(job, pool, current)
-        job.counters["opens"] += 1
-        job.counters["hits" if choice.hit else "misses"] += 1
-        self.reader.stats.count(ds, "view_hits" if choice.hit else "view_misses")
+        job.counters[ViewJobCounter.OPENS] += 1
+        job.counters[ViewJobCounter.HITS if choice.hit else ViewJobCounter.MISSES] += 1
+        self.reader.stats.count(ds, ReadCounter.VIEW_HITS if choice.hit
+                                else ReadCounter.VIEW_MISSES)
         return choice
 
     async def _plan(self, job: ViewJob, pool: int, current: _PoolPass) -> None:

@@ -58,6 +58,7 @@ from quiverfs.bench.processes import MountdProcess, running_mountd
 from quiverfs.bench.reading_job import PREFETCH_BATCHES, READERS, JobInput, bucket_address
 from quiverfs.bench.throttle_proxy import ThrottleProxy, throttled
 from quiverfs.chunk_plan import make_plan
+from quiverfs.counters import ReadCounter, SamplerJobCounter
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +268,8 @@ def job_main(argv: list[str]) -> int:
 
 
 # -- the parent: one configuration -----------------------------------------------------
-COUNTER_KEYS = ("local_hits", "misses", "probe_misses", "bucket_fetches", "bucket_bytes")
+COUNTER_KEYS = (ReadCounter.LOCAL_HITS, ReadCounter.MISSES, ReadCounter.PROBE_MISSES,
+                ReadCounter.BUCKET_FETCHES, ReadCounter.BUCKET_BYTES)
 JOB_KEYS = ("dataset", "epoch", "t_miss", "t_hit", "benefit", "probing", "gpus")
 
 
@@ -355,8 +357,9 @@ def _job_report(job: JobProcess, reply: dict[str, Any], expected: str,
            "epochs_complete": len(complete),
            "exactly_once": all(e["paths_sha256"] == expected for e in complete)}
     if job.job_id is not None:
-        out.update(job=job.job_id, hits=info.get("hits"), fetched=info.get("fetched"),
-                   chunk_wait_s=round(info.get("chunk_wait_s", 0.0), 2),
+        out.update(job=job.job_id, hits=info.get(SamplerJobCounter.HITS),
+                   fetched=info.get(SamplerJobCounter.FETCHED),
+                   chunk_wait_s=round(info.get(SamplerJobCounter.CHUNK_WAIT_S, 0.0), 2),
                    **{k: info.get(k) for k in ("t_miss", "t_hit", "benefit", "probing")})
     return out
 

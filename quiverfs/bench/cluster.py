@@ -50,6 +50,7 @@ from quiverfs.bench.processes import CoordinatorProcess, MountdProcess
 from quiverfs.bench.reading_job import PREFETCH_BATCHES, READERS, JobSpec, bucket_address
 from quiverfs.bench.throttle_proxy import ThrottleProxy, throttled
 from quiverfs.chunk_plan import CACHE_CHUNKS, make_plan
+from quiverfs.counters import ReadCounter
 from quiverfs.heartbeat import CacheMode
 from quiverfs.errors import QuietError
 from quiverfs.rpc import call_once
@@ -117,8 +118,8 @@ class Cluster:
     def counters(self) -> dict[str, Any]:
         """The dataset's read counters and its bucket fetches by cause, summed over the
         nodes."""
-        keys = ("local_hits", "peer_hits", "misses", "bucket_fetches", "bucket_bytes",
-                "coalesced")
+        keys = (ReadCounter.LOCAL_HITS, ReadCounter.PEER_HITS, ReadCounter.MISSES,
+                ReadCounter.BUCKET_FETCHES, ReadCounter.BUCKET_BYTES, ReadCounter.COALESCED)
         total: dict[str, Any] = dict.fromkeys(keys, 0)
         causes = []
         for m in self.nodes.values():

@@ -62,6 +62,7 @@ from quiverfs.bench.job_child import JobChild, run_epoch
 from quiverfs.bench.processes import MountdProcess, running_mountd, terminate, unmount
 from quiverfs.bench.reading_job import read_dropping_pages
 from quiverfs.bench.throttle_proxy import ThrottleProxy, throttled
+from quiverfs.counters import ReadCounter, SamplerJobCounter, ViewJobCounter
 from quiverfs.job_protocol import JOB_ENV
 from quiverfs.mount_point import is_mounted
 
@@ -312,17 +313,17 @@ def _quiver_counters(m: MountdProcess, mode: str) -> MountdCounters:
     counters = []
     if mode == "sub":
         counters = [job["counters"] for job in status["jobs"]]
-        hits = sum(c.get("hits", 0) for c in counters)
-        lookups = hits + sum(c.get("fetched", 0) for c in counters)
+        hits = sum(c.get(SamplerJobCounter.HITS, 0) for c in counters)
+        lookups = hits + sum(c.get(SamplerJobCounter.FETCHED, 0) for c in counters)
     elif mode == "view":
         counters = [job["counters"] for job in status["view_jobs"]
                     if job["dataset"] == DATASET]
-        hits = sum(c.get("hits", 0) for c in counters)
-        lookups = hits + sum(c.get("misses", 0) for c in counters)
+        hits = sum(c.get(ViewJobCounter.HITS, 0) for c in counters)
+        lookups = hits + sum(c.get(ViewJobCounter.MISSES, 0) for c in counters)
     else:
         c = ds["counters"]
-        hits = c.get("local_hits", 0)
-        lookups = hits + c.get("misses", 0) + c.get("probe_misses", 0)
+        hits = c.get(ReadCounter.LOCAL_HITS, 0)
+        lookups = hits + c.get(ReadCounter.MISSES, 0) + c.get(ReadCounter.PROBE_MISSES, 0)
     return MountdCounters(hits, lookups, ds["bucket_fetch_causes"], len(counters))
 
 

@@ -36,6 +36,7 @@ from quiverfs import control_client
 from quiverfs.bench.compare import load_image
 from quiverfs.bench.data import Tree, write_digits_tree
 from quiverfs.bench.processes import unmount
+from quiverfs.counters import ReadCounter
 from quiverfs.mount_point import is_mounted
 from quiverfs.sizes import human
 
@@ -179,15 +180,16 @@ def reads_since(before: dict[str, Any], after: dict[str, Any], dataset: str) -> 
     since a mount and its view share one store."""
     def counted(reply: dict[str, Any]) -> tuple[int, int]:
         c = next(ds["counters"] for ds in reply["datasets"] if ds["name"] == dataset)
-        hits = c.get("local_hits", 0)
-        return hits, hits + sum(c.get(k, 0) for k in ("misses", "staged_hits",
-                                                      "probe_misses", "peer_hits"))
+        hits = c.get(ReadCounter.LOCAL_HITS, 0)
+        return hits, hits + sum(c.get(k, 0) for k in (
+            ReadCounter.MISSES, ReadCounter.STAGED_HITS, ReadCounter.PROBE_MISSES,
+            ReadCounter.PEER_HITS))
 
     (h0, r0), (h1, r1) = counted(before), counted(after)
     b0, b1 = before["counters"], after["counters"]
     return EpochReads(h1 - h0, r1 - r0,
-                      b1.get("bucket_fetches", 0) - b0.get("bucket_fetches", 0),
-                      b1.get("bucket_bytes", 0) - b0.get("bucket_bytes", 0))
+                      b1.get(ReadCounter.BUCKET_FETCHES, 0) - b0.get(ReadCounter.BUCKET_FETCHES, 0),
+                      b1.get(ReadCounter.BUCKET_BYTES, 0) - b0.get(ReadCounter.BUCKET_BYTES, 0))
 
 
 def train_counted(root: str, way: Way) -> list[EpochReads]:

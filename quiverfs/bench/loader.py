@@ -43,6 +43,7 @@ from quiverfs.bench.emulator import running_emulator
 from quiverfs.bench.processes import MountdProcess, running_mountd
 from quiverfs.bench.reading_job import read_dropping_pages
 from quiverfs.bench.throttle_proxy import UNCAPPED, throttled
+from quiverfs.counters import ReadCounter
 
 PROCESSES = (1, 2)
 LATENCY_MS = 30.0  # the bucket's time to first byte, as GCS's
@@ -195,7 +196,8 @@ def _load_chunks(m: MountdProcess, bucket: Bucket) -> dict[str, Any]:
         raise RuntimeError("the job's chunks loaded nothing from the bucket")
     (started, first), (ended, fetched) = loading[0], loading[-1]
     return {"chunk_load_objects": fetched,
-            "loader_process_fetches": _counters(m, "loads")["loader_process_fetches"],
+            "loader_process_fetches":
+                _counters(m, "loads")[ReadCounter.LOADER_PROCESS_FETCHES],
             "load_seconds": round(ended - started, 2),
             "objects_per_s": round((fetched - first) / (ended - started), 1)
             if ended > started else None,
@@ -227,10 +229,10 @@ def _latency(processes: int, bucket: Bucket, hits: Dataset, loads: Dataset, cach
             read_dropping_pages(path)  # fills the store
         with _reader(paths, passes=IDLE_PASSES) as idle:
             pass
-        misses = _counters(m, "hits")["misses"]
+        misses = _counters(m, "hits")[ReadCounter.MISSES]
         with _reader(paths) as during:
             load = _load_chunks(m, bucket)
-        misses = _counters(m, "hits")["misses"] - misses
+        misses = _counters(m, "hits")[ReadCounter.MISSES] - misses
     return {"idle": _percentiles(idle), "during_load": _percentiles(during),
             "load_objects_per_s": load["objects_per_s"],
             # a cached file culled by the loads would be read from the bucket

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from quiverfs.bench.emulator import gcs_client
+from quiverfs.counters import SamplerJobCounter
 
 READERS = 4  # reader threads per job, like DataLoader workers
 PREFETCH_BATCHES = 2  # batches a job's readers may run ahead of its compute
@@ -158,7 +159,7 @@ class SamplerPlans:
     def hits(self) -> int | None:
         """Items the manifests listed as hits since the last call."""
         with open(os.path.join(self.sampler.job_dir, "stats"), encoding="utf-8") as f:
-            total = int(json.load(f)["counters"].get("hits", 0))
+            total = int(json.load(f)["counters"].get(SamplerJobCounter.HITS, 0))
         new, self._hits = total - self._hits, total
         return new
 

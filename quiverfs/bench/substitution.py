@@ -64,6 +64,7 @@ from quiverfs.bench.processes import MountdProcess, running_mountd
 from quiverfs.bench import fetch_causes, reading_job
 from quiverfs.bench.reading_job import PREFETCH_BATCHES, READERS, JobSpec, MountSource
 from quiverfs.bench.throttle_proxy import ThrottleProxy, throttled
+from quiverfs.counters import ReadCounter, SamplerJobCounter, ViewJobCounter
 from quiverfs.job_protocol import JOB_ENV
 
 log = logging.getLogger(__name__)
@@ -139,8 +140,8 @@ class ConfigRun:
 
 def _snapshot(status: dict[str, Any], dataset: str, proxy: ThrottleProxy) -> dict[str, int]:
     counters = next(ds["counters"] for ds in status["datasets"] if ds["name"] == dataset)
-    keys = ("local_hits", "misses", "probe_misses", "bucket_fetches", "bucket_bytes",
-            "coalesced")
+    keys = (ReadCounter.LOCAL_HITS, ReadCounter.MISSES, ReadCounter.PROBE_MISSES,
+            ReadCounter.BUCKET_FETCHES, ReadCounter.BUCKET_BYTES, ReadCounter.COALESCED)
     return {**{k: int(counters.get(k, 0)) for k in keys}, "proxy_bytes": proxy.bytes_down}
 
 
@@ -150,7 +151,7 @@ def view_job_counters(status: dict[str, Any], dataset: str, name: str) -> dict[s
     job = next((j for j in status.get("view_jobs", ())
                 if j["dataset"] == dataset and j["identity"] in (name, f"env:{name}")), None)
     counters = job["counters"] if job else {}
-    return {k: int(counters.get(k, 0)) for k in ("opens", "hits", "misses", "passes")}
+    return {k: int(counters.get(k, 0)) for k in ViewJobCounter}
 
 
 def _epoch_record(epoch: int, seconds: float, replies: list[dict[str, Any]],
@@ -167,8 +168,10 @@ def _epoch_record(epoch: int, seconds: float, replies: list[dict[str, Any]],
 def _view_epoch(record: dict[str, Any], before: list[dict[str, int]],
                 after: list[dict[str, int]]) -> None:
     """Add the view jobs' opens and hits in the epoch (mountd's view_jobs counters)."""
-    record["job_hits"] = [a["hits"] - b["hits"] for b, a in zip(before, after)]
-    record["job_opens"] = [a["opens"] - b["opens"] for b, a in zip(before, after)]
+    record["job_hits"] = [a[ViewJobCounter.HITS] - b[ViewJobCounter.HITS]
+                          for b, a in zip(before, after)]
+    record["job_opens"] = [a[ViewJobCounter.OPENS] - b[ViewJobCounter.OPENS]
+                           for b, a in zip(before, after)]
 
 
 def _steady_state(mode: str, epochs: list[dict[str, Any]], dataset_bytes: int
@@ -486,12 +489,12 @@ def train_run(m: MountdProcess, spec: TrainSpec, workdir: str) -> dict[str, Any]
         job.kill()
     if spec.mode == "sub":
         counters = next(j["counters"] for j in status["jobs"] if j["job"] == result["job"])
-        return {"accuracy": result["accuracy"], "hits": counters.get("hits"),
-                "fetched": counters.get("fetched")}
+        return {"accuracy": result["accuracy"], "hits": counters.get(SamplerJobCounter.HITS),
+                "fetched": counters.get(SamplerJobCounter.FETCHED)}
     if spec.mode == "view":
         counters = view_job_counters(status, DIGITS_VIEW, name)
-        return {"accuracy": result["accuracy"], "hits": counters["hits"],
-                "opens": counters["opens"]}
+        return {"accuracy": result["accuracy"], "hits": counters[ViewJobCounter.HITS],
+                "opens": counters[ViewJobCounter.OPENS]}
     return {"accuracy": result["accuracy"]}
 
 

@@ -1,0 +1,35 @@
+"""The records the coordinator's state is made of: a member node, and one dataset's chunk
+cycle with what the nodes report on it. ``coordinator.state`` decides with them and
+``coordinator.state_store`` saves them."""
+from __future__ import annotations
+
+import dataclasses
+
+from quiverfs.chunk_cycle import ChunkCycle
+from quiverfs.heartbeat import CacheMode, DatasetReport
+
+
+@dataclasses.dataclass
+class Node:
+    """A member: where its peer server listens, how much it caches."""
+
+    id: str
+    peer: str
+    capacity: int
+    last_seen: float = 0.0  # time.time() of its last heartbeat
+
+
+@dataclasses.dataclass
+class DatasetState:
+    """One dataset's cycle, its loaders, and what every node last reported."""
+
+    identity: str
+    name: str
+    cycle: ChunkCycle
+    loaders: dict[int, list[str]] = dataclasses.field(default_factory=dict)  # per loading chunk
+    done: dict[int, set[str]] = dataclasses.field(default_factory=dict)  # its loaders done
+    reports: dict[str, DatasetReport] = dataclasses.field(default_factory=dict)  # by node
+    mode: CacheMode = CacheMode.COOP
+    gain: float = 0.0  # G, the GPU shares its jobs save with the cache
+    probes: dict[str, int] = dataclasses.field(default_factory=dict)  # job -> probe number
+    probed_at: dict[str, float] = dataclasses.field(default_factory=dict)

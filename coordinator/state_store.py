@@ -1,0 +1,141 @@
+"""The coordinator's state file, ``STATE_DIR/coordinator.json``: its JSON form, reading it
+back at a start (older forms included) and writing it atomically.
+
+Everything but the nodes' reports is saved, the time each node was last heard from
+included (wall-clock), so a restart revives no node that was dead, and forgets those
+whose time has come.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Iterable
+
+from coordinator.state_records import DatasetState, Node
+from quiverfs.chunk_cycle import ChunkCycle
+from quiverfs.digest import write_atomic
+from quiverfs.errors import ExitCode, QuietError
+from quiverfs.heartbeat import CacheMode
+
+log = logging.getLogger(__name__)
+
+TIMELINE_KEEP = 5000  # chunk-state events kept per dataset
+
+
+class StateCorrupted(QuietError):
+    """The state file cannot be read back: not JSON, or not the shape this writes."""
+
+    def __init__(self, path: str, exc: Exception) -> None:
+        super().__init__(f"coordinator state {path} is corrupted ({type(exc).__name__}): "
+                         "move it aside to start afresh (nodes and their datasets register "
+                         "again with their next heartbeat)", ExitCode.DAEMON)
+        self.path = path
+
+
+@dataclasses.dataclass
+class Saved:
+    """What a state file holds: the membership version, the nodes and the datasets."""
+
+    version: int
+    nodes: dict[str, Node]
+    datasets: dict[str, DatasetState]
+
+
+class StateStore:
+    """The state file in ``state_dir``, which it creates if missing."""
+
+    def __init__(self, state_dir: str) -> None:
+        try:
+            os.makedirs(state_dir, exist_ok=True)
+        except OSError as exc:
+            raise QuietError(f"cannot create state directory {state_dir}: {exc.strerror}",
+                             ExitCode.PERMISSION) from None
+        self.path = os.path.join(state_dir, "coordinator.json")
+        self.save_error: str | None = None  # why the last save failed, until one works
+
+    def load(self, force_after: float) -> Saved | None:
+        """What the file holds, its cycles forcing evictions after ``force_after``
+        seconds; None without a file. Raises StateCorrupted, or QuietError where the
+        file cannot be read."""
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:  # permission denied, a directory in its place, a disk error
+            raise QuietError(f"cannot read coordinator state {self.path}: "
+                             f"{exc.strerror or exc}", ExitCode.PERMISSION) from None
+        except ValueError as exc:  # not JSON, or not UTF-8
+            raise StateCorrupted(self.path, exc) from None
+        try:
+            return _restore(data, force_after)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            raise StateCorrupted(self.path, exc) from None
+
+    def save(self, data: bytes) -> None:
+        """Write ``data`` as the state file now (atomically); raises OSError or QuietError."""
+        write_atomic(self.path, data)
+
+    def write(self, data: bytes) -> None:
+        """Write ``data`` as the state file, or log why not: the state lives on in
+        memory, and the next change tries again (a full disk must not stop a daemon)."""
+        try:
+            write_atomic(self.path, data)
+        except (OSError, QuietError) as exc:
+            if self.save_error is None:
+                log.warning("cannot save %s (%s): the state is kept in memory until a "
+                            "save works", self.path, exc)
+            self.save_error = str(exc)
+        else:
+            if self.save_error is not None:
+                log.info("saved %s again", self.path)
+            self.save_error = None
+
+
+def encode(version: int, nodes: Iterable[Node], datasets: Iterable[DatasetState]) -> bytes:
+    """The state file's contents for this membership version, nodes and datasets."""
+    data = {"version": version,
+            "nodes": [{"id": n.id, "peer": n.peer, "capacity": n.capacity,
+                       "last_seen": n.last_seen}
+                      for n in nodes],
+            "datasets": [{"identity": d.identity, "name": d.name,
+                          "cycle": d.cycle.snapshot(),
+                          "loaders": {str(c): n for c, n in d.loaders.items()},
+                          "done": {str(c): sorted(n) for c, n in d.done.items()},
+                          "mode": d.mode.value,
+                          "timeline": d.cycle.timeline[-TIMELINE_KEEP:]}
+                         for d in datasets]}
+    return json.dumps(data).encode()
+
+
+def _restore(data: dict, force_after: float) -> Saved:
+    """What the file's JSON ``data`` holds; KeyError, TypeError, ValueError... where it
+    is not the shape this writes."""
+    now = time.time()
+    nodes: dict[str, Node] = {}
+    datasets: dict[str, DatasetState] = {}
+    for n in data["nodes"]:
+        # A file written before last-seen times were kept: as if never heard from
+        # (a live node joins again with its next heartbeat).
+        seen = float(n.get("last_seen", 0.0))
+        if not math.isfinite(seen):
+            raise ValueError(f"node {n['id']}: last_seen is {seen}")
+        # A time ahead of the clock (set back since) counts as now, not as later.
+        nodes[n["id"]] = Node(n["id"], n["peer"], n["capacity"], min(seen, now))
+    for d in data["datasets"]:
+        cycle = ChunkCycle.restore(d["cycle"], force_after)
+        cycle.timeline = [tuple(e) for e in d.get("timeline", [])]
+        loaders, done = d["loaders"], d["done"]
+        if isinstance(loaders, list):  # written by a two-chunk cycle: its one load
+            loaders = {str(c): loaders for c in cycle.loading}
+            done = {str(c): done for c in cycle.loading}
+        datasets[d["identity"]] = DatasetState(
+            d["identity"], d["name"], cycle,
+            {int(c): list(n) for c, n in loaders.items() if int(c) in cycle.loading},
+            {int(c): set(n) for c, n in done.items() if int(c) in cycle.loading},
+            mode=CacheMode(d.get("mode", CacheMode.COOP)))
+    return Saved(int(data.get("version", 0)), nodes, datasets)
