@@ -128,3 +128,17 @@ def test_the_circle_test_finds_a_type_checking_circle(tmp_path):
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from mountd import a\n")
     graph = import_graph(str(tmp_path))
     assert graph["mountd.a"] == {"mountd.b"} and graph["mountd.b"] == {"mountd.a"}
+
+
+MAX_MODULE_LINES = 450  # a module longer than this holds more than one concern
+
+
+def _lines(path: str) -> int:
+    with open(path, encoding="utf-8") as f:
+        return len(f.read().splitlines())
+
+
+def test_no_product_module_is_longer_than_its_bound():
+    long = {name: n for name, path in _modules(ROOT).items()
+            if not name.startswith("quiverfs.bench") and (n := _lines(path)) > MAX_MODULE_LINES}
+    assert not long, f"split these modules (lines): {long}"
