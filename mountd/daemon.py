@@ -14,7 +14,6 @@ import pyfuse3
 import trio
 
 from mountd.jobs.planner import BatchPlanner
-from mountd.fetch.bulk_fetch import BulkFetch
 from mountd.jobs.chunk_loader import ChunkLoader
 from mountd.cluster.membership import Cluster, EmbeddedFactory, RemoteCoordinator
 from mountd.store.content_store import ContentStore
@@ -23,7 +22,7 @@ from mountd.control.controller import Controller
 from mountd.fs.control_fs import ControlFS
 from mountd.fs.control_mount import ControlMount
 from mountd.fs.datasets_fs import QuiverFS, no_open_available
-from mountd.fetch.item_reader import ItemReader
+from mountd.fetch.services import read_services
 from mountd.fs.job_files import ControlFiles
 from mountd.jobs.registry import JobRegistry
 from mountd.fetch.loader_pool import AHEAD_NICENESS, MIN_SERVING_PROCESSES, LoaderPool
@@ -144,36 +143,32 @@ class Mountd:
         ahead = LoaderPool(n, self.store, self.limiter, niceness=AHEAD_NICENESS) if n else None
         self.pools = [pool for pool in (serving, ahead) if pool is not None]
         no_open = not cfg.fuse_opens and no_open_available()
-        self.reader = ItemReader(self.store, self.limiter, self.cluster, cfg.push_memory,
-                                 serving)
+        self.services = read_services(self.store, self.limiter, self.cluster,
+                                      cfg.push_memory, serving, ahead)
         # A lone node sizes chunks so that several fit its cache; in a cluster every node
         # must compute the same plan, so the default stays 10% (or --chunk-size).
         self.jobs = JobRegistry(self.table, self.limiter, cfg.chunk_bytes,
                                 None if cfg.coordinator else cfg.cache_size / CACHE_CHUNKS)
-        self.bulk = BulkFetch(self.reader, self.cluster, ahead)
-        self.planner = BatchPlanner(self.reader, self.bulk, self.cluster)
-        self.loader = ChunkLoader(self.jobs, self.reader, self.bulk, self.cluster)
-        self.views = ViewJobs(self.jobs, self.reader, self.bulk, self.cluster)
-        self.controller = Controller(self.root, self.table, self.registry, self.reader,
-                                     self.jobs, self.views, self.cluster, self.peer_service,
-                                     cfg.prefetch_concurrency,
-                                     MemoryBudget(MemoryLimits(
-                                         cfg.memory_per_uid,
-                                         cfg.memory_total or default_total())))
+        self.planner = BatchPlanner(self.services)
+        self.loader = ChunkLoader(self.jobs, self.services)
+        self.views = ViewJobs(self.jobs, self.services)
+        self.controller = Controller(
+            self.root, self.table, self.registry, self.services, self.jobs, self.views,
+            self.peer_service, cfg.prefetch_concurrency,
+            MemoryBudget(MemoryLimits(cfg.memory_per_uid, cfg.memory_total or default_total())),
+            "no-open" if no_open else "open",
+            {name: pool for name, pool in (("serving", serving), ("ahead", ahead))
+             if pool is not None})
         if not (cfg.fuse_opens or no_open):
             log.warning("this pyfuse3 does not pass the inode to read (mountd/patches): "
                         "dataset files are served with OPEN and RELEASE")
-        self.fs = QuiverFS(self.table, self.reader, no_open)
-        self.controller.fuse_mode = "no-open" if no_open else "open"
-        self.controller.loader_pools = {name: pool for name, pool in
-                                        (("serving", serving), ("ahead", ahead))
-                                        if pool is not None}
+        self.fs = QuiverFS(self.table, self.services, no_open)
         self.control_mount = ControlMount(
-            self.root, ControlFS(self.table, self.reader,
+            self.root, ControlFS(self.table, self.services.reader,
                                  ControlFiles(self.jobs, self.planner), self.views),
-            self.reader.stats.fuse_requests)
+            self.services.stats.fuse_requests)
         # Bound now, so that a taken port fails before mounting.
-        self.metrics = (MetricsServer(cfg.metrics, MountdCollector(self.reader, self.table,
+        self.metrics = (MetricsServer(cfg.metrics, MountdCollector(self.services, self.table,
                                                                    self.jobs))
                         if cfg.metrics else None)
         self.control = ControlServer(cfg.control_socket, self.controller.handlers())
@@ -208,8 +203,8 @@ class Mountd:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.controller.tasks.run)
             await nursery.start(self.planner.tasks.run)
-            await nursery.start(self.reader.puts.tasks.run)
-            await nursery.start(self.reader.push.run)
+            await nursery.start(self.services.puts.tasks.run)
+            await nursery.start(self.services.push.run)
             for pool in self.pools:  # ended before the store closes, when unmounting
                 await nursery.start(pool.run)
             if self.peer_server is not None:
@@ -293,10 +288,11 @@ class Mountd:
         recorded = trio.current_time()
         while True:
             await trio.sleep(SPENT_RECORD_INTERVAL)
-            if (self.store.marks_pending()
+            if (self.services.recency.pending()
                     or trio.current_time() - recorded >= HIT_RECORD_INTERVAL):
                 recorded = trio.current_time()
-                await trio.to_thread.run_sync(self.store.record_hits, limiter=self.limiter)
+                await trio.to_thread.run_sync(self.services.recency.record,
+                                              limiter=self.limiter)
 
     async def _on_signals(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED
                           ) -> None:

@@ -14,7 +14,7 @@ from coordinator.embedded import EmbeddedCoordinator
 from digest_tools.create import create_digest
 from mountd.cluster.membership import Cluster
 from mountd.store.content_store import ContentStore
-from mountd.fetch.item_reader import ItemReader
+from mountd.fetch.services import ReadServices, read_services
 from quiverfs import control_client
 from quiverfs.backends import StorageOptions
 from quiverfs.bench.processes import MountdProcess, unmount
@@ -82,12 +82,12 @@ def tree_hashes(root: str) -> dict[str, str]:
     return out
 
 
-def lone_reader(store: ContentStore, state_dir: str) -> ItemReader:
-    """An ItemReader of a single node, with its coordinator embedded (for tests of what
+def lone_services(store: ContentStore, state_dir: str) -> ReadServices:
+    """The read path of a single node, with its coordinator embedded (for tests of what
     reads and jobs count, without a mount)."""
     limiter = trio.CapacityLimiter(1)
     link = EmbeddedCoordinator(state_dir, FORCE_EVICT_AFTER, PROBE_BATCHES, limiter)
-    return ItemReader(store, limiter, Cluster("node", "local", store.size_limit, link, None))
+    return read_services(store, limiter, Cluster("node", "local", store.size_limit, link, None))
 
 
 def read_hashes(root: str, paths: list[str]) -> dict[str, str]:

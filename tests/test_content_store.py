@@ -28,7 +28,7 @@ from mountd.jobs.registry import JobRegistry
 from mountd.control.metrics import MountdCollector
 from mountd.datasets.mount_table import MountTable
 from quiverfs.bench.read import drop_page_cache
-from tests.mountd_helpers import lone_reader
+from tests.mountd_helpers import lone_services
 
 INDEX_LOGGER = "mountd.store.index"
 
@@ -154,7 +154,7 @@ def lru_store(tmp_path):
 def test_lru_keeps_recorded_hits(lru_store):
     store, items = lru_store
     assert store.get(items[0][0]) == items[0][1]  # item 0 is now the most recent
-    assert store.record_hits() == 1
+    assert store.recency.record() == 1
     for n in range(100, 120):  # push the older items out
         store.put(*item(n))
         assert store.volume() <= LRU_LIMIT
@@ -174,8 +174,8 @@ def test_the_recency_write_finds_the_diskcache_internals_it_uses(store):
     assert {"key", "raw", "access_time"} <= columns
     before = time.time()
     assert store.get(hit[0]) == hit[1]
-    store.spent([spent[0]])
-    assert store.record_hits() == 1
+    store.recency.spent([spent[0]])
+    assert store.recency.record() == 1
     times = dict(cache._con.execute("SELECT key, access_time FROM Cache"))
     assert times[hit[0]] >= before and times[spent[0]] == 0.0
 
@@ -183,18 +183,18 @@ def test_the_recency_write_finds_the_diskcache_internals_it_uses(store):
 def test_spent_entries_are_evicted_first_even_when_read_or_stored_after_the_mark(lru_store):
     store, items = lru_store
     spent, rewritten, wanted_again, revived = items[20], items[21], items[22], items[23]
-    assert not store.marks_pending()
-    store.spent([spent[0], rewritten[0], wanted_again[0], revived[0]])
-    assert store.marks_pending()  # mountd writes the marks soon (SPENT_RECORD_INTERVAL)
-    store.record_hits()
-    assert not store.marks_pending()
+    assert not store.recency.pending()
+    store.recency.spent([spent[0], rewritten[0], wanted_again[0], revived[0]])
+    assert store.recency.pending()  # mountd writes the marks soon (SPENT_RECORD_INTERVAL)
+    store.recency.record()
+    assert not store.recency.pending()
     assert store.get(spent[0]) == spent[1]  # its last reader reads it after the mark
     store.put(*rewritten)  # a fetch begun before the mark stores it again
-    store.wanted([wanted_again[0]])  # a job's next pass needs it
+    store.recency.wanted([wanted_again[0]])  # a job's next pass needs it
     assert store.get(wanted_again[0]) == wanted_again[1]
-    store.wanted([revived[0]])  # needed again, and not read (yet): no longer evicted first
-    assert store.marks_pending()
-    store.record_hits()
+    store.recency.wanted([revived[0]])  # needed again, and not read (yet): no longer evicted first
+    assert store.recency.pending()
+    store.recency.record()
     n = 100
     while len(store) == 25 + n - 100:  # until the first eviction (of CULL_LIMIT)
         store.put(*item(n))
@@ -365,7 +365,7 @@ def test_hits_drops_and_clears_survive_index_errors(store, no_back_off, monkeypa
 
     for name in ("transact", "delete", "clear"):
         monkeypatch.setattr(diskcache.Cache, name, broken)
-    assert store.record_hits() == 0
+    assert store.recency.record() == 0
     store.discard(items[0][0])
     store.clear()
     monkeypatch.undo()
@@ -446,7 +446,7 @@ def test_a_store_on_a_full_disk_opens_later(tmp_path, no_back_off):
         assert not health.writable and health.write_error.startswith("cannot open the store")
         assert store.get(digest) is None and not store.put(*item(19))
         assert len(store) == 0 and store.volume() == 0 and digest not in store
-        store.record_hits()
+        store.recency.record()
         store.discard(digest)
         os.remove(filler)
         assert store.get(digest) == data  # opened at this try
@@ -566,8 +566,8 @@ def test_metrics_show_a_store_that_cannot_write(store, monkeypatch, tmp_path):
     def full(*args: object, **kwargs: object) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    reader = lone_reader(store, str(tmp_path / "coordinator"))
-    collector = MountdCollector(reader, MountTable(), JobRegistry(MountTable(), reader.limiter))
+    services = lone_services(store, str(tmp_path / "coordinator"))
+    collector = MountdCollector(services, MountTable(), JobRegistry(MountTable(), services.limiter))
 
     def samples() -> dict[str, float]:
         return {s.name: s.value for family in collector.collect() for s in family.samples

@@ -30,7 +30,7 @@ from quiverfs.chunk_plan import make_plan
 from quiverfs.counters import ReadCounter
 from quiverfs.errors import ExitCode
 from quiverfs.metrics_server import MetricsServer, TrioLoop
-from tests.mountd_helpers import lone_reader
+from tests.mountd_helpers import lone_services
 from tests.notify_daemon import notify_daemon  # noqa: F401
 
 needs_fuse = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
@@ -235,10 +235,10 @@ def test_job_benefit_once_probed(tmp_path):
     """The benefit families, from a real JobRegistry's job (probing needs a coordinator
     and a training loop; its outcome, the batch times, is what the collector reads)."""
     store = ContentStore(str(tmp_path / "store"), 1 << 20)
-    reader = lone_reader(store, str(tmp_path / "coordinator"))
-    jobs = JobRegistry(MountTable(), reader.limiter)
+    services = lone_services(store, str(tmp_path / "coordinator"))
+    jobs = JobRegistry(MountTable(), services.limiter)
     job = jobs.create("j1", 1000, 1000)
-    collector = MountdCollector(reader, MountTable(), jobs)
+    collector = MountdCollector(services, MountTable(), jobs)
 
     def samples() -> Samples:
         return scrape_while_serving(collector)
@@ -269,15 +269,15 @@ def test_scrapes_during_reads_see_one_moment(tmp_path):
     """Scrapes over HTTP while a loop task counts reads: each sees the hits and their
     bytes from the same moment, every scrape works, and the port closes with the task."""
     store = ContentStore(str(tmp_path / "store"), 1 << 20)
-    reader = lone_reader(store, str(tmp_path / "coordinator"))
-    collector = MountdCollector(reader, MountTable(), JobRegistry(MountTable(), reader.limiter))
+    services = lone_services(store, str(tmp_path / "coordinator"))
+    collector = MountdCollector(services, MountTable(), JobRegistry(MountTable(), services.limiter))
     server = MetricsServer(("127.0.0.1", 0), collector)  # port 0: any free one
     port = server.address[1]
 
     async def count_reads() -> None:
         while True:  # one read of 100 bytes per step, as ItemReader counts them
-            reader.stats.counters[ReadCounter.LOCAL_HITS] += 1
-            reader.stats.counters[ReadCounter.LOCAL_BYTES] += 100
+            services.stats.counters[ReadCounter.LOCAL_HITS] += 1
+            services.stats.counters[ReadCounter.LOCAL_BYTES] += 100
             await trio.lowlevel.checkpoint()
 
     async def main() -> list[Samples]:
@@ -303,10 +303,10 @@ def test_a_stalled_loop_costs_only_its_families(tmp_path, caplog):
     """A scrape that the loop does not answer in time exports the store's numbers, and
     the next scrape, with the loop free again, exports everything."""
     store = ContentStore(str(tmp_path / "store"), 1 << 20)
-    reader = lone_reader(store, str(tmp_path / "coordinator"))
-    collector = MountdCollector(reader, MountTable(), JobRegistry(MountTable(), reader.limiter),
+    services = lone_services(store, str(tmp_path / "coordinator"))
+    collector = MountdCollector(services, MountTable(), JobRegistry(MountTable(), services.limiter),
                                 TrioLoop(timeout=0.2))
-    reader.stats.counters[ReadCounter.LOCAL_HITS] = 3
+    services.stats.counters[ReadCounter.LOCAL_HITS] = 3
     stalled: list[Samples] = []
     done = threading.Event()
 

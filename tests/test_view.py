@@ -353,9 +353,10 @@ def _two_view_jobs() -> tuple:
     group = DatasetJobs(ds, 400, None)
     group.view = _cycle(group.plan.n_chunks, (2,), 2)
     store = _Store(d)
-    reader = types.SimpleNamespace(store=store,
-                                   staging=types.SimpleNamespace(planned=lambda hashes: None))
-    jobs = ViewJobs(None, reader, store, types.SimpleNamespace(live=lambda: ["node"]))
+    services = types.SimpleNamespace(
+        bulk=store, recency=store, cluster=types.SimpleNamespace(live=lambda: ["node"]),
+        limiter=None, stats=None, staging=types.SimpleNamespace(planned=lambda hashes: None))
+    jobs = ViewJobs(None, services)
     first, second = (ViewJob(f"view:t:0:env:{n}", ds, 0, f"env:{n}", group) for n in "xy")
     group.jobs = {first.id: first, second.id: second}
     return ds, group, store, jobs, (first, second), int(ds.pools.pool_of[0])
@@ -450,14 +451,13 @@ def test_the_readahead_keeps_several_rounds_in_flight_up_to_its_bound():
     done = trio.Event()
 
     class Bulk:
-        reader = types.SimpleNamespace(store=types.SimpleNamespace(wanted=lambda hashes: None))
-
         async def load(self, ds, items, counters, cause) -> None:
             rounds.append(items)
             await done.wait()  # every round stays in flight until released
 
     async def main() -> None:
-        readahead = ViewReadahead(Bulk(), lambda: [(group, [(job.need, job.pass_number)])])
+        readahead = ViewReadahead(Bulk(), types.SimpleNamespace(wanted=lambda hashes: None),
+                                  lambda: [(group, [(job.need, job.pass_number)])])
         async with trio.open_nursery() as nursery:
             nursery.start_soon(readahead.run)
             await trio.sleep(5)

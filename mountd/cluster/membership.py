@@ -78,6 +78,11 @@ class Cluster:
         live = self.live()
         return live[0] if len(live) == 1 else ownership.owner(digest, live)
 
+    def other_owner(self, digest: bytes) -> str | None:
+        """The node that should hold ``digest``; None when that is this node."""
+        node = self.owner(digest)
+        return None if node == self.me else node
+
     def poke(self) -> None:
         """Something the coordinator acts on happened (a chunk share loaded, a marked
         chunk released): heartbeat now rather than at the next interval."""

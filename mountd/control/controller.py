@@ -8,16 +8,16 @@ from typing import Any
 import pyfuse3
 import trio
 
-from mountd.cluster.membership import Cluster
 from mountd.control.server import Peer
 from mountd.datasets.dataset import MountedDataset, PrefetchProgress
-from mountd.fetch.item_reader import ItemReader, ReadFailed
+from mountd.fetch.item_reader import ReadFailed
 from mountd.jobs.registry import JobRegistry
 from mountd.fetch.loader_pool import LoaderPool
 from mountd.datasets.memory_budget import DigestCost, Held, MemoryBudget, charged, digest_cost
 from mountd.datasets.mount_table import MountTable
 from mountd.cluster.peers import PeerService
 from mountd.fetch.read_stats import ReadStats
+from mountd.fetch.services import ReadServices
 from mountd.datasets.registry import Registration, Registry, new_registration
 from mountd.datasets.shared_digests import SharedDigests
 from mountd.view.view_jobs import ViewJobs
@@ -49,21 +49,25 @@ MAX_ITEM_BYTES = 1 << 30
 class Controller:
     """Owns the mount table's membership; every change is persisted in the registry."""
 
-    def __init__(self, root: str, table: MountTable, registry: Registry, reader: ItemReader,
-                 jobs: JobRegistry, views: ViewJobs, cluster: Cluster,
+    def __init__(self, root: str, table: MountTable, registry: Registry,
+                 services: ReadServices, jobs: JobRegistry, views: ViewJobs,
                  peer_service: PeerService | None, prefetch_concurrency: int,
-                 memory: MemoryBudget) -> None:
+                 memory: MemoryBudget, fuse_mode: str,
+                 loader_pools: dict[str, LoaderPool]) -> None:
         self.root = root
-        # how dataset files are served: "no-open" or "open" (mountd.fs.datasets_fs)
-        self.fuse_mode = "open"
-        self.loader_pools: dict[str, LoaderPool] = {}  # by name, for status
+        self.fuse_mode = fuse_mode  # how dataset files are served: "no-open" or "open"
+        self.loader_pools = loader_pools  # by name, for status
         self.table = table
         self.registry = registry
-        self.reader = reader
+        self.reader = services.reader
+        self.store = services.store
+        self.stats = services.stats
+        self.integrity = services.integrity
+        self.push = services.push
         self.jobs = jobs
         self.views = views
-        self.limiter = reader.limiter
-        self.cluster = cluster
+        self.limiter = services.limiter
+        self.cluster = services.cluster
         self.peer_service = peer_service  # with --coordinator
         self.prefetch_concurrency = prefetch_concurrency
         self.memory = memory
@@ -172,8 +176,8 @@ class Controller:
             raise QuietError(f"uid {user.uid}'s digests would take {used + digest_bytes} "
                              f"bytes, over the {MAX_DIGEST_BYTES_PER_USER}-byte limit: "
                              "'quiver umount' a dataset first", ExitCode.PERMISSION)
-        failures = self.reader.integrity.failures[user.uid]
-        if self.reader.integrity.spent(user.uid):
+        failures = self.integrity.failures[user.uid]
+        if self.integrity.spent(user.uid):
             raise QuietError(f"uid {user.uid}'s datasets have failed {failures} hash checks "
                              "since mountd started: recreate their digests ('quiver digest "
                              "create'); new registrations are refused until mountd restarts",
@@ -317,9 +321,9 @@ class Controller:
                                       limiter=self.limiter)
 
     async def status(self, peer: Peer, req: dict[str, Any]) -> dict[str, Any]:
-        store = self.reader.store
+        store = self.store
         volume, items = await trio.to_thread.run_sync(
-            lambda: (store.volume(), len(store)), limiter=self.reader.limiter)
+            lambda: (store.volume(), len(store)), limiter=self.limiter)
         datasets = []
         for ds in self.table.visible_to(peer.uid):
             entry = {"name": ds.name, "path": os.path.join(self.root, ds.name),
@@ -339,13 +343,13 @@ class Controller:
                           "writable": health.writable, "write_error": health.write_error,
                           "write_error_since": health.write_error_since,
                           "write_failures": health.write_failures},
-                "counters": dict(self.reader.stats.counters),
-                "bucket_fetch_causes": ReadStats.by_cause(self.reader.stats.counters),
+                "counters": dict(self.stats.counters),
+                "bucket_fetch_causes": ReadStats.by_cause(self.stats.counters),
                 "fuse_mode": self.fuse_mode,
                 "loader_processes": {name: pool.status()
                                      for name, pool in self.loader_pools.items()},
-                "fuse_requests": dict(self.reader.stats.fuse_requests),
-                "push": {"budget": self.reader.push.budget, "held": self.reader.push.held},
+                "fuse_requests": dict(self.stats.fuse_requests),
+                "push": {"budget": self.push.budget, "held": self.push.held},
                 "memory": self.memory.status(self._held(), peer.uid),
                 "datasets": datasets,
                 "jobs": self.jobs.status(peer.uid),
@@ -406,8 +410,8 @@ class Controller:
                 for start in range(0, len(ds.digest), PREFETCH_BATCH):
                     batch = range(start, min(start + PREFETCH_BATCH, len(ds.digest)))
                     present = await trio.to_thread.run_sync(
-                        lambda: [ds.digest.hash(i) in self.reader.store for i in batch],
-                        limiter=self.reader.limiter)
+                        lambda: [ds.digest.hash(i) in self.store for i in batch],
+                        limiter=self.limiter)
                     for index, cached in zip(batch, present):
                         if cached:
                             progress.done_items += 1

@@ -22,7 +22,7 @@ from quiverfs.counters import ReadCounter, SamplerJobCounter
 from quiverfs.metrics_server import LoopUnavailable, TrioLoop
 
 if TYPE_CHECKING:
-    from mountd.fetch.item_reader import ItemReader
+    from mountd.fetch.services import ReadServices
     from mountd.jobs.registry import JobRegistry
     from mountd.datasets.mount_table import MountTable
 
@@ -43,9 +43,11 @@ class MountdCollector:
     """Metric families of a running mountd: its live state read on the trio loop
     through ``loop``, its store read in the scrape's thread."""
 
-    def __init__(self, reader: ItemReader, table: MountTable, jobs: JobRegistry,
+    def __init__(self, services: ReadServices, table: MountTable, jobs: JobRegistry,
                  loop: TrioLoop | None = None) -> None:
-        self.reader = reader
+        self.stats = services.stats
+        self.push = services.push
+        self.store = services.store
         self.table = table
         self.jobs = jobs
         self.loop = loop or TrioLoop()
@@ -60,11 +62,11 @@ class MountdCollector:
 
     def _loop_families(self) -> list[Metric]:
         """Every family of the loop's state, built at one moment (runs on the loop)."""
-        return [*self._reads(), *self.reader.stats.latency.collect(), *self._datasets(),
+        return [*self._reads(), *self.stats.latency.collect(), *self._datasets(),
                 *self._chunks(), *self._jobs()]
 
     def _reads(self) -> Iterator[Metric]:
-        c = self.reader.stats.counters
+        c = self.stats.counters
         hits = CounterMetricFamily("quiver_hits", "Reads served, by tier", labels=["tier"])
         misses = CounterMetricFamily("quiver_misses", "Reads a tier could not serve "
                                      "(local: went on to a peer or the bucket)", labels=["tier"])
@@ -87,7 +89,7 @@ class MountdCollector:
                                   "already in flight", value=c[ReadCounter.COALESCED])
         requests = CounterMetricFamily("quiver_fuse_requests", "FUSE requests the kernel "
                                        "sent mountd, by opcode", labels=["op"])
-        for op, n in sorted(self.reader.stats.fuse_requests.items()):
+        for op, n in sorted(self.stats.fuse_requests.items()):
             requests.add_metric([op], n)
         yield requests
         yield CounterMetricFamily("quiver_pushed_items", "Planned items pushed into the "
@@ -102,7 +104,7 @@ class MountdCollector:
                                   value=c[ReadCounter.PUSHED_PASSED])
         yield GaugeMetricFamily("quiver_pushed_unread_bytes", "Bytes pushed and not yet "
                                 "read (bounded by --push-memory)",
-                                value=self.reader.push.held)
+                                value=self.push.held)
 
     def _datasets(self) -> Iterator[Metric]:
         datasets = list(self.table.by_name.values())
@@ -186,7 +188,7 @@ class MountdCollector:
 
     def _store(self) -> Iterator[Metric]:
         """The store's families (blocking: runs in the scrape's thread)."""
-        store = self.reader.store
+        store = self.store
         with self._store_lock:
             used, limit, items = store.volume(), store.size_limit, len(store)
             corrupt, health = store.corrupt_dropped, store.health()

@@ -15,6 +15,10 @@ from mountd.fetch.item_reader import IntegrityFailed, ItemReader, ReadFailed
 from mountd.fetch.loader_pool import (LoaderPool, LoaderUnavailable, LoadFailed, LoadMismatch,
                                 load_source)
 from mountd.fetch.loader_process import LoadSource
+from mountd.fetch.probed import ProbedReads
+from mountd.fetch.read_stats import ReadStats
+from mountd.fetch.staging import Staging
+from mountd.store.content_store import ContentStore
 from quiverfs.counters import FetchCause, ReadCounter, SamplerJobCounter
 from quiverfs.heartbeat import CacheMode
 from quiverfs.rpc import Unavailable
@@ -27,10 +31,16 @@ FETCH_CONCURRENCY = 16  # misses fetched at once for one batch or one chunk load
 class BulkFetch:
     """Look-ups and fetches of many items, through the item reader's tiers."""
 
-    def __init__(self, reader: ItemReader, cluster: Cluster,
+    def __init__(self, reader: ItemReader, store: ContentStore, limiter: trio.CapacityLimiter,
+                 cluster: Cluster, stats: ReadStats, staging: Staging, probed: ProbedReads,
                  pool: LoaderPool | None = None) -> None:
         self.reader = reader
+        self.store = store
+        self.limiter = limiter
         self.cluster = cluster
+        self.stats = stats
+        self.staging = staging
+        self.probed = probed
         self.pool = pool  # None: every fetch runs in mountd
 
     async def held(self, hashes: list[bytes]) -> list[bool]:
@@ -38,14 +48,14 @@ class BulkFetch:
         cannot be asked counts as holding nothing."""
         by_owner: dict[str | None, list[int]] = collections.defaultdict(list)
         for pos, h in enumerate(hashes):
-            by_owner[self.reader.owner(h)].append(pos)
+            by_owner[self.cluster.other_owner(h)].append(pos)
         out = [False] * len(hashes)
         for node, positions in by_owner.items():
             wanted = [hashes[p] for p in positions]
             if node is None:
-                store = self.reader.store
+                store = self.store
                 found = await trio.to_thread.run_sync(
-                    lambda: [h in store for h in wanted], limiter=self.reader.limiter)
+                    lambda: [h in store for h in wanted], limiter=self.limiter)
             else:
                 try:
                     found = await self.cluster.peers.lookup(node, wanted)
@@ -102,19 +112,19 @@ class BulkFetch:
         probed job is about to read are left to its read, a real miss (and the only
         fetch of it): when the load begins, and again as a loader process's fetch of it
         starts (the planning of a probe batch may mark it in between)."""
-        pending = self.reader.probe_pending
+        pending = self.probed.pending
         items = [i for i in await self._not_held(ds, items)
                  if not pending(ds.digest.hash(i))]
         source = None if self.pool is None else load_source(ds.backend)
         if (self.pool is None or source is None or ds.cache_mode is CacheMode.NONE
-                or not self.reader.store.writable()):
+                or not self.store.writable()):
             await self._fetch_missing(ds, items, counters, cause)
             return
         mine, theirs = [], []  # theirs: fetched in mountd, as are misses' bytes kept for it
-        kept = self.reader.staging.kept_for_load
+        kept = self.staging.kept_for_load
         for i in items:
             digest = ds.digest.hash(i)
-            (mine if self.reader.owner(digest) is None and not kept(digest)
+            (mine if self.cluster.other_owner(digest) is None and not kept(digest)
              else theirs).append(i)
         slots = trio.Semaphore(self.pool.capacity)
         async with trio.open_nursery() as nursery:
@@ -143,11 +153,11 @@ class BulkFetch:
                 log.error("dataset %s: cannot fetch %s from %s: %s", ds.name,
                           ds.digest.path(index), loc.uri, exc)
                 raise ReadFailed(str(exc)) from None
-            self.reader.stats.count(ds, ReadCounter.LOADER_PROCESS_FETCHES)
+            self.stats.count(ds, ReadCounter.LOADER_PROCESS_FETCHES)
             return got
 
         try:
-            if self.reader.probe_pending(ds.digest.hash(index)):
+            if self.probed.pending(ds.digest.hash(index)):
                 return  # left to the probed job's read (checked as the fetch begins)
             try:
                 await self.reader.fetch_stored(ds, index, cause, in_pool)
@@ -166,16 +176,16 @@ class BulkFetch:
         until read once (a substitutable job's miss outside the resident chunks, which
         would otherwise push the chunks' items out of the store)."""
         data = await self.reader.fetch(ds, index, FetchCause.STAGED_MISS, keep=False)
-        self.reader.staging.keep(ds.digest.hash(index), data)
+        self.staging.keep(ds.digest.hash(index), data)
 
     async def stage_from_peers(self, ds: MountedDataset, items: list[int]) -> None:
         """Stage items their owning peers hold, one batched get per peer, so that their
         reads do not each make a peer round trip (a substitutable job's planned hits)."""
-        staging, stats = self.reader.staging, self.reader.stats
+        staging, stats = self.staging, self.stats
         by_owner: dict[str, list[bytes]] = collections.defaultdict(list)
         for i in items:
             digest = ds.digest.hash(i)
-            owner = self.reader.owner(digest)
+            owner = self.cluster.other_owner(digest)
             if owner is not None and digest not in staging:
                 by_owner[owner].append(digest)
 

@@ -23,7 +23,6 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import NoReturn
 
-import pyfuse3
 import trio
 
 from mountd.cluster.membership import Cluster
@@ -35,7 +34,7 @@ from mountd.fetch.loader_pool import (LoaderPool, LoaderUnavailable, LoadFailed,
                                 load_source)
 from mountd.fetch.loader_process import LoadSource
 from mountd.fetch.owner_puts import OwnerPuts
-from mountd.fetch.page_push import PagePush
+from mountd.fetch.probed import ProbedReads
 from mountd.fetch.read_stats import ReadStats
 from mountd.fetch.staging import Staging
 from quiverfs.backends import Backend
@@ -69,26 +68,19 @@ class _Flight:
 class ItemReader:
     """Serves item bytes by (dataset, entry) through the tiers, one fetch per missing item."""
 
-    def __init__(self, store: ContentStore, limiter: trio.CapacityLimiter,
-                 cluster: Cluster, push_budget: int = 0,
-                 pool: LoaderPool | None = None) -> None:
+    def __init__(self, store: ContentStore, limiter: trio.CapacityLimiter, cluster: Cluster,
+                 stats: ReadStats, staging: Staging, integrity: IntegrityBudget,
+                 puts: OwnerPuts, probed: ProbedReads, pool: LoaderPool | None = None) -> None:
         self.store = store
         self.limiter = limiter
         self.cluster = cluster
+        self.stats = stats
+        self.staging = staging
+        self.integrity = integrity
+        self.puts = puts
+        self.probed = probed
         self.pool = pool  # loader processes for misses from GCS; None: all in mountd
-        self.stats = ReadStats()
-        self.integrity = IntegrityBudget()
-        self.staging = Staging()
-        self.puts = OwnerPuts(cluster, self.stats.counters)
-        self.push = PagePush(store, limiter, self.stats, self.staging, push_budget,
-                             skip=self._not_pushed)
         self._inflight: dict[bytes, _Flight] = {}
-        # A probed job's batch: how the next read of each item misses (by the cause it
-        # is fetched for, and whether the fetch is kept), or, for PROBE, that it must.
-        self._probed: dict[bytes, tuple[FetchCause, bool]] = {}
-        # Dropping an inode's pages can wait in the kernel for a read of that inode,
-        # whose handler needs a worker of ``limiter``: so it never holds one of those.
-        self._invalidations = trio.CapacityLimiter(1)
 
     def expect_misses(self, backend: Backend) -> None:
         """A dataset on ``backend`` is mounted: where its misses go to loader processes,
@@ -104,39 +96,6 @@ class ItemReader:
             return self.pool.capacity
         workers = int(self.limiter.total_tokens)
         return min(LOCAL_FETCH_DEPTH, workers) if backend.uri.startswith("file://") else workers
-
-    def owner(self, digest: bytes) -> str | None:
-        """The node that should hold ``digest``; None when that is this node."""
-        node = self.cluster.owner(digest)
-        return None if node == self.cluster.me else node
-
-    def _not_pushed(self, ds: MountedDataset, digest: bytes) -> bool:
-        """Whether a planned item is left to its read: a probed job's (its read must
-        reach mountd), one a peer owns (this node's store does not hold it; a hit
-        from the peer is staged in memory for its read), or a suspended dataset's."""
-        return (self.probe_pending(digest) or self.owner(digest) is not None
-                or self.integrity.suspended(ds))
-
-    async def probe_reads(self, ds: MountedDataset, forced: list[int], uncached: list[int],
-                          keep: list[bool]) -> None:
-        """Make the next read of each item of a probed job's batch a miss, and drop the
-        kernel's pages of them. ``uncached`` items were not cached when planned: a read
-        that still misses fetches them as a cooperative miss (other jobs hit them next).
-        ``forced`` ones, and those not kept, are read from storage even if cached.
-        ``keep`` (per item, ``forced`` first) says whether what is fetched is cached."""
-        must = set(forced)
-        for i, k in zip(forced + uncached, keep):
-            # a miss that is not kept is read again when its chunk loads: the probe's cost
-            cause = FetchCause.PROBE if i in must or not k else FetchCause.COOP_MISS
-            self._probed[ds.digest.hash(i)] = (cause, k)
-        inodes = [ds.entry_inode(i) for i in forced + uncached]
-        self.push.forget(inodes)
-        await trio.to_thread.run_sync(_invalidate, inodes, limiter=self._invalidations)
-
-    def probe_pending(self, digest: bytes) -> bool:
-        """Whether a probed job's read of ``digest`` is to come: the chunk loader leaves
-        it to that read, whose miss is then a real one (and the only fetch of it)."""
-        return digest in self._probed
 
     def in_hand(self, digest: bytes) -> bool:
         """Whether a fetch of ``digest`` is under way (a read of it would join it), or
@@ -172,7 +131,7 @@ class ItemReader:
     async def _read(self, ds: MountedDataset, index: int, cause: FetchCause,
                     keep: bool) -> bytes:
         digest = ds.digest.hash(index)
-        probed = self._probed.pop(digest, None)
+        probed = self.probed.take(digest)
         if probed is not None:
             cause, keep = probed
             if cause is FetchCause.PROBE:
@@ -209,7 +168,7 @@ class ItemReader:
             self.stats.count(ds, ReadCounter.LOCAL_HITS)
             self.stats.count(ds, ReadCounter.LOCAL_BYTES, len(data))
             return data
-        owner = self.owner(digest)
+        owner = self.cluster.other_owner(digest)
         if owner is not None:
             started = time.perf_counter()
             try:
@@ -284,7 +243,7 @@ class ItemReader:
         ``recheck``, the store may hold it since (the worker reads it from there)."""
         assert self.pool is not None
         digest = ds.digest.hash(index)
-        owner = self.owner(digest)
+        owner = self.cluster.other_owner(digest)
         if recheck and owner is None and self.store.held_known(digest):
             return None
         keep = keep and ds.cache_mode is not CacheMode.NONE  # allotted no cache: keep none
@@ -393,7 +352,7 @@ class ItemReader:
         looked is read from there instead. Returns the bytes, and whether they were
         read from storage."""
         digest = ds.digest.hash(index)
-        owner = self.owner(digest)
+        owner = self.cluster.other_owner(digest)
         if recheck and owner is None and (stored := self.store.get(digest)) is not None:
             return stored, False
         fetched = data is None
@@ -427,10 +386,3 @@ class ItemReader:
                   loc.uri, loc.offset, loc.length, ds.digest.hash(index).hex())
         raise IntegrityFailed("content does not match the digest") from None
 
-
-def _invalidate(inodes: list[int]) -> None:
-    for inode in inodes:
-        try:
-            pyfuse3.invalidate_inode(inode, attr_only=False)
-        except OSError:
-            pass  # the kernel holds nothing of it

@@ -31,7 +31,8 @@ import pyfuse3
 import trio
 
 from mountd.datasets.dataset import MountedDataset
-from mountd.fetch.item_reader import ItemReader, ReadFailed
+from mountd.fetch.item_reader import ReadFailed
+from mountd.fetch.services import ReadServices
 from mountd.fs.job_files import CONTROL_INODE
 from mountd.datasets.mount_table import MountTable
 from quiverfs.counters import ReadCounter
@@ -78,10 +79,14 @@ class QuiverFS(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, table: MountTable, reader: ItemReader, no_open: bool) -> None:
+    def __init__(self, table: MountTable, services: ReadServices, no_open: bool) -> None:
         super().__init__()
         self.table = table
-        self.reader = reader
+        self.reader = services.reader
+        self.stats = services.stats
+        self.push = services.push
+        self.store = services.store
+        self.limiter = services.limiter
         self.no_open = no_open
         self.read_with_inode = no_open  # pyfuse3 (patched) then passes READ's inode
         self._fh = itertools.count(1)
@@ -233,7 +238,7 @@ class QuiverFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EISDIR)
         fh = next(self._fh)
         self._files[fh] = _OpenFile(ds, ds.tree.entry_index(node),
-                                    self.reader.push.opened(inode))
+                                    self.push.opened(inode))
         # Content per inode never changes, so the kernel may keep its pages; a re-read
         # it serves from its page cache costs mountd an open and a release, nothing more.
         return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)
@@ -293,7 +298,7 @@ class QuiverFS(pyfuse3.Operations):
         if f is not None and f.data is None and not (f.failed or f.pushed):
             # opened and closed without a read reaching us: the kernel's page cache
             # served it (keep_cache), or nothing was read
-            self.reader.stats.count(f.ds, ReadCounter.PAGE_CACHE_OPENS)
+            self.stats.count(f.ds, ReadCounter.PAGE_CACHE_OPENS)
 
     async def _read_only(self, *args: object) -> None:
         raise pyfuse3.FUSEError(errno.EROFS)
@@ -317,8 +322,8 @@ class QuiverFS(pyfuse3.Operations):
         return [XATTR_HASH]
 
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
-        store = self.reader.store
-        volume = await trio.to_thread.run_sync(store.volume, limiter=self.reader.limiter)
+        store = self.store
+        volume = await trio.to_thread.run_sync(store.volume, limiter=self.limiter)
         data = pyfuse3.StatvfsData()
         data.f_bsize = data.f_frsize = 4096
         data.f_blocks = store.size_limit // 4096
@@ -336,7 +341,7 @@ def _counted_and_guarded(name: str, handler: Callable[..., Awaitable[Any]]
     that is not a FUSEError."""
     @functools.wraps(handler)
     async def guarded(fs: QuiverFS, *args: Any) -> Any:
-        fs.reader.stats.fuse_requests[name] += 1
+        fs.stats.fuse_requests[name] += 1
         try:
             return await handler(fs, *args)
         except pyfuse3.FUSEError:

@@ -11,10 +11,8 @@ from collections.abc import Callable
 import numpy as np
 import trio
 
-from mountd.fetch.bulk_fetch import BulkFetch
-from mountd.cluster.membership import Cluster
+from mountd.fetch.services import ReadServices
 from mountd.jobs.dataset_jobs import DatasetJobs
-from mountd.fetch.item_reader import ItemReader
 from mountd.jobs.registry import Job, JobRegistry
 from quiverfs import ownership
 from quiverfs.chunk_cycle import MAX_LOADING, ChunkState
@@ -32,12 +30,15 @@ PROBE_POLL = 0.1  # seconds between looks at whether a lone job's probe has ende
 class ChunkLoader:
     """Acts on each heartbeat's answer for the datasets with jobs here."""
 
-    def __init__(self, registry: JobRegistry, reader: ItemReader, bulk: BulkFetch,
-                 cluster: Cluster) -> None:
+    def __init__(self, registry: JobRegistry, services: ReadServices) -> None:
         self.registry = registry
-        self.reader = reader
-        self.bulk = bulk
-        self.cluster = cluster
+        self.bulk = services.bulk
+        self.cluster = services.cluster
+        self.store = services.store
+        self.recency = services.recency
+        self.limiter = services.limiter
+        self.stats = services.stats
+        self.staging = services.staging
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
@@ -46,7 +47,7 @@ class ChunkLoader:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
-            await self.cluster.run(self.report, self.apply, self.reader.stats.bucket.rate)
+            await self.cluster.run(self.report, self.apply, self.stats.bucket.rate)
 
     def report(self) -> dict[str, DatasetReport]:
         """What the coordinator needs, per dataset identity with jobs here (one digest
@@ -90,7 +91,7 @@ class ChunkLoader:
                              view.probe_batches, " (no forced misses)" if holds else "")
             for load in view.loads:
                 new = group.cached.hold(group.plan.members[load.chunk])
-                self.reader.store.wanted(group.ds.digest.hash(int(i)) for i in new)
+                self.recency.wanted(group.ds.digest.hash(int(i)) for i in new)
                 if me in load.loaders and load not in group.loaded:
                     self._spawn(group, f"load {load.chunk}", load.chunk, load.loaders, load)
             if previous is not None:
@@ -109,7 +110,7 @@ class ChunkLoader:
         the bucket bandwidth this node's fetches get, overlapped with its step; None
         until a bandwidth is measured."""
         def t_miss(t_hit: float) -> float | None:
-            rate = self.reader.stats.bucket.rate()
+            rate = self.stats.bucket.rate()
             return None if rate is None else max(t_hit, job.batch_bytes() / rate)
         return t_miss
 
@@ -131,7 +132,7 @@ class ChunkLoader:
             mine = await trio.to_thread.run_sync(
                 lambda: [int(i) for i in group.plan.members[chunk]
                          if ownership.owner(digest.hash(int(i)), list(loaders)) == me],
-                limiter=self.reader.limiter)
+                limiter=self.limiter)
             # the load's failed fetches, counted as BulkFetch counts a sampler job's
             counters: collections.Counter[SamplerJobCounter] = collections.Counter()
             cause = FetchCause.REFILL if share is None else FetchCause.CHUNK_LOAD
@@ -162,7 +163,7 @@ class ChunkLoader:
         resident chunk shares, hits that manifests promised and were not read yet, and
         (up to half the chunk) items that view jobs released it with and still need in
         their passes: the store's LRU drops those later."""
-        view, digest, store = group.view, group.ds.digest, self.reader.store
+        view, digest, store = group.view, group.ds.digest, self.store
         members = group.plan.members[chunk]
         kept = members[group.kept_at_eviction(members)][:len(members) // 2]
         group.cached.forget(members[~np.isin(members, kept)])
@@ -171,9 +172,9 @@ class ChunkLoader:
             keep = {digest.hash(int(i)) for c in view.resident for i in group.plan.members[c]}
             keep.update(digest.hash(int(i)) for i in kept)
             for h in (digest.hash(int(i)) for i in members):
-                if h not in keep and not self.reader.staging.awaiting_read(h):
+                if h not in keep and not self.staging.awaiting_read(h):
                     store.discard(h)
 
-        await trio.to_thread.run_sync(drop, limiter=self.reader.limiter)
+        await trio.to_thread.run_sync(drop, limiter=self.limiter)
         log.info("dataset %s: chunk %d evicted here", group.ds.name, chunk)
 

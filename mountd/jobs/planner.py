@@ -24,10 +24,8 @@ import math
 import numpy as np
 import trio
 
-from mountd.fetch.bulk_fetch import BulkFetch
-from mountd.cluster.membership import Cluster
+from mountd.fetch.services import ReadServices
 from mountd.jobs.dataset_jobs import DatasetJobs
-from mountd.fetch.item_reader import ItemReader
 from mountd.jobs.registry import Job, JobConfig, JobError
 from mountd.jobs.substitution import Batch, EpochSampler, advance, epoch_shard
 from quiverfs.background import BackgroundTasks
@@ -70,10 +68,15 @@ MIN_SEGMENT = 2  # fewer cached batches ahead are planned one at a time
 class BatchPlanner:
     """Plans each job's batches in order, one ahead of the job's reads."""
 
-    def __init__(self, reader: ItemReader, bulk: BulkFetch, cluster: Cluster) -> None:
-        self.reader = reader
-        self.bulk = bulk
-        self.cluster = cluster
+    def __init__(self, services: ReadServices) -> None:
+        self.reader = services.reader
+        self.bulk = services.bulk
+        self.cluster = services.cluster
+        self.store = services.store
+        self.limiter = services.limiter
+        self.staging = services.staging
+        self.push = services.push
+        self.probed = services.probed
         self.tasks = BackgroundTasks()  # where plans ahead run
 
     async def manifest(self, job: Job, epoch: int, index: int) -> bytes:
@@ -89,7 +92,7 @@ class BatchPlanner:
                 sampler = self._start_epoch(job, job.config, group, epoch)
             if index >= sampler.n_batches:
                 raise JobError(f"epoch {epoch} has {sampler.n_batches} batches")
-            self.reader.push.asked(job.id, (epoch, index))
+            self.push.asked(job.id, (epoch, index))
             while sampler.planned <= index:
                 await self._plan(job, group, sampler)
             reply, handed = job.manifests[index], 1
@@ -108,14 +111,14 @@ class BatchPlanner:
 
     def left(self, job: Job) -> None:
         """``job`` unregistered: what was pushed for it no longer counts."""
-        self.reader.push.left(job.id)
+        self.push.left(job.id)
 
     def _push(self, job: Job, group: DatasetJobs, indices: list[int], batch: int) -> None:
         """Push the items planned for ``job``'s batch ``batch`` (and those after it in a
         segment), unless the job left while they were planned: ``left`` has released
         its pushes, and these would hold the budget until they expired."""
         if job.group is not None:
-            self.reader.push.enqueue(group.ds, indices, job.id, (job.epoch, batch))
+            self.push.enqueue(group.ds, indices, job.id, (job.epoch, batch))
 
     async def _plan_ahead(self, job: Job, sampler: EpochSampler) -> None:
         async with job.lock:
@@ -169,11 +172,11 @@ class BatchPlanner:
         # segments are planned on a lone node only (_segments_allowed): its store is
         # where every item is, and a miss near the head ends the look (what the loop
         # cannot tell at once is looked up in a worker)
-        store = self.reader.store
+        store = self.store
         cached = store.leading_known(hashes) if len(hashes) <= LOOP_SEGMENT_ITEMS else 0
         if cached < len(hashes):
             cached += await trio.to_thread.run_sync(store.leading_held, hashes[cached:],
-                                                    limiter=self.reader.limiter)
+                                                    limiter=self.limiter)
         n = math.ceil(cached / size) if cached == len(items) else cached // size
         if n < MIN_SEGMENT:
             return False
@@ -185,8 +188,8 @@ class BatchPlanner:
             reply = self._segment_reply(job, digest, batches)
         else:
             reply = await trio.to_thread.run_sync(
-                self._segment_reply, job, digest, batches, limiter=self.reader.limiter)
-        self.reader.staging.planned(hashes[:n * size])
+                self._segment_reply, job, digest, batches, limiter=self.limiter)
+        self.staging.planned(hashes[:n * size])
         self._push(job, group, [int(i) for i in items[:n * size]], batches[0].index)
         # each batch's own manifest is made only if a reader asks for it
         job.manifests.update((batch.index, batch) for batch in batches)
@@ -260,21 +263,21 @@ class BatchPlanner:
         # from here, between two steps, so no worker waits for another's token.
         steps = sampler.planning(prefer, group.oldest_usable(ref), probe=probing)
         items, batch = await trio.to_thread.run_sync(advance, steps, None,
-                                                     limiter=self.reader.limiter)
+                                                     limiter=self.limiter)
         while batch is None:
             items, batch = await trio.to_thread.run_sync(advance, steps,
                                                          await is_cached(items),
-                                                         limiter=self.reader.limiter)
+                                                         limiter=self.limiter)
         resident = {*group.usable(ref), upcoming, *ahead}
         if probing:
-            await self.reader.probe_reads(group.ds, batch.hits, batch.fetch, [
+            await self.probed.mark(group.ds, batch.hits, batch.fetch, [
                 group.mode is not CacheMode.NONE and int(chunk_of[i]) in resident
-                for i in batch.items])
+                for i in batch.items], self.push)
         elif group.mode is not CacheMode.NONE:
             await self.bulk.fetch_all(group.ds, batch.fetch, job.counters, FetchCause.COOP_MISS,
                                       (chunk_of, resident) if group.mode is CacheMode.COOP
                                       else None)
-            self.reader.staging.planned([digest.hash(i) for i in batch.hits])
+            self.staging.planned([digest.hash(i) for i in batch.hits])
             self._push(job, group, batch.hits, batch.index)
             if self.cluster.peers is not None:
                 await self.bulk.stage_from_peers(group.ds, batch.hits)
@@ -335,7 +338,7 @@ class BatchPlanner:
 
     async def _others_loading(self, group: DatasetJobs) -> np.ndarray | None:
         return await trio.to_thread.run_sync(group.others_loading, self.cluster.me,
-                                             limiter=self.reader.limiter)
+                                             limiter=self.limiter)
 
     async def _wait_for_chunks(self, job: Job, group: DatasetJobs, need: int) -> None:
         """In coop mode, wait (at most CHUNK_WAIT) until the usable chunks hold ``need``

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import NoReturn
 
 import google_crc32c
@@ -289,19 +289,6 @@ class ContentStore:
         if index is None:
             raise StoreError(f"the store is not open: {self.write_health.error}")
         return index.cache.check(fix=False)
-
-    # -- recency (mountd.store.recency) ---------------------------------------------
-    def record_hits(self) -> int:
-        return self.recency.record()
-
-    def spent(self, digests: Iterable[bytes]) -> None:
-        self.recency.spent(digests)
-
-    def wanted(self, digests: Iterable[bytes]) -> None:
-        self.recency.wanted(digests)
-
-    def marks_pending(self) -> bool:
-        return self.recency.pending()
 
     def close(self) -> None:
         self.recency.record()

@@ -25,6 +25,7 @@ import trio
 
 from mountd.fetch.bulk_fetch import BulkFetch
 from mountd.jobs.dataset_jobs import DatasetJobs
+from mountd.store.recency import Recency
 from quiverfs.counters import FetchCause, SamplerJobCounter
 from quiverfs.heartbeat import CacheMode
 
@@ -83,9 +84,10 @@ def next_items(group: DatasetJobs, needs: list[JobNeeds], limit: int) -> list[in
 class ViewReadahead:
     """Runs the readahead rounds of every dataset with view jobs on this node."""
 
-    def __init__(self, bulk: BulkFetch,
+    def __init__(self, bulk: BulkFetch, recency: Recency,
                  groups: Callable[[], Iterable[tuple[DatasetJobs, list[JobNeeds]]]]) -> None:
         self.bulk = bulk
+        self.recency = recency
         self.groups = groups  # each dataset with view jobs, and those jobs' needs
         self._wake = trio.Event()
         self._in_flight: collections.Counter[str] = collections.Counter()  # items, by dataset
@@ -118,7 +120,7 @@ class ViewReadahead:
                 await trio.sleep(max(LOOK_GAP, 20 * (time.perf_counter() - started)))
 
     async def _round(self, group: DatasetJobs, items: list[int]) -> None:
-        self.bulk.reader.store.wanted(group.ds.digest.hash(i) for i in items)
+        self.recency.wanted(group.ds.digest.hash(i) for i in items)
         try:
             await self.bulk.load(group.ds, items, self._counters, FetchCause.VIEW_AHEAD)
         finally:

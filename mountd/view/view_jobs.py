@@ -40,11 +40,9 @@ from typing import Any
 import numpy as np
 import trio
 
-from mountd.fetch.bulk_fetch import BulkFetch
-from mountd.cluster.membership import Cluster
 from mountd.datasets.dataset import MountedDataset
+from mountd.fetch.services import ReadServices
 from mountd.jobs.dataset_jobs import DatasetJobs
-from mountd.fetch.item_reader import ItemReader
 from mountd.jobs.registry import JobRegistry
 from mountd.view.readahead import JobNeeds, ViewReadahead
 from quiverfs.counters import FetchCause, ReadCounter, ViewJobCounter
@@ -167,16 +165,18 @@ class ViewJob:
 class ViewJobs:
     """Recognises the job behind each open of a view file and chooses what it gets."""
 
-    def __init__(self, jobs: JobRegistry, reader: ItemReader, bulk: BulkFetch,
-                 cluster: Cluster) -> None:
+    def __init__(self, jobs: JobRegistry, services: ReadServices) -> None:
         self.registry = jobs
-        self.reader = reader
-        self.bulk = bulk
-        self.cluster = cluster
+        self.bulk = services.bulk
+        self.cluster = services.cluster
+        self.limiter = services.limiter
+        self.stats = services.stats
+        self.staging = services.staging
+        self.recency = services.recency
         self.jobs: dict[tuple[str, int, str], ViewJob] = {}
         self._identities: collections.OrderedDict[int, tuple[int, str]] = (
             collections.OrderedDict())  # pid -> (its pgid then, job identity)
-        self.readahead = ViewReadahead(bulk, self._needs)
+        self.readahead = ViewReadahead(services.bulk, services.recency, self._needs)
 
     # -- which job ----------------------------------------------------------------------
     async def _identity(self, pid: int) -> tuple[str, int | None]:
@@ -190,7 +190,7 @@ class ViewJobs:
         known = self._identities.get(pid)
         if known is not None and known[0] == pgid:
             return known[1], pgid
-        env = await trio.to_thread.run_sync(_environment, pid, limiter=self.reader.limiter)
+        env = await trio.to_thread.run_sync(_environment, pid, limiter=self.limiter)
         identity = identity_from(env, pgid)
         self._identities[pid] = (pgid, identity)
         while len(self._identities) > MAX_IDENTITIES:
@@ -282,7 +282,7 @@ class ViewJobs:
                     await self._plan(job, pool, current)
         job.counters[ViewJobCounter.OPENS] += 1
         job.counters[ViewJobCounter.HITS if choice.hit else ViewJobCounter.MISSES] += 1
-        self.reader.stats.count(ds, ReadCounter.VIEW_HITS if choice.hit
+        self.stats.count(ds, ReadCounter.VIEW_HITS if choice.hit
                                 else ReadCounter.VIEW_MISSES)
         return choice
 
@@ -307,14 +307,14 @@ class ViewJobs:
         # a miss no other job needs is read and not kept; hits are spent when opened
         spent = [i for i in fetch if self._spent(job, pool, i)]
         self._spend(group, spent)
-        self.reader.store.wanted(digest.hash(i) for i in hits + fetch if i not in spent)
+        self.recency.wanted(digest.hash(i) for i in hits + fetch if i not in spent)
         kept = [i for i in fetch if i not in spent and group.mode is not CacheMode.NONE]
         if kept:
             group.cached.hold(kept)
         current.queue.extend(Choice(i, True, FetchCause.COOP_MISS, True) for i in hits)
         current.queue.extend(Choice(i, False, FetchCause.COOP_MISS, i not in spent)
                              for i in fetch)
-        self.reader.staging.planned([digest.hash(i) for i in hits])
+        self.staging.planned([digest.hash(i) for i in hits])
         self.readahead.wake()
 
     def _taken(self, job: ViewJob, pool: int, choice: Choice) -> Choice:
@@ -329,7 +329,7 @@ class ViewJobs:
     def _spend(self, group: DatasetJobs, items: list[int]) -> None:
         if items:
             group.cached.spend(items)
-            self.reader.store.spent(group.ds.digest.hash(i) for i in items)
+            self.recency.spent(group.ds.digest.hash(i) for i in items)
 
     def _spent(self, job: ViewJob, pool: int, item: int) -> bool:
         """Whether no other job here needs ``item`` of ``pool`` (placed for ``job``) in
