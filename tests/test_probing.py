@@ -7,13 +7,23 @@ test_allocation.py.
 """
 from __future__ import annotations
 
+import hashlib
+import types
 from collections.abc import Callable
 
 import pytest
+import trio
+import trio.testing
 
 from coordinator.allocation import NO_BENEFIT
+from mountd.jobs.chunk_loader import ChunkLoader
+from mountd.jobs.dataset_jobs import DatasetJobs
+from mountd.jobs.registry import Job
 from mountd.jobs.probing import PROBE_LIMIT, BenefitProbe
 from mountd.fetch.read_stats import METER_MIN_FETCHES, METER_WINDOW, PEAK_HALF_LIFE, BucketMeter
+from quiverfs import digest as digest_format
+from quiverfs.chunk_cycle import ChunkState
+from quiverfs.heartbeat import CacheMode, CycleView
 
 
 def train(probe: BenefitProbe, *, epochs: int, n: int, compute: float, load_miss: float,
@@ -230,3 +240,44 @@ def test_the_bucket_meter_counts_only_time_with_a_fetch_in_flight():
     assert meter.rate() == pytest.approx(decayed) and decayed > 1 << 20
     now[0] += 10 * PEAK_HALF_LIFE
     assert meter.rate() == pytest.approx(1 << 20)
+
+
+def test_a_lone_jobs_chunk_loads_wake_when_its_probe_ends_without_polling():
+    """ChunkLoader waits for a lone job's probe on its dataset's event: the probe's end
+    (or a second job) wakes it at once, with a clock that never advances (a poll
+    would never wake)."""
+    items = [digest_format.NewItem(f"c/{k}.jpg", hashlib.sha256(b"%d" % k).digest(), 10)
+             for k in range(16)]
+    d = digest_format.decode(digest_format.encode("t", "file:///x", items))
+    ds = types.SimpleNamespace(digest=d, name="t", mean_item_bytes=10)
+    group = DatasetJobs(ds, 40, None)
+    group.view = CycleView(4, (ChunkState.ACTIVE,) * 4, (0, 1, 2, 3), None, 0, 0, 0, 4, 4,
+                           (), ("node",), CacheMode.COOP, 100, {})
+    loader = object.__new__(ChunkLoader)
+    loader.cluster = types.SimpleNamespace(me="node")
+    woke: list[str] = []
+
+    async def main() -> None:
+        for end in ("probe", "another job"):
+            job = Job(f"j-{end}", 0, 0)
+            job.group = group
+            group.add(job)
+            job.probe.begin(1, 100)
+            assert job.probe.active
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lambda: _woken(loader, group, woke, end))
+                await trio.testing.wait_all_tasks_blocked()
+                assert woke == [] if end == "probe" else woke == ["probe"]
+                if end == "probe":
+                    job.probe.active = False  # as its measured misses end it
+                else:
+                    group.add(Job("second", 0, 0))
+            group.jobs.clear()
+        assert woke == ["probe", "another job"]
+
+    trio.run(main, clock=trio.testing.MockClock())
+
+
+async def _woken(loader: ChunkLoader, group: DatasetJobs, woke: list[str], end: str) -> None:
+    await loader._after_lone_probe(group)
+    woke.append(end)

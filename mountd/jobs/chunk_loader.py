@@ -24,7 +24,6 @@ log = logging.getLogger(__name__)
 # Items whose store membership is checked at once, just before they are fetched: few, so
 # that items the jobs fetched meanwhile (their cooperative misses) are not fetched again.
 CHECK_BLOCK = 32
-PROBE_POLL = 0.1  # seconds between looks at whether a lone job's probe has ended
 
 
 class ChunkLoader:
@@ -73,9 +72,9 @@ class ChunkLoader:
                 continue
             before = group.cycle_key()
             previous, group.view = group.view, view
-            if group.cycle_key() != before:
-                group.changed.set()
-                group.changed = trio.Event()
+            if (group.cycle_key() != before or previous is None
+                    or previous.users != view.users):  # who is alone may have changed
+                group.poke()
             group.ds.cache_mode = view.mode
             for job in group.jobs.values():
                 if not isinstance(job, Job):
@@ -156,7 +155,7 @@ class ChunkLoader:
         flight, so the probe would measure t_miss far above what the job's misses cost
         it without a cache, and keep a cache worth nothing to the job."""
         while isinstance(job := group.alone(self.cluster.me), Job) and job.probe.active:
-            await trio.sleep(PROBE_POLL)
+            await group.changed.wait()  # poked as the probe ends, or jobs come or go
 
     async def _evict_local(self, group: DatasetJobs, chunk: int) -> None:
         """Drop this node's copies of an evicted chunk, keeping items whose content a

@@ -43,11 +43,25 @@ class DatasetJobs:
         self.loaded: list[LoadedShare] = []  # shares this node finished loading
         self.busy: set[str] = set()  # load tasks running, by key
         self.version = -1  # membership version of the last refill
-        self.changed = trio.Event()  # set (and replaced) when the cycle moves
+        self.changed = trio.Event()  # set (and replaced) by ``poke``
         self.sizes = np.asarray(ds.digest.sizes, dtype=np.int64)
         self.cached = CachedItems(self.sizes)
         # (the loads it was computed for, others_loading's mask)
         self._others: tuple[tuple[LoadedShare, ...], np.ndarray] | None = None
+
+    def poke(self) -> None:
+        """What jobs here wait on changed (the cycle moved, a job came or went, a probe
+        ended): wake every waiter to look again."""
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def add(self, job: DatasetJob) -> None:
+        self.jobs[job.id] = job
+        self.poke()
+
+    def discard(self, job_id: str) -> None:
+        if self.jobs.pop(job_id, None) is not None:
+            self.poke()
 
     def cycle_key(self) -> tuple[Any, ...]:
         return () if self.view is None else self.view.key()

@@ -26,6 +26,7 @@ import trio
 
 from mountd.fetch.services import ReadServices
 from mountd.jobs.dataset_jobs import DatasetJobs
+from mountd.jobs.epoch_plan import EpochPlan
 from mountd.jobs.registry import Job, JobConfig, JobError
 from mountd.jobs.substitution import Batch, EpochSampler, advance, epoch_shard
 from quiverfs.background import BackgroundTasks
@@ -85,63 +86,67 @@ class BatchPlanner:
             group = job.group
             if job.config is None or group is None:
                 raise JobError(job.error or "the job has no config: write its config first")
-            if epoch < job.epoch and index > 0:
-                raise JobError(f"epoch {epoch} is over (the job is at epoch {job.epoch})")
-            sampler = job.sampler
-            if epoch != job.epoch or sampler is None:
-                sampler = self._start_epoch(job, job.config, group, epoch)
+            plan = job.plan
+            if plan is not None and epoch < plan.epoch and index > 0:
+                raise JobError(f"epoch {epoch} is over (the job is at epoch {plan.epoch})")
+            if plan is None or epoch != plan.epoch:
+                plan = self._start_epoch(job, job.config, group, epoch)
+            sampler = plan.sampler
             if index >= sampler.n_batches:
                 raise JobError(f"epoch {epoch} has {sampler.n_batches} batches")
             self.push.asked(job.id, (epoch, index))
             while sampler.planned <= index:
-                await self._plan(job, group, sampler)
-            reply, handed = job.manifests[index], 1
-            segment = job.segments.get(index)
+                await self._plan(job, group, plan)
+            reply, handed = plan.manifests[index], 1
+            segment = plan.segments.get(index)
             if segment is not None and self._segments_allowed(job, group):
                 reply, handed = segment
                 job.counters[SamplerJobCounter.SEGMENTS] += 1
             elif isinstance(reply, Batch):  # a segment's batch, read on its own
-                reply = job.manifests[index] = encode_manifest(self._manifest(
-                    job, group.ds.digest, reply, len(reply.items)))
+                reply = plan.manifests[index] = encode_manifest(self._manifest(
+                    job, plan.epoch, group.ds.digest, reply, len(reply.items)))
             job.counters[SamplerJobCounter.MANIFESTS] += 1
             if sampler.planned == index + handed < sampler.n_batches:
                 # plan the next batch while the job's workers read this one
-                self.tasks.start_soon(self._plan_ahead, job, sampler)
+                self.tasks.start_soon(self._plan_ahead, job, plan)
             return reply
 
     def left(self, job: Job) -> None:
         """``job`` unregistered: what was pushed for it no longer counts."""
         self.push.left(job.id)
 
-    def _push(self, job: Job, group: DatasetJobs, indices: list[int], batch: int) -> None:
+    def _push(self, job: Job, group: DatasetJobs, plan: EpochPlan, indices: list[int],
+              batch: int) -> None:
         """Push the items planned for ``job``'s batch ``batch`` (and those after it in a
         segment), unless the job left while they were planned: ``left`` has released
         its pushes, and these would hold the budget until they expired."""
         if job.group is not None:
-            self.push.enqueue(group.ds, indices, job.id, (job.epoch, batch))
+            self.push.enqueue(group.ds, indices, job.id, (plan.epoch, batch))
 
-    async def _plan_ahead(self, job: Job, sampler: EpochSampler) -> None:
+    async def _plan_ahead(self, job: Job, plan: EpochPlan) -> None:
         async with job.lock:
-            if job.sampler is not sampler or job.group is None or (
-                    sampler.planned >= sampler.n_batches):
+            if job.plan is not plan or job.group is None or (
+                    plan.sampler.planned >= plan.sampler.n_batches):
                 return  # the job moved on, or left
             try:
-                await self._plan(job, job.group, sampler)
+                await self._plan(job, job.group, plan)
             except Exception:  # the job's own request for the batch will meet it again
                 log.exception("job %s: planning batch %d ahead failed", job.id,
-                              sampler.planned)
+                              plan.sampler.planned)
 
     @staticmethod
-    def _start_epoch(job: Job, cfg: JobConfig, group: DatasetJobs, epoch: int) -> EpochSampler:
+    def _start_epoch(job: Job, cfg: JobConfig, group: DatasetJobs, epoch: int) -> EpochPlan:
+        """The job's plan of ``epoch``, begun (a chunk wait that timed out carries over:
+        it is not repeated until the cycle moves)."""
         order = epoch_shard(job.universe, cfg.seed, epoch, cfg.rank, cfg.world_size)
-        job.epoch = epoch
-        job.sampler = EpochSampler(order, cfg.batch_size, seed=cfg.seed + epoch,
-                                   scan_factor=cfg.scan_factor, chunk_of=group.plan.chunk_of)
+        sampler = EpochSampler(order, cfg.batch_size, seed=cfg.seed + epoch,
+                               scan_factor=cfg.scan_factor, chunk_of=group.plan.chunk_of)
         generation = group.view.generation if group.view is not None else 0
-        job.ref = EpochRef(generation, np.bincount(group.plan.chunk_of[order],
-                                                   minlength=group.plan.n_chunks))
-        job.manifests, job.segments = {}, {}
-        return job.sampler
+        ref = EpochRef(generation, np.bincount(group.plan.chunk_of[order],
+                                               minlength=group.plan.n_chunks))
+        job.plan = EpochPlan(epoch, sampler, ref,
+                             gave_up_on=job.plan.gave_up_on if job.plan is not None else None)
+        return job.plan
 
     def _segments_allowed(self, job: Job, group: DatasetJobs) -> bool:
         """Whether the job may be handed segments: its dataset is allotted full, no
@@ -153,18 +158,27 @@ class BatchPlanner:
                 and view.probes.get(job.id, 0) <= job.probe.seq
                 and len(self.cluster.live()) == 1)
 
-    async def _plan(self, job: Job, group: DatasetJobs, sampler: EpochSampler) -> None:
-        """Plan the job's next batch, or a segment of batches where it may have one."""
-        if not (sampler.all_hits and self._segments_allowed(job, group)
-                and await self._plan_segment(job, group, sampler)):
-            await self._plan_next(job, group, sampler)
+    async def _plan(self, job: Job, group: DatasetJobs, plan: EpochPlan) -> None:
+        """Plan the job's next batch, or a segment of batches where it may have one, and
+        keep what was planned until it is asked for."""
+        segment = (await self._plan_segment(job, group, plan)
+                   if plan.sampler.all_hits and self._segments_allowed(job, group) else None)
+        if segment is None:
+            index, manifest = await self._plan_next(job, group, plan)
+            plan.manifests[index] = manifest
+            return
+        reply, batches = segment
+        # each batch's own manifest is made only if a reader asks for it
+        plan.manifests.update((batch.index, batch) for batch in batches)
+        plan.segments[batches[0].index] = (reply, len(batches))
 
-    async def _plan_segment(self, job: Job, group: DatasetJobs, sampler: EpochSampler
-                            ) -> bool:
+    async def _plan_segment(self, job: Job, group: DatasetJobs, plan: EpochPlan
+                            ) -> tuple[bytes, list[Batch]] | None:
         """Place the next batches of the job's pending items in its exact order, as many
-        (up to SEGMENT_BATCHES) as the cache holds from the first on; False, placing
-        nothing, where that is fewer than MIN_SEGMENT."""
-        ref, size = job.ref, sampler.batch_size
+        (up to SEGMENT_BATCHES) as the cache holds from the first on: the reply that
+        hands them out, and the batches; None, placing nothing, where that is fewer than
+        MIN_SEGMENT."""
+        sampler, ref, size = plan.sampler, plan.ref, plan.sampler.batch_size
         most = min(SEGMENT_BATCHES, max(FIRST_SEGMENT_BATCHES, sampler.planned))
         items = sampler.pending_in_order(min(most * size, sampler.remaining))
         digest = group.ds.digest
@@ -179,33 +193,33 @@ class BatchPlanner:
                                                     limiter=self.limiter)
         n = math.ceil(cached / size) if cached == len(items) else cached // size
         if n < MIN_SEGMENT:
-            return False
+            return None
         batches = sampler.place_in_order(n)
         for batch in batches:
-            job.probe.plan(job.epoch, batch.index, sampler.n_batches, cached=True)
+            job.probe.plan(plan.epoch, batch.index, sampler.n_batches, cached=True)
             self._account(job, group, ref, batch, len(batch.items))
         if n * size <= LOOP_SEGMENT_ITEMS:
-            reply = self._segment_reply(job, digest, batches)
+            reply = self._segment_reply(job, plan.epoch, digest, batches)
         else:
-            reply = await trio.to_thread.run_sync(
-                self._segment_reply, job, digest, batches, limiter=self.limiter)
+            reply = await trio.to_thread.run_sync(self._segment_reply, job, plan.epoch, digest,
+                                                  batches, limiter=self.limiter)
         self.staging.planned(hashes[:n * size])
-        self._push(job, group, [int(i) for i in items[:n * size]], batches[0].index)
-        # each batch's own manifest is made only if a reader asks for it
-        job.manifests.update((batch.index, batch) for batch in batches)
-        job.segments[batches[0].index] = (reply, n)
-        return True
+        self._push(job, group, plan, [int(i) for i in items[:n * size]], batches[0].index)
+        return reply, batches
 
     @classmethod
-    def _segment_reply(cls, job: Job, digest: Digest, batches: list[Batch]) -> bytes:
+    def _segment_reply(cls, job: Job, epoch: int, digest: Digest, batches: list[Batch]
+                       ) -> bytes:
         """The reply that hands out a segment: its first batch's manifest, with the
         other batches' paths as its ``segment``."""
         segment = [cls._paths(job, digest, batch.items) for batch in batches[1:]]
-        return encode_manifest(cls._manifest(job, digest, batches[0], len(batches[0].items),
-                                             segment))
+        return encode_manifest(cls._manifest(job, epoch, digest, batches[0],
+                                             len(batches[0].items), segment))
 
-    async def _plan_next(self, job: Job, group: DatasetJobs, sampler: EpochSampler) -> None:
-        ref = job.ref
+    async def _plan_next(self, job: Job, group: DatasetJobs, plan: EpochPlan
+                         ) -> tuple[int, bytes]:
+        """Plan the job's next batch: its index and manifest."""
+        sampler, ref = plan.sampler, plan.ref
         digest = group.ds.digest
         chunk_of = group.plan.chunk_of
         need = min(sampler.batch_size, sampler.remaining)
@@ -215,11 +229,11 @@ class BatchPlanner:
         # are measured (ChunkLoader), and what it does not cache is kept for them
         # (Staging.keep_for_load).
         run = need * job.probe.run
-        cooperative = (not job.probe.may_wait(job.epoch, sampler.planned)
+        cooperative = (not job.probe.may_wait(plan.epoch, sampler.planned)
                        or group.mode is not CacheMode.COOP
                        or group.alone(self.cluster.me) is job
-                       or await self._uncached_ahead(job, group, run) >= run)
-        probing = job.probe.plan(job.epoch, sampler.planned, sampler.n_batches,
+                       or await self._uncached_ahead(plan, group, run) >= run)
+        probing = job.probe.plan(plan.epoch, sampler.planned, sampler.n_batches,
                                  group.mode is not CacheMode.NONE, cooperative)
 
         async def is_cached(items: np.ndarray) -> np.ndarray:
@@ -236,7 +250,7 @@ class BatchPlanner:
             return held
 
         if not probing:
-            await self._wait_for_chunks(job, group, need)
+            await self._wait_for_chunks(job, group, plan, need)
         upcoming = group.upcoming()
         ahead = group.probe_ahead() if probing else []
         others = await self._others_loading(group)
@@ -278,14 +292,14 @@ class BatchPlanner:
                                       (chunk_of, resident) if group.mode is CacheMode.COOP
                                       else None)
             self.staging.planned([digest.hash(i) for i in batch.hits])
-            self._push(job, group, batch.hits, batch.index)
+            self._push(job, group, plan, batch.hits, batch.index)
             if self.cluster.peers is not None:
                 await self.bulk.stage_from_peers(group.ds, batch.hits)
         hits = 0 if probing else len(batch.hits)
         if not probing:
-            job.probe.planned_hits(job.epoch, batch.index, hits, len(batch.items))
+            job.probe.planned_hits(plan.epoch, batch.index, hits, len(batch.items))
         self._account(job, group, ref, batch, hits)
-        job.manifests[batch.index] = encode_manifest(self._manifest(job, digest, batch, hits))
+        return batch.index, encode_manifest(self._manifest(job, plan.epoch, digest, batch, hits))
 
     def _account(self, job: Job, group: DatasetJobs, ref: EpochRef, batch: Batch,
                  hits: int) -> None:
@@ -304,15 +318,15 @@ class BatchPlanner:
         return [digest.path(i)[cut:] for i in items]
 
     @staticmethod
-    def _manifest(job: Job, digest: Digest, batch: Batch, hits: int,
+    def _manifest(job: Job, epoch: int, digest: Digest, batch: Batch, hits: int,
                   segment: list[list[str]] | None = None) -> Manifest:
         items = batch.items
-        return Manifest(epoch=job.epoch, batch=batch.index, hits=hits,
+        return Manifest(epoch=epoch, batch=batch.index, hits=hits,
                         paths=BatchPlanner._paths(job, digest, items),
                         labels=[digest.label(i) for i in items],
                         hashes=[digest.hash(i).hex() for i in items], segment=segment or [])
 
-    async def _uncached_ahead(self, job: Job, group: DatasetJobs, need: int) -> float:
+    async def _uncached_ahead(self, plan: EpochPlan, group: DatasetJobs, need: int) -> float:
         """About how many of the job's pending items in the loading chunks, and the two
         that load next, are neither cached nor in hand (``ItemReader.in_hand``), up to
         ``need``: a run of probe batches from those reads what the cycle brings in
@@ -325,7 +339,7 @@ class BatchPlanner:
         if view is None:
             return 0.0
         for chunk in (*view.loading, *group.probe_ahead()):
-            pending = job.sampler.pending_in(chunk)
+            pending = plan.sampler.pending_in(chunk)
             if not len(pending):
                 continue
             hashes = [group.ds.digest.hash(int(i)) for i in pending[:PROBE_LOOKUPS]]
@@ -340,7 +354,8 @@ class BatchPlanner:
         return await trio.to_thread.run_sync(group.others_loading, self.cluster.me,
                                              limiter=self.limiter)
 
-    async def _wait_for_chunks(self, job: Job, group: DatasetJobs, need: int) -> None:
+    async def _wait_for_chunks(self, job: Job, group: DatasetJobs, plan: EpochPlan,
+                               need: int) -> None:
         """In coop mode, wait (at most CHUNK_WAIT) until the usable chunks hold ``need``
         of the job's pending items: cached, or for this node to load. Until then its
         batch would be filled with misses that no other job shares now (or that another
@@ -351,31 +366,31 @@ class BatchPlanner:
         started = trio.current_time()
         key = group.cycle_key()
         with trio.move_on_after(CHUNK_WAIT) as scope:
-            while group.mode is CacheMode.COOP and key != job.gave_up_on:
+            while group.mode is CacheMode.COOP and key != plan.gave_up_on:
                 changed = group.changed  # before the look, which may await: see ViewJobs
                 if group.view is None:
                     await changed.wait()
                     key = group.cycle_key()
                     continue
-                usable = group.usable(job.ref)
+                usable = group.usable(plan.ref)
                 marked = group.view.marked
-                supply = int(job.ref.remaining_chunks[usable].sum())
+                supply = int(plan.ref.remaining_chunks[usable].sum())
                 others = await self._others_loading(group)
                 if others is not None:  # other nodes' shares count once they hold them
                     for chunk in set(group.view.loading) & set(usable):
-                        pending = job.sampler.pending_in(chunk)
+                        pending = plan.sampler.pending_in(chunk)
                         theirs = pending[others[pending]]
                         held = await self.bulk.held([group.ds.digest.hash(int(i))
                                                      for i in theirs])
                         supply -= len(theirs) - sum(held)
                 if (supply >= need
-                        or marked in usable and job.ref.remaining_chunks[marked] > 0):
+                        or marked in usable and plan.ref.remaining_chunks[marked] > 0):
                     break  # enough to plan from, or the job holds back the marked chunk
                 with trio.move_on_after(WAIT_POLL if others is not None else math.inf):
                     await changed.wait()
                 key = group.cycle_key()
         if scope.cancelled_caught:
-            job.gave_up_on = key
+            plan.gave_up_on = key
             log.info("job %s: no chunk came in %.0f s; fetching misses", job.id, CHUNK_WAIT)
         job.counters[SamplerJobCounter.CHUNK_WAIT_S] += trio.current_time() - started
 

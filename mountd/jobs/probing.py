@@ -65,10 +65,11 @@ HIT, PROBE, NO_CACHE, UNKNOWN, MISSED = 0, 1, 2, 3, 4
 class BenefitProbe:
     """How one job's batches were planned, and its batch times measured from them."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_end: Callable[[], None] = lambda: None) -> None:
         self.seq = 0  # the last probe the coordinator asked for and this job began
         self.settle = self.window = 0
-        self.active = False  # planning batches without cache hits
+        self._active = False  # planning batches without cache hits
+        self._on_end = on_end  # called when an active probe stops being so
         self.forced = 0  # batches this probe planned
         self.deferred = 0  # batches it waited for misses the cache needs anyway
         self.reported = False  # whether the job reported an interval during this probe
@@ -81,6 +82,18 @@ class BenefitProbe:
         self.model: Callable[[float], float | None] | None = None
         self.missed: list[float] = []  # its intervals of batches that found nothing cached
         self._plans: dict[int, bytearray] = {}  # epoch -> how each batch was planned
+
+    @property
+    def active(self) -> bool:
+        """Whether batches are planned without cache hits (a probe forcing misses runs)."""
+        return self._active
+
+    @active.setter
+    def active(self, active: bool) -> None:
+        ended = self._active and not active
+        self._active = active
+        if ended:
+            self._on_end()
 
     def begin(self, seq: int, batches: int,
               model: Callable[[float], float | None] | None = None) -> None:

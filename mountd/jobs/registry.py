@@ -22,8 +22,7 @@ from mountd.jobs.dataset_jobs import DatasetJobs
 from mountd.datasets.tree import DatasetTree
 from mountd.datasets.mount_table import MountTable
 from mountd.jobs.probing import BenefitProbe
-from mountd.jobs.substitution import Batch, EpochSampler
-from quiverfs.chunk_cycle import EpochRef
+from mountd.jobs.epoch_plan import EpochPlan
 from quiverfs.counters import SamplerJobCounter
 from quiverfs.heartbeat import JobReport, to_wire
 from quiverfs.job_protocol import DEFAULT_SCAN_FACTOR
@@ -219,18 +218,16 @@ class Job:
         self.group: DatasetJobs | None = None
         self.universe = np.zeros(0, dtype=np.int64)
         self.error = ""
-        self.epoch = -1
-        self.sampler: EpochSampler | None = None
-        self.ref: EpochRef | None = None
-        # batch -> its manifest; a segment's batch until a reader asks for its own
-        self.manifests: dict[int, bytes | Batch] = {}
-        # first batch -> (the reply handing out a segment from it, batches it covers)
-        self.segments: dict[int, tuple[bytes, int]] = {}
+        self.plan: EpochPlan | None = None  # the current epoch's, as the planner keeps it
         self.lock = trio.Lock()
         self.counters: collections.Counter[SamplerJobCounter] = collections.Counter()
         self.batch_times: collections.deque[float] = collections.deque(maxlen=1000)
-        self.probe = BenefitProbe()
-        self.gave_up_on: tuple[Any, ...] | None = None  # cycle state a chunk wait timed out in
+        self.probe = BenefitProbe(on_end=self._probe_ended)
+
+    def _probe_ended(self) -> None:
+        """The chunk loader waits for a lone job's probe to end."""
+        if self.group is not None:
+            self.group.poke()
 
     def record_time(self, epoch: int, batch: int, seconds: float) -> None:
         """The time the job reported between asking for batch - 1 and ``batch``."""
@@ -240,20 +237,21 @@ class Job:
 
     def report(self) -> JobReport | None:
         """What the coordinator needs of the job; None until its epoch has begun."""
-        if self.ref is None or self.config is None:
+        if self.plan is None or self.config is None:
             return None
         t_miss, t_hit = self.probe.times()
-        return JobReport(id=self.id, gen=self.ref.started_generation, gpus=self.config.gpus,
-                         remaining=tuple(int(n) for n in self.ref.remaining_chunks),
+        ref = self.plan.ref
+        return JobReport(id=self.id, gen=ref.started_generation, gpus=self.config.gpus,
+                         remaining=tuple(int(n) for n in ref.remaining_chunks),
                          probe_seq=self.probe.seq, t_miss=t_miss, t_hit=t_hit,
                          probing=self.probe.active, batch_bytes=self.batch_bytes())
 
     def batch_bytes(self) -> int:
         """Bytes of one of its batches, at its dataset's mean item size; 0 before its
         epoch began."""
-        if self.sampler is None or self.group is None:
+        if self.plan is None or self.group is None:
             return 0
-        return self.sampler.batch_size * self.group.ds.mean_item_bytes
+        return self.plan.sampler.batch_size * self.group.ds.mean_item_bytes
 
     @staticmethod
     def kept_for(items: np.ndarray) -> np.ndarray:
@@ -278,11 +276,12 @@ class Job:
 
     def stats(self) -> dict[str, Any]:
         times = list(self.batch_times)
+        sampler = self.plan.sampler if self.plan is not None else None
         return {"job": self.id, "dataset": self.config.dataset if self.config else None,
-                "epoch": self.epoch,
-                "batches_planned": self.sampler.planned if self.sampler else 0,
-                "batches_per_epoch": self.sampler.n_batches if self.sampler else 0,
-                "remaining": self.sampler.remaining if self.sampler else 0,
+                "epoch": self.plan.epoch if self.plan is not None else -1,
+                "batches_planned": sampler.planned if sampler else 0,
+                "batches_per_epoch": sampler.n_batches if sampler else 0,
+                "remaining": sampler.remaining if sampler else 0,
                 "counters": dict(self.counters),
                 "mean_batch_s": sum(times) / len(times) if times else None,
                 "gpus": self.config.gpus if self.config else None, **self.benefit()}
@@ -339,10 +338,10 @@ class JobRegistry:
         if job.group is not None:
             self._leave(job)
         job.config, job.universe, job.error = cfg, universe, ""
-        job.epoch, job.sampler, job.ref = -1, None, None
+        job.plan = None
         group = await self.group_for(ds)
-        group.jobs[job.id] = job
         job.group = group
+        group.add(job)
         log.info("job %s (uid %d) reads %s/%s: %d items, batch %d, rank %d/%d", job.id,
                  job.uid, cfg.dataset, cfg.prefix, len(universe), cfg.batch_size, cfg.rank,
                  cfg.world_size)
@@ -366,8 +365,8 @@ class JobRegistry:
     @staticmethod
     def _leave(job: Job) -> None:
         if job.group is not None:
-            job.group.jobs.pop(job.id, None)
-            job.group = None
+            group, job.group = job.group, None
+            group.discard(job.id)
 
     def dataset_removed(self, name: str) -> None:
         group = self.groups.pop(name, None)
@@ -376,6 +375,7 @@ class JobRegistry:
                 job.error = f"dataset {name!r} was unmounted"
                 job.group = None
             group.jobs.clear()
+            group.poke()
 
     def status(self, uid: int) -> list[dict[str, Any]]:
         return [{**job.stats(),

@@ -221,13 +221,13 @@ class ViewJobs:
             self._drop(oldest)
         job_id = f"view:{name}:{uid}:{identity}"
         job = self.jobs[key] = ViewJob(job_id, ds, uid, identity, group)
-        group.jobs[job_id] = job
+        group.add(job)
         log.info("view %s: new job %s (uid %d)", name, identity, uid)
         return job
 
     def _drop(self, key: tuple[str, int, str]) -> None:
         job = self.jobs.pop(key)
-        job.group.jobs.pop(job.id, None)
+        job.group.discard(job.id)
 
     def dataset_removed(self, name: str) -> None:
         for key in [k for k in self.jobs if k[0] == name]:
