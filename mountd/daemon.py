@@ -241,6 +241,13 @@ class Mountd:
             refuse_device(os.makedev(*map(int, device.split(":"))))
         return device
 
+    def _peer_loaded(self, identity: str) -> None:
+        """A peer stored more of a loading chunk of dataset ``identity``: the jobs here
+        waiting for one of its chunks look again."""
+        for group in self.jobs.groups.values():
+            if group.ds.reg.identity == identity:
+                group.poke()
+
     def _cluster(self, embedded_coordinator: EmbeddedFactory) -> Cluster:
         """This node's cluster: with --coordinator, the peer server's port is bound now
         (a taken one fails before mounting) and its tasks start with the others; else a
@@ -252,7 +259,7 @@ class Mountd:
                                         self.limiter)
             return Cluster(cfg.node_id, "local", cfg.cache_size, link, None)
         secret = load_secret(cfg.cluster_secret_file)
-        self.peer_service = PeerService(self.store, self.limiter)
+        self.peer_service = PeerService(self.store, self.limiter, self._peer_loaded)
         self.peer_server = self.peer_service.server(secret)
         host, port = cfg.listen or DEFAULT_LISTEN
         address = self.peer_server.bind(host, port, "--listen")

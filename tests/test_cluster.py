@@ -377,7 +377,8 @@ MSGPACK_VALUES = st.recursive(
                                                               max_size=4),
     max_leaves=12)
 REQUESTS = st.fixed_dictionaries({"id": MSGPACK_VALUES,
-                                  "op": st.sampled_from(["get", "lookup", "put", "zap"]),
+                                  "op": st.sampled_from(["get", "lookup", "put", "loaded",
+                                                         "zap"]),
                                   "args": MSGPACK_VALUES})
 
 
@@ -394,12 +395,28 @@ def fuzz_store(tmp_path_factory) -> Iterator[ContentStore]:
 def test_rpc_decoder_fuzz_never_crashes(fuzz_store, body):
     """Random frames into the real peer handlers and store: always a reply, never a crash."""
     async def dispatch() -> dict:
-        service = PeerService(fuzz_store, trio.CapacityLimiter(2))
+        service = PeerService(fuzz_store, trio.CapacityLimiter(2), lambda identity: None)
         return await RpcServer(SECRET, service.handlers())._dispatch(body)
 
     reply = trio.run(dispatch)
     assert isinstance(reply, dict) and set(reply) <= {"id", "ok", "result", "error"}
     assert reply["ok"] in (True, False)
+
+
+@pytest.mark.parametrize("dataset, woken", [
+    ("ab" * 32, ["ab" * 32]), ("AB" * 32, []), ("ab" * 33, []), ("../x", []), (7, [])])
+def test_a_peers_loaded_call_wakes_only_a_dataset_identity(fuzz_store, dataset, woken):
+    """``loaded`` (another node stored more of a loading chunk) wakes the jobs waiting on
+    that dataset; anything but a digest identity is an error reply."""
+    called: list[str] = []
+
+    async def dispatch() -> dict:
+        service = PeerService(fuzz_store, trio.CapacityLimiter(2), called.append)
+        body = msgpack.packb({"id": 1, "op": "loaded", "args": {"dataset": dataset}})
+        return await RpcServer(SECRET, service.handlers())._dispatch(body)
+
+    reply = trio.run(dispatch)
+    assert called == woken and reply["ok"] is bool(woken)
 
 
 def test_node_rejoining_with_its_old_cache_reuses_it(cluster, synthetic_tree):

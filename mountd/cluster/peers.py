@@ -3,13 +3,17 @@
 Ops (batched: each takes a list of hashes or items): ``lookup`` -> which are held,
 ``get`` -> their bytes (None where absent), ``put`` -> store items this node owns.
 Every put is checked against its SHA-256 before it is stored; every get is checked
-by the receiver. A bad hash is rejected and logged.
+by the receiver. A bad hash is rejected and logged. And ``loaded``: the calling node
+stored more of its share of a loading chunk of a dataset (by digest identity), which
+jobs here may be waiting for (mountd.jobs.planner); a false one costs them a look.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -26,6 +30,7 @@ MAX_BATCH = 1024  # hashes or items per request
 GET_REPLY_BYTES = 32 << 20  # content bytes one get reply carries; later items come back None
 PUT_REQUEST_BYTES = 16 << 20  # content bytes put_many sends per request
 DOWN_FOR = 5.0  # seconds a peer that failed a call is skipped
+_IDENTITY = re.compile(r"[0-9a-f]{64}")  # a digest's identity (hex SHA-256)
 
 
 def _hashes(args: dict[str, Any]) -> list[bytes]:
@@ -39,13 +44,23 @@ def _hashes(args: dict[str, Any]) -> list[bytes]:
 class PeerService:
     """The handlers other nodes call."""
 
-    def __init__(self, store: ContentStore, limiter: trio.CapacityLimiter) -> None:
+    def __init__(self, store: ContentStore, limiter: trio.CapacityLimiter,
+                 on_loaded: Callable[[str], None]) -> None:
         self.store = store
         self.limiter = limiter
+        self.on_loaded = on_loaded  # wakes the jobs here that wait on a dataset's loads
         self.rejected_puts = 0
 
     def handlers(self) -> dict[str, Any]:
-        return {"lookup": self.lookup, "get": self.get, "put": self.put}
+        return {"lookup": self.lookup, "get": self.get, "put": self.put,
+                "loaded": self.loaded}
+
+    async def loaded(self, args: dict[str, Any]) -> bool:
+        identity = args["dataset"]
+        if not isinstance(identity, str) or not _IDENTITY.fullmatch(identity):
+            raise ValueError("dataset must be a digest identity (64 hex digits)")
+        self.on_loaded(identity)
+        return True
 
     async def lookup(self, args: dict[str, Any]) -> list[bool]:
         hashes = _hashes(args)
@@ -166,6 +181,10 @@ class PeerSet:
         for i in range(0, len(hashes), MAX_BATCH):
             out += await self._call(node, "lookup", {"hashes": hashes[i:i + MAX_BATCH]})
         return out
+
+    async def loaded(self, node: str, identity: str) -> None:
+        """Tell ``node`` that this node stored more of a loading chunk of ``identity``."""
+        await self._call(node, "loaded", {"dataset": identity})
 
     async def get(self, node: str, digest: bytes) -> bytes | None:
         """One item from a peer, checked against its hash (a bad one counts as absent)."""

@@ -4,6 +4,7 @@ reports what the coordinator needs in each heartbeat."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -11,6 +12,7 @@ from collections.abc import Callable
 import numpy as np
 import trio
 
+from mountd.cluster.peers import PeerSet
 from mountd.fetch.services import ReadServices
 from mountd.jobs.dataset_jobs import DatasetJobs
 from mountd.jobs.registry import Job, JobRegistry
@@ -18,6 +20,7 @@ from quiverfs import ownership
 from quiverfs.chunk_cycle import MAX_LOADING, ChunkState
 from quiverfs.counters import FetchCause, SamplerJobCounter
 from quiverfs.heartbeat import CacheMode, CycleView, DatasetReport, LoadedShare
+from quiverfs.rpc import Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +73,8 @@ class ChunkLoader:
             view = cycles.get(group.ds.reg.identity)
             if view is None:
                 continue
-            before = group.cycle_key()
             previous, group.view = group.view, view
-            if (group.cycle_key() != before or previous is None
-                    or previous.users != view.users):  # who is alone may have changed
+            if view != previous:  # what jobs wait on here may have changed
                 group.poke()
             group.ds.cache_mode = view.mode
             for job in group.jobs.values():
@@ -138,6 +139,7 @@ class ChunkLoader:
             for start in range(0, len(mine), CHECK_BLOCK):
                 await self._after_lone_probe(group)
                 await self.bulk.load(group.ds, mine[start:start + CHECK_BLOCK], counters, cause)
+                self._tell_users(group)
             if share is not None:
                 group.loaded.append(share)
                 del group.loaded[:-4 * MAX_LOADING]  # the coordinator asks about current ones
@@ -146,6 +148,22 @@ class ChunkLoader:
                      len(mine), chunk)
         finally:
             group.busy.discard(name)
+
+    def _tell_users(self, group: DatasetJobs) -> None:
+        """Tell the other nodes with jobs on the dataset that this node stored more of
+        a share they may wait for (the planner counts other nodes' shares once they hold
+        them); a node that cannot be told looks again when the cycle moves."""
+        peers, view = self.cluster.peers, group.view
+        if peers is None or view is None or self._nursery is None:
+            return
+        for node in view.users:
+            if node != self.cluster.me:
+                self._nursery.start_soon(self._tell, peers, node, group.ds.reg.identity)
+
+    @staticmethod
+    async def _tell(peers: PeerSet, node: str, identity: str) -> None:
+        with contextlib.suppress(Unavailable):
+            await peers.loaded(node, identity)
 
     async def _after_lone_probe(self, group: DatasetJobs) -> None:
         """Wait while the dataset's one job in the cluster is a job here whose benefit

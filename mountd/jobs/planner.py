@@ -43,7 +43,6 @@ log = logging.getLogger(__name__)
 # other job shares). A wait that times out is not repeated until the cycle moves.
 CHUNK_WAIT = 20.0
 PROBE_LOOKUPS = 1024  # pending items of a chunk looked up before a probe run, at most
-WAIT_POLL = 0.25  # seconds between looks at what other nodes loaded, while waiting
 # Batches one reply may hand out as a segment. The job asks again only after them (and
 # QuiverBatchSampler reads the next segment as one starts), so an allotment that leaves
 # ``full``, or a probe the coordinator asks for, reaches it up to two segments later (a
@@ -386,8 +385,7 @@ class BatchPlanner:
                 if (supply >= need
                         or marked in usable and plan.ref.remaining_chunks[marked] > 0):
                     break  # enough to plan from, or the job holds back the marked chunk
-                with trio.move_on_after(WAIT_POLL if others is not None else math.inf):
-                    await changed.wait()
+                await changed.wait()  # the cycle moved, or another node loaded more
                 key = group.cycle_key()
         if scope.cancelled_caught:
             plan.gave_up_on = key
