@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 
 from mountd.control.replies import ClusterReply, MountReply, PrefetchReply, StatusReply
 from quiverfs import control_client
+from quiverfs import digest as digest_format
 from quiverfs.chunk_cycle import ChunkState
 from quiverfs.counters import ReadCounter, SamplerJobCounter
 from quiverfs.cycle_cli import add_cycle_options
 from quiverfs.dataset_name import check_name
-from quiverfs import digest as digest_format
 from quiverfs.errors import ExitCode, QuietError
 from quiverfs.job_protocol import VIEWS
 from quiverfs.option_types import Address, ByteSize, IntAtLeast

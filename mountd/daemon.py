@@ -13,36 +13,36 @@ import subprocess
 import pyfuse3
 import trio
 
-from mountd.jobs.planner import BatchPlanner
-from mountd.jobs.chunk_loader import ChunkLoader
 from mountd.cluster.membership import Cluster, EmbeddedFactory, RemoteCoordinator
-from mountd.store.content_store import ContentStore
-from mountd.control.server import ControlServer
+from mountd.cluster.peers import PeerService, PeerSet
 from mountd.control.controller import Controller
+from mountd.control.metrics import MountdCollector
+from mountd.control.server import ControlServer
+from mountd.datasets.memory_budget import MemoryBudget, MemoryLimits, default_total
+from mountd.datasets.mount_table import MountTable
+from mountd.datasets.registry import Registry
+from mountd.fetch.loader_pool import AHEAD_NICENESS, MIN_SERVING_PROCESSES, LoaderPool
+from mountd.fetch.services import read_services
 from mountd.fs.control_fs import ControlFS
 from mountd.fs.control_mount import ControlMount
 from mountd.fs.datasets_fs import QuiverFS, no_open_available
-from mountd.fetch.services import read_services
 from mountd.fs.job_files import ControlFiles
+from mountd.jobs.chunk_loader import ChunkLoader
+from mountd.jobs.planner import BatchPlanner
 from mountd.jobs.registry import JobRegistry
-from mountd.fetch.loader_pool import AHEAD_NICENESS, MIN_SERVING_PROCESSES, LoaderPool
-from mountd.datasets.memory_budget import MemoryBudget, MemoryLimits, default_total
-from mountd.control.metrics import MountdCollector
-from mountd.datasets.mount_table import MountTable
-from mountd.cluster.peers import PeerService, PeerSet
-from mountd.datasets.registry import Registry
+from mountd.store.content_store import ContentStore
 from mountd.view.view_jobs import ViewJobs
 from quiverfs import sd_notify
 from quiverfs.chunk_plan import CACHE_CHUNKS
+from quiverfs.errors import ExitCode, QuietError
 from quiverfs.fs_identity import (NOBODY, IdentityUnavailable, UserIdentity, acting_as,
                                   refuse_device)
 from quiverfs.heartbeat import NODE_ID
 from quiverfs.metrics_server import MetricsServer
-from quiverfs.process_limits import raise_open_file_limit
 from quiverfs.mount_point import is_mounted, mount_device
 from quiverfs.peer_network import Networks, host_refusal
+from quiverfs.process_limits import raise_open_file_limit
 from quiverfs.rpc import RpcClient, RpcServer, load_secret
-from quiverfs.errors import ExitCode, QuietError
 
 log = logging.getLogger(__name__)
 

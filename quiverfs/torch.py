@@ -48,8 +48,8 @@ from typing import Any
 from torch.utils.data import Sampler
 
 from quiverfs.job_protocol import (CONTROL_NAME, DEFAULT_SCAN_FACTOR, JOBS_NAME, Manifest,
-                                    ManifestError, ask_line, batch_name, decode_manifest,
-                                    report_line)
+                                   ManifestError, ask_line, batch_name, decode_manifest,
+                                   report_line)
 
 CONTROL = os.path.join(CONTROL_NAME, JOBS_NAME)
 MANIFEST_READ = 4 << 20  # bytes asked per read of a manifest (mountd's files are direct_io)

@@ -13,8 +13,8 @@ import trio
 from coordinator.embedded import EmbeddedCoordinator
 from digest_tools.create import create_digest
 from mountd.cluster.membership import Cluster
-from mountd.store.content_store import ContentStore
 from mountd.fetch.services import ReadServices, read_services
+from mountd.store.content_store import ContentStore
 from quiverfs import control_client
 from quiverfs.backends import StorageOptions
 from quiverfs.bench.processes import MountdProcess, unmount

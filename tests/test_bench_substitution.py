@@ -10,8 +10,8 @@ import pytest
 from coordinator.allocation import HEADROOM
 from quiverfs import digest as digest_format
 from quiverfs.bench.bucket_dataset import Dataset
-from quiverfs.bench.substitution import SIZES, check_served, paired_gap, run
 from quiverfs.bench.emulator import emulator_available
+from quiverfs.bench.substitution import SIZES, check_served, paired_gap, run
 from quiverfs.chunk_plan import CACHE_CHUNKS
 
 SUMMARY_KEYS = {

@@ -19,9 +19,9 @@ import pytest
 from mountd.control.replies import ClusterReply, MountReply, PrefetchReply, StatusReply
 from quiverfs import control_client, job_protocol, wire
 from quiverfs import digest as fmt
+from quiverfs.bench.processes import terminate, unmount
 from quiverfs.dataset_name import check_name
 from quiverfs.errors import ExitCode, QuietError
-from quiverfs.bench.processes import terminate, unmount
 from quiverfs.mount_point import is_mounted
 from tests.mountd_helpers import make_digest, mount, mountd_factory  # noqa: F401 (a fixture)
 from tests.test_digest_errors import assert_error, unprivileged  # noqa: F401 (a fixture)

@@ -14,8 +14,8 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mountd.store.content_store import ContentStore
 from mountd.cluster.peers import PeerService
+from mountd.store.content_store import ContentStore
 from quiverfs import ownership, wire
 from quiverfs.bench.processes import CoordinatorProcess, MountdProcess, unmount
 from quiverfs.heartbeat import Heartbeat, to_wire

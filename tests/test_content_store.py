@@ -17,6 +17,9 @@ from collections.abc import Iterator
 import diskcache
 import pytest
 
+from mountd.control.metrics import MountdCollector
+from mountd.datasets.mount_table import MountTable
+from mountd.jobs.registry import JobRegistry
 from mountd.store import content_store, index
 from mountd.store import health as store_health
 from mountd.store import value_files as known_files
@@ -24,9 +27,6 @@ from mountd.store.content_store import VERIFY_ON_LOOP_MAX, ContentStore
 from mountd.store.errors import IntegrityError, StoreError
 from mountd.store.index import DAMAGED_SUFFIX, DISK_MIN_FILE_SIZE, KEEP_DAMAGED
 from mountd.store.writer import StoreWriter
-from mountd.jobs.registry import JobRegistry
-from mountd.control.metrics import MountdCollector
-from mountd.datasets.mount_table import MountTable
 from quiverfs.bench.read import drop_page_cache
 from tests.mountd_helpers import lone_services
 

@@ -10,8 +10,8 @@ import subprocess
 import pytest
 
 from quiverfs.errors import ExitCode
-from tests.mountd_helpers import mountd_factory  # noqa: F401 (a fixture)
 from tests.mountd_helpers import call_as, make_digest, mount, read_hashes, tree_hashes
+from tests.mountd_helpers import mountd_factory  # noqa: F401 (a fixture)
 from tests.test_digest_errors import HOSTILE, craft
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")

@@ -15,11 +15,11 @@ import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
+from mountd.fetch.loader_pool import AHEAD_NICENESS
 from mountd.store import health as store_health
 from mountd.store.content_store import ContentStore
 from mountd.store.errors import IntegrityError
 from mountd.store.writer import StoreWriter
-from mountd.fetch.loader_pool import AHEAD_NICENESS
 from quiverfs import digest as digest_format
 from quiverfs.bench.emulator import Emulator
 from quiverfs.bench.processes import MountdProcess

@@ -17,9 +17,9 @@ import tracemalloc
 import msgpack
 import pytest
 
-from mountd.datasets.tree import DatasetTree
 from mountd.datasets.memory_budget import DigestCost, digest_cost
 from mountd.datasets.pools import ViewPools
+from mountd.datasets.tree import DatasetTree
 from quiverfs import digest as digest_format
 from quiverfs.digest_checks import decode_peak
 from quiverfs.sizes import human

@@ -18,10 +18,10 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from mountd.store.content_store import ContentStore
-from mountd.jobs.registry import JobRegistry
 from mountd.control.metrics import MountdCollector
 from mountd.datasets.mount_table import MountTable
+from mountd.jobs.registry import JobRegistry
+from mountd.store.content_store import ContentStore
 from quiverfs import digest as digest_format
 from quiverfs import metrics_server
 from quiverfs.bench.data import Tree

@@ -16,11 +16,11 @@ import trio
 import trio.testing
 
 from coordinator.allocation import NO_BENEFIT
+from mountd.fetch.read_stats import METER_MIN_FETCHES, METER_WINDOW, PEAK_HALF_LIFE, BucketMeter
 from mountd.jobs.chunk_loader import ChunkLoader
 from mountd.jobs.dataset_jobs import DatasetJobs
-from mountd.jobs.registry import Job
 from mountd.jobs.probing import PROBE_LIMIT, BenefitProbe
-from mountd.fetch.read_stats import METER_MIN_FETCHES, METER_WINDOW, PEAK_HALF_LIFE, BucketMeter
+from mountd.jobs.registry import Job
 from quiverfs import digest as digest_format
 from quiverfs.chunk_cycle import ChunkState
 from quiverfs.heartbeat import CacheMode, CycleView

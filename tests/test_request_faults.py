@@ -15,10 +15,10 @@ import trio.testing
 
 from mountd.control.server import (MAX_CONNECTIONS_PER_UID, SMALL_FRAME, ControlServer,
                                    FrameBytes, Peer)
-from mountd.fs.datasets_fs import QuiverFS
-from mountd.jobs.registry import MAX_JOBS_PER_USER, JobLimit, JobRegistry
 from mountd.datasets.mount_table import FIRST_DATASET_INODE, MountTable
 from mountd.fetch.read_stats import ReadStats
+from mountd.fs.datasets_fs import QuiverFS
+from mountd.jobs.registry import MAX_JOBS_PER_USER, JobLimit, JobRegistry
 from quiverfs import control_client, wire
 from quiverfs.errors import ExitCode, QuietError
 from tests.mountd_helpers import run_as

@@ -20,15 +20,15 @@ import torchvision
 import trio
 import trio.testing
 
-from quiverfs import digest as digest_format
-from quiverfs.bench.processes import MountdProcess
-from quiverfs.errors import QuietError
-from mountd.jobs.dataset_jobs import DatasetJobs
-from mountd.view.view_jobs import ViewJob, ViewJobs, identity_from
 from mountd.datasets.pools import ViewPools
+from mountd.jobs.dataset_jobs import DatasetJobs
 from mountd.view.readahead import (EVICTION_PAUSE, IN_FLIGHT, MAX_AHEAD, ROUND_ITEMS,
                                    ViewReadahead, next_items)
+from mountd.view.view_jobs import ViewJob, ViewJobs, identity_from
+from quiverfs import digest as digest_format
+from quiverfs.bench.processes import MountdProcess
 from quiverfs.chunk_cycle import ChunkState
+from quiverfs.errors import QuietError
 from quiverfs.heartbeat import CacheMode, CycleView
 from quiverfs.torch import QuiverBatchSampler
 from tests.mountd_helpers import make_digest, mount, mountd_factory  # noqa: F401

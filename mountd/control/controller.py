@@ -8,24 +8,24 @@ from typing import Any
 import pyfuse3
 import trio
 
+from mountd.cluster.peers import PeerService
 from mountd.control.server import Peer
 from mountd.datasets.dataset import MountedDataset, PrefetchProgress
-from mountd.fetch.item_reader import ReadFailed
-from mountd.jobs.registry import JobRegistry
-from mountd.fetch.loader_pool import LoaderPool
 from mountd.datasets.memory_budget import DigestCost, Held, MemoryBudget, charged, digest_cost
 from mountd.datasets.mount_table import MountTable
-from mountd.cluster.peers import PeerService
-from mountd.fetch.read_stats import ReadStats
-from mountd.fetch.services import ReadServices
+from mountd.datasets.pools import has_labels
 from mountd.datasets.registry import Registration, Registry, new_registration
 from mountd.datasets.shared_digests import SharedDigests
+from mountd.fetch.item_reader import ReadFailed
+from mountd.fetch.loader_pool import LoaderPool
+from mountd.fetch.read_stats import ReadStats
+from mountd.fetch.services import ReadServices
+from mountd.jobs.registry import JobRegistry
 from mountd.view.view_jobs import ViewJobs
-from mountd.datasets.pools import has_labels
 from quiverfs import digest as digest_format
 from quiverfs import ownership
-from quiverfs.background import BackgroundTasks
 from quiverfs.backends import StorageOptions
+from quiverfs.background import BackgroundTasks
 from quiverfs.counters import FetchCause
 from quiverfs.dataset_name import check_name
 from quiverfs.digest import Digest

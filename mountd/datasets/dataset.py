@@ -6,10 +6,10 @@ from collections import Counter
 
 import trio
 
-from mountd.datasets.tree import DatasetTree
 from mountd.datasets.memory_budget import DigestCost
-from mountd.datasets.registry import Registration
 from mountd.datasets.pools import ViewPools
+from mountd.datasets.registry import Registration
+from mountd.datasets.tree import DatasetTree
 from quiverfs.backends import Backend
 from quiverfs.counters import ReadCounter
 from quiverfs.digest import Digest

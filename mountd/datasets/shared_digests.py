@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import weakref
 
-from mountd.datasets.tree import DatasetTree
 from mountd.datasets.pools import ViewPools
+from mountd.datasets.tree import DatasetTree
 from quiverfs.digest import Digest
 
 

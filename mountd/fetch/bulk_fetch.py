@@ -13,7 +13,7 @@ from mountd.cluster.membership import Cluster
 from mountd.datasets.dataset import MountedDataset
 from mountd.fetch.item_reader import IntegrityFailed, ItemReader, ReadFailed
 from mountd.fetch.loader_pool import (LoaderPool, LoaderUnavailable, LoadFailed, LoadMismatch,
-                                load_source)
+                                      load_source)
 from mountd.fetch.loader_process import LoadSource
 from mountd.fetch.probed import ProbedReads
 from mountd.fetch.read_stats import ReadStats

@@ -26,17 +26,17 @@ from typing import NoReturn
 import trio
 
 from mountd.cluster.membership import Cluster
-from mountd.store.content_store import ContentStore
-from mountd.store.errors import IntegrityError, StoreError
 from mountd.datasets.dataset import MountedDataset
 from mountd.fetch.integrity_budget import IntegrityBudget
 from mountd.fetch.loader_pool import (LoaderPool, LoaderUnavailable, LoadFailed, LoadMismatch,
-                                load_source)
+                                      load_source)
 from mountd.fetch.loader_process import LoadSource
 from mountd.fetch.owner_puts import OwnerPuts
 from mountd.fetch.probed import ProbedReads
 from mountd.fetch.read_stats import ReadStats
 from mountd.fetch.staging import Staging
+from mountd.store.content_store import ContentStore
+from mountd.store.errors import IntegrityError, StoreError
 from quiverfs.backends import Backend
 from quiverfs.counters import FetchCause, ReadCounter
 from quiverfs.errors import QuietError

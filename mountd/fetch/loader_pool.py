@@ -27,9 +27,9 @@ from collections.abc import Callable
 
 import trio
 
-from mountd.store.content_store import ContentStore
 from mountd.fetch.loader_process import (FRAME_HEADER, LoadReply, LoadRequest, LoadSource, Outcome,
-                                   Ready)
+                                         Ready)
+from mountd.store.content_store import ContentStore
 from quiverfs.backends import Backend
 
 log = logging.getLogger(__name__)

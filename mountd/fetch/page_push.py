@@ -33,11 +33,11 @@ from collections.abc import Callable
 import pyfuse3
 import trio
 
-from mountd.store.content_store import ContentStore
-from mountd.store.errors import StoreError
 from mountd.datasets.dataset import MountedDataset
 from mountd.fetch.read_stats import ReadStats
 from mountd.fetch.staging import Staging
+from mountd.store.content_store import ContentStore
+from mountd.store.errors import StoreError
 from quiverfs.counters import ReadCounter
 
 log = logging.getLogger(__name__)

@@ -19,9 +19,9 @@ from typing import Protocol
 import pyfuse3
 
 from mountd.datasets.dataset import MountedDataset
+from mountd.datasets.mount_table import MountTable
 from mountd.fetch.item_reader import ItemReader, ReadFailed
 from mountd.fs.job_files import CONTROL_INODE, ControlFiles, ControlHandle
-from mountd.datasets.mount_table import MountTable
 from mountd.view.view_jobs import ViewJobs
 from quiverfs.counters import FetchCause
 from quiverfs.job_protocol import VIEWS_NAME

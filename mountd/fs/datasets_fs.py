@@ -31,10 +31,10 @@ import pyfuse3
 import trio
 
 from mountd.datasets.dataset import MountedDataset
+from mountd.datasets.mount_table import MountTable
 from mountd.fetch.item_reader import ReadFailed
 from mountd.fetch.services import ReadServices
 from mountd.fs.job_files import CONTROL_INODE
-from mountd.datasets.mount_table import MountTable
 from quiverfs.counters import ReadCounter
 from quiverfs.job_protocol import CONTROL_NAME, VIEWS_NAME
 

@@ -7,8 +7,8 @@ from typing import Any, Protocol
 import numpy as np
 import trio
 
-from mountd.jobs.cached_items import CachedItems
 from mountd.datasets.dataset import MountedDataset
+from mountd.jobs.cached_items import CachedItems
 from quiverfs import ownership
 from quiverfs.chunk_cycle import ChunkState, EpochRef
 from quiverfs.chunk_plan import default_chunk_bytes, make_plan

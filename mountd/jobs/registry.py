@@ -18,11 +18,11 @@ import numpy as np
 import trio
 
 from mountd.datasets.dataset import MountedDataset
-from mountd.jobs.dataset_jobs import DatasetJobs
-from mountd.datasets.tree import DatasetTree
 from mountd.datasets.mount_table import MountTable
-from mountd.jobs.probing import BenefitProbe
+from mountd.datasets.tree import DatasetTree
+from mountd.jobs.dataset_jobs import DatasetJobs
 from mountd.jobs.epoch_plan import EpochPlan
+from mountd.jobs.probing import BenefitProbe
 from quiverfs.counters import SamplerJobCounter
 from quiverfs.heartbeat import JobReport, to_wire
 from quiverfs.job_protocol import DEFAULT_SCAN_FACTOR

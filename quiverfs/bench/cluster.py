@@ -51,8 +51,8 @@ from quiverfs.bench.reading_job import PREFETCH_BATCHES, READERS, JobSpec, bucke
 from quiverfs.bench.throttle_proxy import ThrottleProxy, throttled
 from quiverfs.chunk_plan import CACHE_CHUNKS, make_plan
 from quiverfs.counters import ReadCounter
-from quiverfs.heartbeat import CacheMode
 from quiverfs.errors import QuietError
+from quiverfs.heartbeat import CacheMode
 from quiverfs.rpc import call_once
 
 log = logging.getLogger(__name__)

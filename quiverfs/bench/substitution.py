@@ -56,12 +56,12 @@ import numpy as np
 
 from digest_tools.create import create_digest
 from quiverfs import digest as digest_format
+from quiverfs.bench import fetch_causes, reading_job
 from quiverfs.bench.bucket_dataset import Dataset, upload_synthetic
 from quiverfs.bench.data import write_digits_tree
 from quiverfs.bench.emulator import running_emulator
 from quiverfs.bench.job_child import JobProcess, run_epoch, running_jobs
 from quiverfs.bench.processes import MountdProcess, running_mountd
-from quiverfs.bench import fetch_causes, reading_job
 from quiverfs.bench.reading_job import PREFETCH_BATCHES, READERS, JobSpec, MountSource
 from quiverfs.bench.throttle_proxy import ThrottleProxy, throttled
 from quiverfs.counters import ReadCounter, SamplerJobCounter, ViewJobCounter
