@@ -73,8 +73,10 @@ class ChunkLoader:
             view = cycles.get(group.ds.reg.identity)
             if view is None:
                 continue
+            before = group.cycle_key()
             previous, group.view = group.view, view
-            if view != previous:  # what jobs wait on here may have changed
+            if (group.cycle_key() != before or previous is None
+                    or previous.users != view.users):  # who is alone may have changed
                 group.poke()
             group.ds.cache_mode = view.mode
             for job in group.jobs.values():
