@@ -17,7 +17,6 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
-import os
 import signal
 import socket
 import sys

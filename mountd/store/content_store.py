@@ -212,7 +212,7 @@ class ContentStore:
         if hashlib.sha256(data).digest() != digest:
             raise IntegrityError(f"content does not hash to {digest.hex()}")
         tag = google_crc32c.value(data)
-        index = self.index.writable()
+        index = self.index.for_writes()
         with self.index.write_lock:
             if index is None or index is not self.index.current:
                 self.write_health.failures += 1

@@ -288,7 +288,7 @@ class StoreIndex:
                 self.open()
             return self.current
 
-    def writable(self) -> Index | None:
+    def for_writes(self) -> Index | None:
         """The index, unless the store waits to try writing again after a failure."""
         index = self.usable()
         return None if index is None or self.health.waiting() else index
@@ -305,7 +305,7 @@ class StoreIndex:
 
     def write(self, do: Callable[[Index, Any], int], arg: Any, doing: str) -> int:
         """``do(index, arg)`` under the write lock; 0 if the store cannot write."""
-        index = self.writable()
+        index = self.for_writes()
         with self.write_lock:
             if index is None or index is not self.current:
                 return 0

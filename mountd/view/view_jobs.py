@@ -46,7 +46,6 @@ from mountd.jobs.dataset_jobs import DatasetJobs
 from mountd.jobs.registry import JobRegistry
 from mountd.view.readahead import JobNeeds, ViewReadahead
 from quiverfs.counters import FetchCause, ReadCounter, ViewJobCounter
-from quiverfs.digest import Digest
 from quiverfs.heartbeat import CacheMode, JobReport, to_wire
 from quiverfs.job_protocol import JOB_ENV
 
