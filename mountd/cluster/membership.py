@@ -92,28 +92,45 @@ class Cluster:
                   apply: Callable[[dict[str, CycleView], int], Awaitable[None]],
                   bandwidth: Callable[[], float | None]) -> None:
         """Heartbeat forever: send ``report()`` and the bucket's ``bandwidth()`` as this
-        node's fetches get it, hand the answer to ``apply``."""
+        node's fetches get it, hand the answer to ``apply``. A beat that fails on a bug
+        below (an exception other than the coordinator being unavailable) is logged and
+        the next one tried: it must not end the heartbeat, and with it mountd."""
+        failing = False
         while True:
             self._wake = trio.Event()
-            beat = Heartbeat(self.me, self.peer_address, self.capacity,
-                             self._reportable(report()), _bandwidth(bandwidth()))
             try:
-                reply = await self.link.heartbeat(beat)
-            except Unavailable as exc:
-                if self.coordinator_ok:
-                    log.warning("coordinator unreachable (%s): reads go on, chunk "
-                                "transitions wait", exc)
-                self.coordinator_ok = False
+                await self._beat(report, apply, bandwidth)
+            except Exception:
+                if not failing:  # once per run of failures: a beat comes every interval
+                    log.exception("a heartbeat failed; the next one is tried as usual")
+                failing = True
             else:
-                if not self.coordinator_ok and self.version >= 0:
-                    log.info("coordinator reachable again")
-                self.coordinator_ok = True
-                self._apply_membership(reply)
-                self.cycles = reply.cycles
-                await apply(self.cycles, self.version)
-                self.synced.set()
+                if failing:
+                    log.info("heartbeats work again")
+                failing = False
             with trio.move_on_after(self.link.interval):
                 await self._wake.wait()
+
+    async def _beat(self, report: Callable[[], dict[str, DatasetReport]],
+                    apply: Callable[[dict[str, CycleView], int], Awaitable[None]],
+                    bandwidth: Callable[[], float | None]) -> None:
+        beat = Heartbeat(self.me, self.peer_address, self.capacity,
+                         self._reportable(report()), _bandwidth(bandwidth()))
+        try:
+            reply = await self.link.heartbeat(beat)
+        except Unavailable as exc:
+            if self.coordinator_ok:
+                log.warning("coordinator unreachable (%s): reads go on, chunk "
+                            "transitions wait", exc)
+            self.coordinator_ok = False
+            return
+        if not self.coordinator_ok and self.version >= 0:
+            log.info("coordinator reachable again")
+        self.coordinator_ok = True
+        self._apply_membership(reply)
+        self.cycles = reply.cycles
+        await apply(self.cycles, self.version)
+        self.synced.set()
 
     def _reportable(self, reports: dict[str, DatasetReport]) -> dict[str, DatasetReport]:
         """The reports the coordinator takes. One out of the protocol's range (say, a

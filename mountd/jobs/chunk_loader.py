@@ -1,6 +1,12 @@
 """The chunk loader: carries out the coordinator's chunk cycles on this node (loads its
 share of a loading chunk, drops an evicted one, refills after membership changes) and
-reports what the coordinator needs in each heartbeat."""
+reports what the coordinator needs in each heartbeat.
+
+Each dataset's report, its part of an answer, and each load is a step of its own: one
+that fails on a bug below is logged and given up (the heartbeat after tries it again),
+and the other datasets' steps go on. Left to propagate, it would end the heartbeat's
+task, and with it mountd, for every user.
+"""
 from __future__ import annotations
 
 import collections
@@ -42,6 +48,7 @@ class ChunkLoader:
         self.stats = services.stats
         self.staging = services.staging
         self._nursery: trio.Nursery | None = None
+        self._failing: set[tuple[str, str]] = set()  # (dataset, step) that failed last time
 
     async def run(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         """Heartbeat (``cluster.run``) inside the nursery that chunk loads run in, so
@@ -58,7 +65,13 @@ class ChunkLoader:
         for group in self.registry.groups.values():
             if not group.jobs:
                 continue
-            mine, seen = group.report(), reports.get(group.ds.reg.identity)
+            try:
+                mine = group.report()
+            except Exception:
+                self._failed(group, "its report", "it is left out of this heartbeat")
+                continue
+            self._succeeded(group, "its report")
+            seen = reports.get(group.ds.reg.identity)
             if seen is not None:
                 mine = dataclasses.replace(seen, jobs=seen.jobs + mine.jobs,
                                            loaded=tuple(dict.fromkeys(seen.loaded
@@ -68,44 +81,66 @@ class ChunkLoader:
 
     async def apply(self, cycles: dict[str, CycleView], version: int) -> None:
         """Act on the coordinator's answer: load shares, drop evicted chunks, refill."""
-        me = self.cluster.me
         for group in list(self.registry.groups.values()):
             view = cycles.get(group.ds.reg.identity)
             if view is None:
                 continue
-            before = group.cycle_key()
-            previous, group.view = group.view, view
-            if (group.cycle_key() != before or previous is None
-                    or previous.users != view.users):  # who is alone may have changed
-                group.poke()
-            group.ds.cache_mode = view.mode
-            for job in group.jobs.values():
-                if not isinstance(job, Job):
-                    continue  # a view's job: those are not probed
-                seq = view.probes.get(job.id)
-                if seq is not None and seq > job.probe.seq:
-                    # where the cache holds the dataset, forced misses would read from
-                    # the bucket what it holds: the probe measures without them
-                    holds = view.mode is CacheMode.FULL or view.capacity >= view.chunks
-                    model = self._miss_model(group, job) if holds else None
-                    job.probe.begin(seq, view.probe_batches, model)
-                    log.info("job %s: probe %d of %d batches%s", job.id, seq,
-                             view.probe_batches, " (no forced misses)" if holds else "")
-            for load in view.loads:
-                new = group.cached.hold(group.plan.members[load.chunk])
-                self.recency.wanted(group.ds.digest.hash(int(i)) for i in new)
-                if me in load.loaders and load not in group.loaded:
-                    self._spawn(group, f"load {load.chunk}", load.chunk, load.loaders, load)
-            if previous is not None:
-                for chunk, (old, new) in enumerate(zip(previous.states, view.states)):
-                    if old is not ChunkState.EVICTED and new is ChunkState.EVICTED:
-                        await self._evict_local(group, chunk)
-            if version != group.version and view.active and me in view.users:
-                if group.version >= 0:  # membership changed: owners moved, refill
-                    for chunk in view.active:
-                        self._spawn(group, f"refill {version} {chunk}", chunk, view.users,
-                                    None)
-                group.version = version
+            try:
+                await self._apply(group, view, version)
+            except Exception:
+                self._failed(group, "acting on the coordinator's answer",
+                             "the next answer is acted on as usual")
+            else:
+                self._succeeded(group, "acting on the coordinator's answer")
+
+    def _failed(self, group: DatasetJobs, step: str, then: str) -> None:
+        """``step`` for ``group`` raised (called in its ``except``): logged with its
+        traceback the first time in a row only, as heartbeats repeat it every interval."""
+        key = (group.ds.name, step)
+        if key in self._failing:
+            log.debug("dataset %s: %s failed again", group.ds.name, step, exc_info=True)
+        else:
+            self._failing.add(key)
+            log.exception("dataset %s: %s failed; %s", group.ds.name, step, then)
+
+    def _succeeded(self, group: DatasetJobs, step: str) -> None:
+        self._failing.discard((group.ds.name, step))
+
+    async def _apply(self, group: DatasetJobs, view: CycleView, version: int) -> None:
+        """Act on ``view``, the coordinator's answer for ``group``'s dataset."""
+        me = self.cluster.me
+        before = group.cycle_key()
+        previous, group.view = group.view, view
+        if (group.cycle_key() != before or previous is None
+                or previous.users != view.users):  # who is alone may have changed
+            group.poke()
+        group.ds.cache_mode = view.mode
+        for job in group.jobs.values():
+            if not isinstance(job, Job):
+                continue  # a view's job: those are not probed
+            seq = view.probes.get(job.id)
+            if seq is not None and seq > job.probe.seq:
+                # where the cache holds the dataset, forced misses would read from
+                # the bucket what it holds: the probe measures without them
+                holds = view.mode is CacheMode.FULL or view.capacity >= view.chunks
+                model = self._miss_model(group, job) if holds else None
+                job.probe.begin(seq, view.probe_batches, model)
+                log.info("job %s: probe %d of %d batches%s", job.id, seq,
+                         view.probe_batches, " (no forced misses)" if holds else "")
+        for load in view.loads:
+            new = group.cached.hold(group.plan.members[load.chunk])
+            self.recency.wanted(group.ds.digest.hash(int(i)) for i in new)
+            if me in load.loaders and load not in group.loaded:
+                self._spawn(group, f"load {load.chunk}", load.chunk, load.loaders, load)
+        if previous is not None:
+            for chunk, (old, new) in enumerate(zip(previous.states, view.states)):
+                if old is not ChunkState.EVICTED and new is ChunkState.EVICTED:
+                    await self._evict_local(group, chunk)
+        if version != group.version and view.active and me in view.users:
+            if group.version >= 0:  # membership changed: owners moved, refill
+                for chunk in view.active:
+                    self._spawn(group, f"refill {version} {chunk}", chunk, view.users, None)
+            group.version = version
 
     def _miss_model(self, group: DatasetJobs, job: Job) -> Callable[[float], float | None]:
         """t_hit -> the job's t_miss as modelled (``mountd.jobs.probing``): a batch's bytes at
@@ -148,6 +183,10 @@ class ChunkLoader:
                 self.cluster.poke()
             log.info("dataset %s: %s done (%d items of chunk %d)", group.ds.name, name,
                      len(mine), chunk)
+        except Exception:
+            self._failed(group, name, "a later answer starts it again")
+        else:
+            self._succeeded(group, name)
         finally:
             group.busy.discard(name)
 

@@ -13,10 +13,15 @@ the store evicts items the jobs still need, they fill no more than a share of wh
 cached then: the jobs' own spread (what the first job has had and the last has not)
 fills the cache, and fetching ahead of it would only evict more of it, each eviction a
 second fetch.
+
+A look or a round that fails on a bug below is logged (once in a run of failures per
+dataset) and given up; the jobs' own reads fetch what it would have. Left to
+propagate, it would end mountd.
 """
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from collections.abc import Callable, Iterable
 
@@ -28,6 +33,8 @@ from mountd.jobs.dataset_jobs import DatasetJobs
 from mountd.store.recency import Recency
 from quiverfs.counters import FetchCause, SamplerJobCounter
 from quiverfs.heartbeat import CacheMode
+
+log = logging.getLogger(__name__)
 
 ROUND_ITEMS = 16  # items a look starts fetching at most
 IN_FLIGHT = 64  # items being fetched per dataset at most, over rounds that overlap
@@ -93,6 +100,7 @@ class ViewReadahead:
         self._in_flight: collections.Counter[str] = collections.Counter()  # items, by dataset
         # its failed fetches, counted as BulkFetch counts a sampler job's
         self._counters: collections.Counter[SamplerJobCounter] = collections.Counter()
+        self._failing: set[tuple[str, str]] = set()  # (dataset, "look" or "round") that failed
 
     def wake(self) -> None:
         self._wake.set()
@@ -111,7 +119,12 @@ class ViewReadahead:
                     room = IN_FLIGHT - self._in_flight[ds.name]
                     if room <= 0 or group.mode is CacheMode.NONE:
                         continue
-                    items = next_items(group, needs, min(ROUND_ITEMS, room))
+                    try:
+                        items = next_items(group, needs, min(ROUND_ITEMS, room))
+                    except Exception:
+                        self._failed(ds.name, "look")
+                        continue
+                    self._failing.discard((ds.name, "look"))
                     if items:
                         group.cached.hold(items)
                         self._in_flight[ds.name] += len(items)
@@ -123,8 +136,22 @@ class ViewReadahead:
         self.recency.wanted(group.ds.digest.hash(i) for i in items)
         try:
             await self.bulk.load(group.ds, items, self._counters, FetchCause.VIEW_AHEAD)
+        except Exception:
+            self._failed(group.ds.name, "round")
+        else:
+            self._failing.discard((group.ds.name, "round"))
         finally:
             self._in_flight[group.ds.name] -= len(items)
             if not self._in_flight[group.ds.name]:
                 del self._in_flight[group.ds.name]
             self.wake()
+
+    def _failed(self, name: str, what: str) -> None:
+        """A readahead ``what`` of dataset ``name`` raised (called in its ``except``):
+        logged with its traceback the first time in a run of failures only."""
+        if (name, what) in self._failing:
+            log.debug("dataset %s: a readahead %s failed again", name, what, exc_info=True)
+        else:
+            self._failing.add((name, what))
+            log.exception("dataset %s: a readahead %s failed; its jobs' reads fetch what "
+                          "it would have", name, what)
