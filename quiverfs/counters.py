@@ -59,6 +59,7 @@ class ReadCounter(enum.StrEnum):
     PUSHED_OPENS = "pushed_opens"  # pushed items opened
     PUSHED_PASSED = "pushed_passed"  # pushed items taken as read at a later manifest
     PUSHED_UNOPENED = "pushed_unopened"  # pushed items neither, within a minute
+    PUSHED_DROPPED = "pushed_dropped"  # pushed items whose pages were gone by their read
     VIEW_HITS = "view_hits"  # opens of a view's files that chose a cached item
     VIEW_MISSES = "view_misses"  # opens that chose an uncached one
     # per FetchCause: the items read from storage for it, and their bytes

@@ -102,6 +102,9 @@ class MountdCollector:
                                   "when their job asked for a later manifest (files "
                                   "served without OPEN)",
                                   value=c[ReadCounter.PUSHED_PASSED])
+        yield CounterMetricFamily("quiver_pushed_dropped_items", "Pushed items whose pages "
+                                  "were gone by their read (the read reached mountd)",
+                                  value=c[ReadCounter.PUSHED_DROPPED])
         yield GaugeMetricFamily("quiver_pushed_unread_bytes", "Bytes pushed and not yet "
                                 "read (bounded by --push-memory)",
                                 value=self.push.held)

@@ -11,8 +11,9 @@ and the store returns an item only after its CRC32C (and, once per run, its SHA-
 matched. A push of an inode the kernel does not hold fails with ENOENT and is skipped.
 
 Memory: the pages pushed and not yet read are bounded by ``budget`` bytes. A push
-stops counting at the OPEN of its inode; where files are served without OPEN (mountd
-sees none of a page-cache read), when its job asks for a manifest after the next one:
+stops counting at the OPEN of its inode, or at a READ of it that reaches mountd; where
+files are served without OPEN (mountd sees none of a page-cache read), when its job
+asks for a manifest after the next one:
 a sampler reads one manifest ahead, so it has then handed its loader every batch
 planned before the manifest it asked for last. A push neither opened nor passed within
 UNREAD_EXPIRY seconds (the job died, or read another way) stops counting too, as do
@@ -20,6 +21,12 @@ those of a job that unregisters, and an item its job has passed is not pushed at
 Planned items beyond the budget wait in a queue of at most MAX_QUEUED, and the oldest
 are dropped beyond that: their reads simply reach mountd. Pages in the page cache are
 the kernel's to reclaim.
+
+Counting: a push is its read's local hit only where its pages served the read, so that
+no read counts twice: at the RELEASE of an open that no READ of reached mountd, or
+(without OPEN) when the push is taken as read. A READ that reaches mountd finds the
+pages gone (reclaimed, or dropped by another reader's POSIX_FADV_DONTNEED): the push
+counts as dropped, and the read as whatever the item reader finds.
 """
 from __future__ import annotations
 
@@ -61,7 +68,7 @@ class PagePush:
         self.budget = budget
         self.skip = skip  # items left to their reads (a probe's, a peer's, a suspended one)
         self._queue: collections.deque[_Planned] = collections.deque(maxlen=MAX_QUEUED)
-        self._pushed: dict[int, tuple[MountedDataset, int, float]] = {}  # inode -> ds, bytes, when
+        self._pushed: dict[int, _Push] = {}  # inode -> its push not yet taken off, oldest first
         self._jobs: dict[str, _JobPushes] = {}
         self.held = 0  # bytes pushed and not yet read
         self._changed = trio.Event()
@@ -86,8 +93,10 @@ class PagePush:
             return
         state.passed, state.asked = max(state.passed, state.asked), at
         state.when = time.monotonic()
-        while state.pushed and state.pushed[0][0] < state.passed:
-            self._read(state.pushed.popleft()[1], ReadCounter.PUSHED_PASSED)
+        while state.pushed and state.pushed[0].planned.at < state.passed:
+            push = state.pushed.popleft()
+            if self._counts(push):
+                self._read(push, ReadCounter.PUSHED_PASSED)
 
     def left(self, job: str) -> None:
         """``job`` unregistered: its pushes stop counting, so that they neither hold the
@@ -95,10 +104,9 @@ class PagePush:
         state = self._jobs.pop(job, None)
         if state is None:
             return
-        for _, inode in state.pushed:
-            pushed = self._pushed.pop(inode, None)
-            if pushed is not None:
-                self.held -= pushed[1]
+        for push in state.pushed:
+            if self._counts(push):
+                self._take_off(push.planned.inode)
         self._changed.set()
 
     def _job(self, job: str) -> _JobPushes:
@@ -108,43 +116,73 @@ class PagePush:
         return state
 
     def opened(self, inode: int) -> bool:
-        """An OPEN of ``inode``: whether its item was pushed. Its pages then serve the
-        reads, which count as local hits here; the push no longer counts."""
-        return self._read(inode, ReadCounter.PUSHED_OPENS)
-
-    def _read(self, inode: int, why: ReadCounter) -> bool:
-        """A push taken as read (``why``, a counter): whether ``inode`` was pushed. Its
-        pages then serve the reads, which count as local hits here."""
-        pushed = self._pushed.pop(inode, None)
-        if pushed is None:
+        """An OPEN of ``inode``: whether its item was pushed. The push no longer counts;
+        ``released`` counts what served the open's reads."""
+        push = self._take_off(inode)
+        if push is None:
             return False
-        ds, n, _ = pushed
-        self.held -= n
+        self._take_staged(push)
+        return True
+
+    def released(self, ds: MountedDataset, index: int, reached: bool) -> None:
+        """The RELEASE of an open of entry ``index`` that ``opened`` found pushed: its
+        pages served the reads (a local hit), unless a READ ``reached`` mountd (the
+        pages were gone, and the item reader counted the read)."""
+        if reached:
+            self.stats.count(ds, ReadCounter.PUSHED_DROPPED)
+        else:
+            self._hit(ds, ds.digest.sizes[index], ReadCounter.PUSHED_OPENS)
+
+    def read_reached(self, inode: int) -> None:
+        """A READ of ``inode`` without OPEN reaches the item reader, which counts it: a
+        push of it not yet taken as read lost its pages, and no longer counts."""
+        push = self._take_off(inode)
+        if push is not None:
+            self.stats.count(push.planned.ds, ReadCounter.PUSHED_DROPPED)
+
+    def _read(self, push: _Push, why: ReadCounter) -> None:
+        """``push`` taken as read (``why``, a counter): its pages served the read."""
+        self._take_off(push.planned.inode)
+        self._take_staged(push)
+        self._hit(push.planned.ds, push.size, why)
+
+    def _counts(self, push: _Push) -> bool:
+        """Whether ``push`` still counts: its job keeps it until it asks past it, though
+        it may have been taken off since (opened, its pages dropped, expired) and its
+        inode pushed again."""
+        return self._pushed.get(push.planned.inode) is push
+
+    def _take_off(self, inode: int) -> _Push | None:
+        """The push of ``inode``, which no longer counts; None if there is none."""
+        push = self._pushed.pop(inode, None)
+        if push is not None:
+            self.held -= push.size
+            self._changed.set()
+        return push
+
+    def _take_staged(self, push: _Push) -> None:
         # the pages hold the hit a manifest promised: its chunk need not wait for a READ
-        self.staging.take(ds.digest.hash(ds.tree.entry_index(inode - ds.inode_base)))
+        self.staging.take(push.planned.ds.digest.hash(push.planned.index))
+
+    def _hit(self, ds: MountedDataset, size: int, why: ReadCounter) -> None:
         self.stats.count(ds, why)
         self.stats.count(ds, ReadCounter.LOCAL_HITS)
-        self.stats.count(ds, ReadCounter.LOCAL_BYTES, n)
-        self._changed.set()
-        return True
+        self.stats.count(ds, ReadCounter.LOCAL_BYTES, size)
 
     def forget(self, inodes: list[int]) -> None:
         """These inodes' pages are being dropped: their pushes no longer count."""
         for inode in inodes:
-            pushed = self._pushed.pop(inode, None)
-            if pushed is not None:
-                self.held -= pushed[1]
+            self._take_off(inode)
 
     def _expire(self, now: float) -> None:
-        for inode, (ds, n, when) in list(self._pushed.items()):
-            if now - when < UNREAD_EXPIRY:
+        for inode, push in list(self._pushed.items()):
+            if now - push.when < UNREAD_EXPIRY:
                 break  # pushed in order: the rest are younger
-            del self._pushed[inode]
-            self.held -= n
-            self.stats.count(ds, ReadCounter.PUSHED_UNOPENED)
+            self._take_off(inode)
+            self.stats.count(push.planned.ds, ReadCounter.PUSHED_UNOPENED)
         for job, state in list(self._jobs.items()):  # jobs gone (their pushes expired)
             if now - state.when >= UNREAD_EXPIRY and not any(
-                    inode in self._pushed for _, inode in state.pushed):
+                    self._counts(push) for push in state.pushed):
                 del self._jobs[job]
 
     async def _wait(self) -> None:
@@ -213,14 +251,17 @@ class PagePush:
         now = time.monotonic()
         for (item, data), ok in zip(found, pushed):
             if ok:
-                self._pushed[item.inode] = (item.ds, len(data), now)
+                push = self._pushed[item.inode] = _Push(item, len(data), now)
                 self.held += len(data)
                 self.stats.count(item.ds, ReadCounter.PUSHED)
                 self.stats.count(item.ds, ReadCounter.PUSHED_BYTES, len(data))
-                if self._passed(item):  # the job moved on while it was pushed
-                    self._read(item.inode, ReadCounter.PUSHED_PASSED)
+                state = self._jobs.get(item.job)
+                if state is None:  # the job left while it was pushed: no read of it
+                    self._take_off(item.inode)
+                elif item.at < state.passed:  # the job moved on while it was pushed
+                    self._read(push, ReadCounter.PUSHED_PASSED)
                 else:
-                    self._job(item.job).pushed.append((item.at, item.inode))
+                    state.pushed.append(push)
 
     def _read_stored(self, items: list[_Planned]) -> list[bytes | None]:
         """The stored content of each item: None where it is not stored, or the store
@@ -251,15 +292,25 @@ class _Planned:
         return self.ds.entry_inode(self.index)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Push:
+    """A planned item pushed: it counts against the budget (and as a hit, if taken as
+    read) while ``PagePush._pushed`` holds it."""
+
+    planned: _Planned
+    size: int  # bytes
+    when: float
+
+
 @dataclasses.dataclass
 class _JobPushes:
-    """What one job asked for, and its pushes not yet taken as read, in order."""
+    """What one job asked for, and its pushes in order: those taken off since (opened,
+    their pages dropped) are skipped when reached."""
 
     when: float  # of its last request
     asked: Position = (-1, -1)  # the manifest it asked for last
     passed: Position = (-1, -1)  # before this, it has been handed every batch
-    pushed: collections.deque[tuple[Position, int]] = dataclasses.field(
-        default_factory=collections.deque)  # (at, inode)
+    pushed: collections.deque[_Push] = dataclasses.field(default_factory=collections.deque)
 
 
 def _notify_store(items: list[tuple[_Planned, bytes]]) -> list[bool]:

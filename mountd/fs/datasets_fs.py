@@ -69,7 +69,7 @@ class _OpenFile:
         self.index = index
         self.data: bytes | None = None
         self.failed = False
-        self.pushed = pushed  # its pages were pushed ahead (mountd.fetch.page_push)
+        self.pushed = pushed  # its pages were pushed ahead: PagePush counts its reads
 
 
 class QuiverFS(pyfuse3.Operations):
@@ -268,6 +268,7 @@ class QuiverFS(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(errno.EISDIR)
             if self._recently_failed(inode):
                 raise pyfuse3.FUSEError(errno.EIO)
+            self.push.read_reached(inode)  # the reader counts this read, not a push
             try:
                 data = await self.reader.read(ds, ds.tree.entry_index(node))
             except ReadFailed:
@@ -295,7 +296,12 @@ class QuiverFS(pyfuse3.Operations):
 
     async def release(self, fh: int) -> None:
         f = self._files.pop(fh, None)
-        if f is not None and f.data is None and not (f.failed or f.pushed):
+        if f is None:
+            return
+        reached = f.data is not None or f.failed  # a READ reached us
+        if f.pushed:
+            self.push.released(f.ds, f.index, reached)
+        elif not reached:
             # opened and closed without a read reaching us: the kernel's page cache
             # served it (keep_cache), or nothing was read
             self.stats.count(f.ds, ReadCounter.PAGE_CACHE_OPENS)
