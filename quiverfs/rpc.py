@@ -160,7 +160,12 @@ class RpcServer:
                        slots: trio.Semaphore, body: bytes) -> None:
         try:
             reply = await self._dispatch(body)
-            await self._send(stream, send_lock, reply)
+            try:
+                await self._send(stream, send_lock, reply)
+            except (TypeError, ValueError):  # a handler's result msgpack cannot pack
+                log.exception("RPC reply to %r cannot be sent", reply.get("id"))
+                await self._send(stream, send_lock, {"id": reply.get("id"), "ok": False,
+                                                     "error": "internal error: reply"})
         finally:
             slots.release()
 
@@ -171,6 +176,8 @@ class RpcServer:
             if not isinstance(request, dict):
                 raise RpcError("a request must be a map")
             rid = request.get("id")
+            if not isinstance(rid, int):  # echoed in the reply: nothing msgpack may refuse
+                raise RpcError("a request's id must be an integer")
             handler = self.handlers.get(request.get("op"))  # type: ignore[arg-type]
             if handler is None:
                 raise RpcError(f"unknown op {request.get('op')!r}")
@@ -235,8 +242,9 @@ class RpcClient:
         try:
             while True:
                 reply = wire.unpack(await wire.recv_frame(stream, self.max_frame))
-                channel = self._waiting.pop(reply.get("id"), None) if isinstance(
-                    reply, dict) else None
+                rid = reply.get("id") if isinstance(reply, dict) else None
+                # an id that is no call's (a list, say: unhashable) is ignored
+                channel = self._waiting.pop(rid, None) if isinstance(rid, int) else None
                 if channel is not None:
                     channel.send_nowait(reply)
         except (EOFError, wire.FrameError, trio.BrokenResourceError,

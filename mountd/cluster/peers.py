@@ -176,10 +176,21 @@ class PeerSet:
         except RpcError as exc:
             raise Unavailable(f"peer {node} refused: {exc}") from None
 
+    async def _list_call(self, node: str, op: str, args: dict[str, Any], n: int
+                         ) -> list[Any]:
+        """A call whose reply is a list of one answer per item of ``n``; any other reply
+        (a hostile or mismatched peer) is Unavailable."""
+        reply = await self._call(node, op, args)
+        if not isinstance(reply, list) or len(reply) != n:
+            raise Unavailable(f"peer {node} sent a malformed {op} reply")
+        return reply
+
     async def lookup(self, node: str, hashes: list[bytes]) -> list[bool]:
         out: list[bool] = []
         for i in range(0, len(hashes), MAX_BATCH):
-            out += await self._call(node, "lookup", {"hashes": hashes[i:i + MAX_BATCH]})
+            part = hashes[i:i + MAX_BATCH]
+            out += [bool(found) for found in await self._list_call(
+                node, "lookup", {"hashes": part}, len(part))]
         return out
 
     async def loaded(self, node: str, identity: str) -> None:
@@ -197,10 +208,7 @@ class PeerSet:
         got: list[Any] = []
         for i in range(0, len(hashes), MAX_BATCH):
             part = hashes[i:i + MAX_BATCH]
-            reply = await self._call(node, "get", {"hashes": part})
-            if not isinstance(reply, list) or len(reply) != len(part):
-                raise Unavailable(f"peer {node} sent a malformed get reply")
-            got += reply
+            got += await self._list_call(node, "get", {"hashes": part}, len(part))
 
         def check() -> list[bytes | None]:
             out: list[bytes | None] = []
@@ -227,7 +235,7 @@ class PeerSet:
                     end == start or size + len(items[end][1]) <= PUT_REQUEST_BYTES):
                 size += len(items[end][1])
                 end += 1
-            reply = await self._call(node, "put", {"items": [list(i) for i in items[start:end]]})
-            out += [bool(ok) for ok in reply]
+            out += [bool(ok) for ok in await self._list_call(
+                node, "put", {"items": [list(i) for i in items[start:end]]}, end - start)]
             start = end
         return out
