@@ -497,6 +497,38 @@ def test_a_damaged_index_is_moved_aside(tmp_path, caplog, damage):
     assert_consistent(directory)
 
 
+def test_a_damaged_index_whose_file_cannot_be_statted_is_rebuilt(tmp_path, monkeypatch,
+                                                                 no_back_off):
+    """SQLite says the index is damaged and the disk fails the stat of its file (a dying
+    disk does both): the write gives up and the next use rebuilds the store. Before, the
+    OSError of that stat left the write, and the task writing (mountd's hit recorder, a
+    loader process's outcome) ended mountd."""
+    directory = str(tmp_path / "store")
+    store = ContentStore(directory, 64 << 20)
+    try:
+        store.put(*item(1))
+        db_path, real_stat = store.index.db_path, os.stat
+
+        def stat(path: object, *args: object, **kwargs: object) -> os.stat_result:
+            if os.fspath(path) == db_path:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            return real_stat(path, *args, **kwargs)
+
+        def damaged(*args: object) -> int:
+            exc = sqlite3.DatabaseError("database disk image is malformed")
+            exc.sqlite_errorcode = sqlite3.SQLITE_CORRUPT
+            raise exc
+
+        with monkeypatch.context() as failing_disk:
+            failing_disk.setattr(os, "stat", stat)
+            assert store.index.write(damaged, None, "test") == 0
+            assert store.index.current is None
+        assert store.put(*item(2)) and store.get(item(2)[0]) == item(2)[1]
+        assert store.get(item(1)[0]) is None  # a new, empty index
+    finally:
+        store.close()
+
+
 def test_a_truncated_index_leaves_no_orphaned_files(tmp_path, caplog):
     directory = str(tmp_path / "store")
     items = filled_store(directory)

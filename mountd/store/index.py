@@ -379,9 +379,11 @@ def _make_private(directory: str) -> None:
 
 
 def _file_id(path: str) -> tuple[int, int] | None:
+    """``path``'s (st_dev, st_ino); None if it cannot be found, or the disk fails the
+    stat (a dying disk: the damaged index is then moved aside without this check)."""
     try:
         st = os.stat(path)
-    except FileNotFoundError:
+    except OSError:
         return None
     return st.st_dev, st.st_ino
 
