@@ -89,6 +89,29 @@ async def test_control_request_that_fails_gets_an_error_and_the_server_goes_on(t
     assert "injected fault" in caplog.text
 
 
+async def test_a_reply_that_cannot_be_sent_is_an_error_and_the_server_goes_on(tmp_path,
+                                                                             caplog):
+    """A handler's reply msgpack cannot pack (a bug) costs that request an error reply;
+    before, its TypeError ended the server's task, and mountd."""
+    async def unsendable(peer: Peer, req: dict[str, Any]) -> dict[str, Any]:
+        return {"items": {1, 2}}
+
+    path = str(tmp_path / "control.sock")
+    server = ControlServer(path, {"unsendable": unsendable, "echo": echo})
+    server.bind()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(path)
+            s.sendall(wire.pack({"op": "unsendable"}))
+            reply = await trio.to_thread.run_sync(wire.sock_recv_msg, s)
+            assert reply == {"ok": False, "error": "internal error: see mountd's log",
+                             "code": int(ExitCode.DAEMON)}
+            assert (await trio.to_thread.run_sync(echo_on, s))["uid"] == 0  # same connection
+        nursery.cancel_scope.cancel()
+    assert "control reply to uid 0 cannot be sent" in caplog.text
+
+
 def echo_on(s: socket.socket) -> dict[str, Any]:
     s.sendall(wire.pack({"op": "echo"}))
     return wire.sock_recv_msg(s)

@@ -189,6 +189,10 @@ class ControlServer:
                 await wire.send_msg(stream, reply)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return
+            except (TypeError, ValueError):  # a reply msgpack cannot pack: a bug here
+                log.exception("control reply to uid %d cannot be sent", peer.uid)
+                await self._reply_error(stream, "internal error: see mountd's log",
+                                        ExitCode.DAEMON)
 
     async def _answer(self, stream: trio.SocketStream, peer: Peer, length: int
                       ) -> dict[str, Any]:
