@@ -391,15 +391,30 @@ class Controller:
 
     async def _prefetch(self, ds: MountedDataset, progress: PrefetchProgress,
                         scope: trio.CancelScope) -> None:
-        """Warm the store with every entry of ``ds``, a bounded number at a time."""
+        """Warm the store with every entry of ``ds``, a bounded number at a time. An item
+        that fails on a bug below counts as failed; a look-up in the store that fails
+        ends the prefetch, the items it did not look at counted as failed. Left to
+        propagate, either would end mountd for every user."""
         slots = trio.Semaphore(self.prefetch_concurrency)
+        failing = False  # in a run of items that failed on a bug: logged once
 
         async def one(index: int) -> None:
+            nonlocal failing
             try:
                 await self.reader.fetch(ds, index, FetchCause.PREFETCH)
             except ReadFailed:
                 progress.failed += 1
+            except Exception:
+                progress.failed += 1
+                if failing:
+                    log.debug("prefetch of %s: item %d failed too", ds.name, index,
+                              exc_info=True)
+                else:
+                    log.exception("prefetch of %s: item %d failed; counted as failed, the "
+                                  "others go on", ds.name, index)
+                failing = True
             else:
+                failing = False
                 progress.done_items += 1
                 progress.done_bytes += ds.digest.sizes[index]
             finally:
@@ -409,9 +424,17 @@ class Controller:
             async with trio.open_nursery() as nursery:
                 for start in range(0, len(ds.digest), PREFETCH_BATCH):
                     batch = range(start, min(start + PREFETCH_BATCH, len(ds.digest)))
-                    present = await trio.to_thread.run_sync(
-                        lambda: [ds.digest.hash(i) in self.store for i in batch],
-                        limiter=self.limiter)
+                    try:
+                        present = await trio.to_thread.run_sync(
+                            lambda: [ds.digest.hash(i) in self.store for i in batch],
+                            limiter=self.limiter)
+                    except Exception:
+                        left = len(ds.digest) - start
+                        log.exception("prefetch of %s: looking in the store failed; the "
+                                      "prefetch ends, its %d items left counted as failed",
+                                      ds.name, left)
+                        progress.failed += left
+                        break
                     for index, cached in zip(batch, present):
                         if cached:
                             progress.done_items += 1
