@@ -3,7 +3,7 @@
 
 The child is started once the datasets' connection serves (its mount looks ``.quiver``
 up there) and stopped before that connection ends (its unmount does too). Should it
-end on its own, its mount is detached and a new one started.
+end on its own, its mount is detached and a new one started, again until one mounts.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -65,41 +66,75 @@ class ControlMount:
         self._proc: trio.Process | None = None
         self._stopping = False
         self._mounted = False  # the child said its mount is made
+        self._detach_failed = False  # the last detach could not run fusermount3
 
     async def run(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
-        """Serve the connection until stopped; started once it is mounted."""
+        """Serve the connection until stopped; started once it is mounted. Failing to
+        mount it the first time is mountd's failure: it does not run without ``.quiver``.
+        After that, a child that ends or fails is logged (once in a run of failures) and a
+        new one started: left to propagate, a failure would end mountd for every user."""
         started = False
+        failing = False  # the last child failed to start, or its link failed
+
+        def mounted() -> None:
+            nonlocal started, failing
+            if started:
+                log.info("%s is mounted again", self.mountpoint)
+            else:
+                started = True
+                task_status.started()
+            failing = False
+
         while True:
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            with ours:
-                with theirs:
-                    self._proc = await trio.lowlevel.open_process(
-                        [sys.executable, "-m", "mountd.fs.control_mount_process",
-                         str(theirs.fileno()), self.mountpoint], pass_fds=(theirs.fileno(),),
-                        start_new_session=True)  # a terminal's ^C is mountd's to pass on
-                stream = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
-                self._mounted = False
-                said = trio.Event()  # mounted, or the child ended first
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._answer, stream, said)
-                    with trio.move_on_after(START_TIMEOUT):
-                        await said.wait()
-                    if not self._mounted:
-                        self._proc.kill()
-                        raise QuietError(f"cannot mount {self.mountpoint}: see the log",
-                                         ExitCode.MOUNT)
-                    if not started:
-                        started = True
-                        task_status.started()
-            code = await self._proc.wait()
-            if self._stopping:
-                return
-            log.error("the process serving %s ended (exit status %s): mounting it again",
-                      self.mountpoint, code)
-            await trio.to_thread.run_sync(_detach, self.mountpoint)
+            try:
+                code = await self._serve_child(mounted)
+            except Exception:
+                if not started:
+                    raise
+                if self._stopping:
+                    return  # stop() ended a new child before it mounted
+                if failing:
+                    log.debug("serving %s failed again", self.mountpoint, exc_info=True)
+                else:
+                    log.exception("serving %s failed; trying again in %g s",
+                                  self.mountpoint, RESTART_DELAY)
+                failing = True
+            else:
+                if self._stopping:
+                    return
+                log.error("the process serving %s ended (exit status %s): mounting it again",
+                          self.mountpoint, code)
+            await self._detach()
             await trio.sleep(RESTART_DELAY)
             if self._stopping:
                 return
+
+    async def _serve_child(self, mounted: Callable[[], object]) -> int:
+        """Start a child, call ``mounted`` once its mount is made and answer its requests
+        until it ends; its exit status. Raises when it cannot start or does not mount."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with ours:
+            with theirs:
+                self._proc = await trio.lowlevel.open_process(
+                    [sys.executable, "-m", "mountd.fs.control_mount_process",
+                     str(theirs.fileno()), self.mountpoint], pass_fds=(theirs.fileno(),),
+                    start_new_session=True)  # a terminal's ^C is mountd's to pass on
+            stream = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
+            self._mounted = False
+            said = trio.Event()  # mounted, or the child ended first
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._answer, stream, said)
+                with trio.move_on_after(START_TIMEOUT):
+                    await said.wait()
+                made = self._mounted
+                if made:
+                    mounted()
+                else:
+                    self._proc.kill()  # its end of the socket closes: _answer ends
+        code = await self._proc.wait()
+        if not made:  # raised out of the nursery: not wrapped in an ExceptionGroup
+            raise QuietError(f"cannot mount {self.mountpoint}: see the log", ExitCode.MOUNT)
+        return code
 
     async def stop(self) -> None:
         """Unmount ``ROOT/.quiver`` (the child does) and wait for the child to end."""
@@ -114,7 +149,23 @@ class ControlMount:
         log.error("the process serving %s did not end: killed", self.mountpoint)
         proc.kill()
         await proc.wait()
-        await trio.to_thread.run_sync(_detach, self.mountpoint)
+        await self._detach()
+
+    async def _detach(self) -> None:
+        """Lazily unmount whatever is left at the mountpoint. Without fusermount3 that is
+        logged, once in a run of restarts: a dead mount left there fails the next start,
+        which is tried again."""
+        try:
+            await trio.to_thread.run_sync(lambda: subprocess.run(
+                ["fusermount3", "-u", "-z", self.mountpoint], capture_output=True,
+                check=False))
+        except OSError as exc:  # no fusermount3 on this system
+            log.log(logging.DEBUG if self._detach_failed else logging.ERROR,
+                    "cannot detach %s: fusermount3: %s", self.mountpoint,
+                    exc.strerror or exc)
+            self._detach_failed = True
+        else:
+            self._detach_failed = False
 
     async def _answer(self, stream: trio.SocketStream, said: trio.Event) -> None:
         """Answer the child's requests until it closes the socket (it ended); set
@@ -188,8 +239,3 @@ class ControlMount:
         if op == "listxattr":
             return await fs.listxattr(_inode(args[0]), who)
         raise pyfuse3.FUSEError(errno.ENOSYS)
-
-
-def _detach(mountpoint: str) -> None:
-    """Lazily unmount whatever is left at ``mountpoint``."""
-    subprocess.run(["fusermount3", "-u", "-z", mountpoint], capture_output=True, check=False)
