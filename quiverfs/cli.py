@@ -6,7 +6,7 @@ import logging
 import sys
 
 from quiverfs import __version__, config
-from quiverfs.errors import ExitCode, QuietError
+from quiverfs.errors import ExitCode, QuietError, quiet_error_in
 
 EPILOG = """exit codes: 0 ok, 1 verify/diff found differences, 2 bad usage, 3 not found,
 4 bad digest, 5 bad input, 6 permission or credentials, 7 storage unreachable,
@@ -56,13 +56,23 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(args.log_level, daemon=getattr(args, "daemon", False))
         return int(args.func(args))
     except QuietError as exc:
-        print(f"quiver: error: {exc.message}", file=sys.stderr)
-        return int(exc.exitcode)
+        return _print_error(exc)
+    except BaseExceptionGroup as group:  # a daemon's task: trio wraps what it raised
+        quiet = quiet_error_in(group)
+        if quiet is None:
+            raise
+        return _print_error(quiet)
     except KeyboardInterrupt:
         print("quiver: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         return int(ExitCode.OK)
+
+
+
+def _print_error(exc: QuietError) -> int:
+    print(f"quiver: error: {exc.message}", file=sys.stderr)
+    return int(exc.exitcode)
 
 
 if __name__ == "__main__":

@@ -30,3 +30,13 @@ class QuietError(Exception):
 
     def __str__(self) -> str:
         return self.message
+
+
+def quiet_error_in(group: BaseExceptionGroup) -> QuietError | None:
+    """The user error that ended a daemon's tasks, where that is all a group holds
+    (trio wraps a task's exception in a group at each nursery it leaves); None if it
+    holds anything else, which is then a bug to show whole."""
+    quiet, rest = group.split(QuietError)
+    while isinstance(quiet, BaseExceptionGroup) and rest is None:
+        quiet = quiet.exceptions[0]
+    return quiet if isinstance(quiet, QuietError) else None

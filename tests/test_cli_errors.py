@@ -15,9 +15,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import trio
 
+from mountd import cli as mountd_cli
 from mountd.control.replies import ClusterReply, MountReply, PrefetchReply, StatusReply
-from quiverfs import control_client, job_protocol, wire
+from quiverfs import cli, control_client, job_protocol, wire
 from quiverfs import digest as fmt
 from quiverfs.bench.processes import terminate, unmount
 from quiverfs.dataset_name import check_name
@@ -610,3 +612,30 @@ def test_mountd_control_socket_where_none_can_be_made(quiver, tmp_path, as_root,
                      *([mode] if mode == "--foreground" else []))
     assert_last_line_error(r, ExitCode.PERMISSION, f"cannot create the control socket {sock}",
                            "Read-only file system", "--control-socket")
+
+
+@pytest.mark.parametrize("also", [None, RuntimeError("a bug")])
+def test_a_user_error_raised_in_a_daemons_task_is_one_line(monkeypatch, capsys, also):
+    """trio wraps what a task raises in an ExceptionGroup at each nursery it leaves (a
+    control mount that cannot be mounted at start, say): the user error is still one
+    line and its code; with a bug beside it, the whole group is shown."""
+    async def serve() -> None:
+        async def cannot_mount() -> None:
+            raise QuietError("cannot mount /x/.quiver: see the log", ExitCode.MOUNT)
+
+        async def buggy() -> None:
+            raise also
+
+        async with trio.open_nursery() as outer:
+            async with trio.open_nursery() as inner:
+                inner.start_soon(cannot_mount)
+                if also is not None:
+                    outer.start_soon(buggy)
+
+    monkeypatch.setattr(mountd_cli, "cmd_status", lambda args: trio.run(serve))
+    if also is None:
+        assert cli.main(["status"]) == ExitCode.MOUNT
+        assert capsys.readouterr().err == "quiver: error: cannot mount /x/.quiver: see the log\n"
+    else:
+        with pytest.raises(BaseExceptionGroup):
+            cli.main(["status"])
