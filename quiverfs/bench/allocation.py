@@ -268,8 +268,11 @@ def job_main(argv: list[str]) -> int:
 
 
 # -- the parent: one configuration -----------------------------------------------------
+# in each configuration's window_counters: pushes, and those whose pages were gone by
+# their read (another job's page drop), say how much of the reads pushes served
 COUNTER_KEYS = (ReadCounter.LOCAL_HITS, ReadCounter.MISSES, ReadCounter.PROBE_MISSES,
-                ReadCounter.BUCKET_FETCHES, ReadCounter.BUCKET_BYTES)
+                ReadCounter.BUCKET_FETCHES, ReadCounter.BUCKET_BYTES, ReadCounter.PUSHED,
+                ReadCounter.PUSHED_DROPPED)
 JOB_KEYS = ("dataset", "epoch", "t_miss", "t_hit", "benefit", "probing", "gpus")
 
 
