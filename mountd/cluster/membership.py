@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import trio
 
 from quiverfs import ownership
+from quiverfs.failure_runs import FailureRuns
 from quiverfs.heartbeat import (MAX_BANDWIDTH, CycleView, DatasetReport, Heartbeat,
                                 HeartbeatReply, from_wire, refusal, to_wire)
 from quiverfs.rpc import RpcClient, RpcError, Unavailable
@@ -95,19 +96,16 @@ class Cluster:
         node's fetches get it, hand the answer to ``apply``. A beat that fails on a bug
         below (an exception other than the coordinator being unavailable) is logged and
         the next one tried: it must not end the heartbeat, and with it mountd."""
-        failing = False
+        beats = FailureRuns(log)  # a beat comes every interval
         while True:
             self._wake = trio.Event()
             try:
                 await self._beat(report, apply, bandwidth)
             except Exception:
-                if not failing:  # once per run of failures: a beat comes every interval
-                    log.exception("a heartbeat failed; the next one is tried as usual")
-                failing = True
+                beats.failed("a heartbeat failed; the next one is tried as usual")
             else:
-                if failing:
+                if beats.succeeded():
                     log.info("heartbeats work again")
-                failing = False
             with trio.move_on_after(self.link.interval):
                 await self._wake.wait()
 

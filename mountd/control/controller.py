@@ -31,6 +31,7 @@ from quiverfs.dataset_name import check_name
 from quiverfs.digest import Digest
 from quiverfs.digest_checks import decode_peak
 from quiverfs.errors import ExitCode, QuietError
+from quiverfs.failure_runs import FailureRuns
 from quiverfs.fs_identity import IdentityUnavailable, UserIdentity, acting_as, open_regular
 from quiverfs.heartbeat import to_wire
 from quiverfs.job_protocol import VIEWS
@@ -396,25 +397,19 @@ class Controller:
         ends the prefetch, the items it did not look at counted as failed. Left to
         propagate, either would end mountd for every user."""
         slots = trio.Semaphore(self.prefetch_concurrency)
-        failing = False  # in a run of items that failed on a bug: logged once
+        bugs = FailureRuns(log)  # items that failed on a bug, one after another
 
         async def one(index: int) -> None:
-            nonlocal failing
             try:
                 await self.reader.fetch(ds, index, FetchCause.PREFETCH)
             except ReadFailed:
                 progress.failed += 1
             except Exception:
                 progress.failed += 1
-                if failing:
-                    log.debug("prefetch of %s: item %d failed too", ds.name, index,
-                              exc_info=True)
-                else:
-                    log.exception("prefetch of %s: item %d failed; counted as failed, the "
-                                  "others go on", ds.name, index)
-                failing = True
+                bugs.failed("prefetch of %s: item %d failed; counted as failed, the others "
+                            "go on", ds.name, index)
             else:
-                failing = False
+                bugs.succeeded()
                 progress.done_items += 1
                 progress.done_bytes += ds.digest.sizes[index]
             finally:

@@ -26,6 +26,7 @@ from mountd.fs.control_fs import ControlFS
 from mountd.fs.control_mount_process import MAX_MESSAGE, attr_to_wire
 from mountd.fs.job_files import CONTROL_INODE
 from quiverfs.errors import ExitCode, QuietError
+from quiverfs.failure_runs import FailureRuns
 from quiverfs.job_protocol import CONTROL_NAME
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ class ControlMount:
         self._proc: trio.Process | None = None
         self._stopping = False
         self._mounted = False  # the child said its mount is made
-        self._detach_failed = False  # the last detach could not run fusermount3
+        self._failures = FailureRuns(log)  # "serve" (a child) and "detach": retried
 
     async def run(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         """Serve the connection until stopped; started once it is mounted. Failing to
@@ -74,16 +75,15 @@ class ControlMount:
         After that, a child that ends or fails is logged (once in a run of failures) and a
         new one started: left to propagate, a failure would end mountd for every user."""
         started = False
-        failing = False  # the last child failed to start, or its link failed
 
         def mounted() -> None:
-            nonlocal started, failing
+            nonlocal started
             if started:
                 log.info("%s is mounted again", self.mountpoint)
             else:
                 started = True
                 task_status.started()
-            failing = False
+            self._failures.succeeded("serve")
 
         while True:
             try:
@@ -93,12 +93,8 @@ class ControlMount:
                     raise
                 if self._stopping:
                     return  # stop() ended a new child before it mounted
-                if failing:
-                    log.debug("serving %s failed again", self.mountpoint, exc_info=True)
-                else:
-                    log.exception("serving %s failed; trying again in %g s",
-                                  self.mountpoint, RESTART_DELAY)
-                failing = True
+                self._failures.failed("serving %s failed; trying again in %g s",
+                                      self.mountpoint, RESTART_DELAY, key="serve")
             else:
                 if self._stopping:
                     return
@@ -159,13 +155,11 @@ class ControlMount:
             await trio.to_thread.run_sync(lambda: subprocess.run(
                 ["fusermount3", "-u", "-z", self.mountpoint], capture_output=True,
                 check=False))
-        except OSError as exc:  # no fusermount3 on this system
-            log.log(logging.DEBUG if self._detach_failed else logging.ERROR,
-                    "cannot detach %s: fusermount3: %s", self.mountpoint,
-                    exc.strerror or exc)
-            self._detach_failed = True
+        except OSError:  # no fusermount3 on this system
+            self._failures.failed("cannot detach %s with fusermount3", self.mountpoint,
+                                  key="detach")
         else:
-            self._detach_failed = False
+            self._failures.succeeded("detach")
 
     async def _answer(self, stream: trio.SocketStream, said: trio.Event) -> None:
         """Answer the child's requests until it closes the socket (it ended); set

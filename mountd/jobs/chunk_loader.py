@@ -25,6 +25,7 @@ from mountd.jobs.registry import Job, JobRegistry
 from quiverfs import ownership
 from quiverfs.chunk_cycle import MAX_LOADING, ChunkState
 from quiverfs.counters import FetchCause, SamplerJobCounter
+from quiverfs.failure_runs import FailureRuns
 from quiverfs.heartbeat import CacheMode, CycleView, DatasetReport, LoadedShare
 from quiverfs.rpc import Unavailable
 
@@ -48,7 +49,7 @@ class ChunkLoader:
         self.stats = services.stats
         self.staging = services.staging
         self._nursery: trio.Nursery | None = None
-        self._failing: set[tuple[str, str]] = set()  # (dataset, step) that failed last time
+        self._failures = FailureRuns(log)  # by (dataset, step): heartbeats repeat them
 
     async def run(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         """Heartbeat (``cluster.run``) inside the nursery that chunk loads run in, so
@@ -94,17 +95,12 @@ class ChunkLoader:
                 self._succeeded(group, "acting on the coordinator's answer")
 
     def _failed(self, group: DatasetJobs, step: str, then: str) -> None:
-        """``step`` for ``group`` raised (called in its ``except``): logged with its
-        traceback the first time in a row only, as heartbeats repeat it every interval."""
-        key = (group.ds.name, step)
-        if key in self._failing:
-            log.debug("dataset %s: %s failed again", group.ds.name, step, exc_info=True)
-        else:
-            self._failing.add(key)
-            log.exception("dataset %s: %s failed; %s", group.ds.name, step, then)
+        """``step`` for ``group`` raised (called in its ``except``)."""
+        self._failures.failed("dataset %s: %s failed; %s", group.ds.name, step, then,
+                              key=(group.ds.name, step))
 
     def _succeeded(self, group: DatasetJobs, step: str) -> None:
-        self._failing.discard((group.ds.name, step))
+        self._failures.succeeded((group.ds.name, step))
 
     async def _apply(self, group: DatasetJobs, view: CycleView, version: int) -> None:
         """Act on ``view``, the coordinator's answer for ``group``'s dataset."""

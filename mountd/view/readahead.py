@@ -32,6 +32,7 @@ from mountd.fetch.bulk_fetch import BulkFetch
 from mountd.jobs.dataset_jobs import DatasetJobs
 from mountd.store.recency import Recency
 from quiverfs.counters import FetchCause, SamplerJobCounter
+from quiverfs.failure_runs import FailureRuns
 from quiverfs.heartbeat import CacheMode
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ class ViewReadahead:
         self._in_flight: collections.Counter[str] = collections.Counter()  # items, by dataset
         # its failed fetches, counted as BulkFetch counts a sampler job's
         self._counters: collections.Counter[SamplerJobCounter] = collections.Counter()
-        self._failing: set[tuple[str, str]] = set()  # (dataset, "look" or "round") that failed
+        self._failures = FailureRuns(log)  # by (dataset, "look" or "round")
 
     def wake(self) -> None:
         self._wake.set()
@@ -124,7 +125,7 @@ class ViewReadahead:
                     except Exception:
                         self._failed(ds.name, "look")
                         continue
-                    self._failing.discard((ds.name, "look"))
+                    self._failures.succeeded((ds.name, "look"))
                     if items:
                         group.cached.hold(items)
                         self._in_flight[ds.name] += len(items)
@@ -139,7 +140,7 @@ class ViewReadahead:
         except Exception:
             self._failed(group.ds.name, "round")
         else:
-            self._failing.discard((group.ds.name, "round"))
+            self._failures.succeeded((group.ds.name, "round"))
         finally:
             self._in_flight[group.ds.name] -= len(items)
             if not self._in_flight[group.ds.name]:
@@ -147,11 +148,6 @@ class ViewReadahead:
             self.wake()
 
     def _failed(self, name: str, what: str) -> None:
-        """A readahead ``what`` of dataset ``name`` raised (called in its ``except``):
-        logged with its traceback the first time in a run of failures only."""
-        if (name, what) in self._failing:
-            log.debug("dataset %s: a readahead %s failed again", name, what, exc_info=True)
-        else:
-            self._failing.add((name, what))
-            log.exception("dataset %s: a readahead %s failed; its jobs' reads fetch what "
-                          "it would have", name, what)
+        """A readahead ``what`` of dataset ``name`` raised (called in its ``except``)."""
+        self._failures.failed("dataset %s: a readahead %s failed; its jobs' reads fetch "
+                              "what it would have", name, what, key=(name, what))
