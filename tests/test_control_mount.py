@@ -112,3 +112,46 @@ async def test_detaching_without_fusermount3_is_logged_once(mount, tmp_path, mon
         await mount._detach()
     logged = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(logged) == 1 and "fusermount3" in logged[0].getMessage()
+
+
+async def test_stopping_while_a_restart_starts_its_process_ends_that_process(mount,
+                                                                            monkeypatch):
+    real = trio.lowlevel.open_process
+    starting, go_on = trio.Event(), trio.Event()
+    procs: list[trio.Process] = []
+
+    async def open_process(command: list[str], **kwargs: object) -> trio.Process:
+        if procs:  # the restart: stop() comes while its process starts
+            starting.set()
+            await go_on.wait()
+        procs.append(await real(command, **kwargs))
+        return procs[-1]
+
+    monkeypatch.setattr(trio.lowlevel, "open_process", open_process)
+    stopped = trio.Event()
+
+    async def stop() -> None:
+        await mount.stop()
+        stopped.set()
+
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(mount.run)
+            os.kill(procs[0].pid, signal.SIGKILL)
+            with trio.fail_after(30):
+                await starting.wait()
+                nursery.start_soon(stop)
+                while not mount._stopping:
+                    await trio.sleep(0)
+                go_on.set()
+                await stopped.wait()
+                while len(procs) < 2:  # (before, stop() returned before it had started)
+                    await trio.sleep(0.01)
+            # the restart's process ended before stop() returned, its mount never made
+            assert len(procs) == 2 and procs[1].returncode is not None
+            assert not is_mounted(mount.mountpoint)
+            nursery.cancel_scope.cancel()
+    finally:
+        for proc in procs:
+            if proc.returncode is None:
+                proc.kill()

@@ -67,6 +67,8 @@ class ControlMount:
         self._proc: trio.Process | None = None
         self._stopping = False
         self._mounted = False  # the child said its mount is made
+        self._running = False  # run() is under way: stop() waits for it to return
+        self._ended = trio.Event()  # run() returned
         self._failures = FailureRuns(log)  # "serve" (a child) and "detach": retried
 
     async def run(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
@@ -74,6 +76,14 @@ class ControlMount:
         mount it the first time is mountd's failure: it does not run without ``.quiver``.
         After that, a child that ends or fails is logged (once in a run of failures) and a
         new one started: left to propagate, a failure would end mountd for every user."""
+        self._running = True
+        try:
+            await self._restarts(task_status)
+        finally:
+            self._ended.set()
+
+    async def _restarts(self, task_status: trio.TaskStatus) -> None:
+        """run()'s loop: a child, and a new one each time it ends, until stopped."""
         started = False
 
         def mounted() -> None:
@@ -115,6 +125,10 @@ class ControlMount:
                     [sys.executable, "-m", "mountd.fs.control_mount_process",
                      str(theirs.fileno()), self.mountpoint], pass_fds=(theirs.fileno(),),
                     start_new_session=True)  # a terminal's ^C is mountd's to pass on
+            if self._stopping:  # stop() came while it started, and saw the one before
+                await self._end(self._proc)
+                await self._detach()  # should it have mounted before it ended
+                return self._proc.returncode
             stream = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
             self._mounted = False
             said = trio.Event()  # mounted, or the child ended first
@@ -133,11 +147,19 @@ class ControlMount:
         return code
 
     async def stop(self) -> None:
-        """Unmount ``ROOT/.quiver`` (the child does) and wait for the child to end."""
+        """Unmount ``ROOT/.quiver`` (the child does) and wait for the child to end, and
+        for run() to return: a restart under way (its child starting while the one before
+        is seen dead here) ends the child it started."""
         self._stopping = True
         proc = self._proc
-        if proc is None or proc.returncode is not None:
-            return
+        if proc is not None and proc.returncode is None:
+            await self._end(proc)
+        if self._running:
+            await self._ended.wait()
+
+    async def _end(self, proc: trio.Process) -> None:
+        """Ask the child to unmount and end; killed, and its mount detached, if it does
+        not within STOP_TIMEOUT."""
         proc.send_signal(signal.SIGTERM)
         with trio.move_on_after(STOP_TIMEOUT):
             await proc.wait()
