@@ -159,3 +159,45 @@ async def test_a_readahead_look_or_round_that_fails_ends_itself_only(loader, cap
     logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert logged == [f"dataset good: a readahead {what} failed; its jobs' reads fetch "
                       "what it would have" for what in ("look", "round")]
+
+
+class CountingBulk:
+    loads = 0
+
+    async def load(self, *args: object) -> None:
+        self.loads += 1
+
+
+@pytest.mark.parametrize("step", ["hold", "wanted"])
+async def test_a_readahead_whose_bookkeeping_fails_ends_that_look_or_round_only(
+        loader, caplog, monkeypatch, step):
+    chunk_loader, good, _ = loader
+    good.view = _view()
+    monkeypatch.setattr(readahead, "next_items", lambda group, needs, n: [0, 1])
+    # the in-memory calls around a round: marking its items held (in the look) and
+    # wanted (in the round)
+    owner = good.cached if step == "hold" else chunk_loader.recency
+    real, calls = getattr(owner, step), []
+
+    def failing_once(items: object) -> object:
+        calls.append(items)
+        if len(calls) == 1:
+            raise RuntimeError(f"{step} bug")
+        return real(items)
+
+    monkeypatch.setattr(owner, step, failing_once)
+    bulk = CountingBulk()
+    ahead = ViewReadahead(bulk, chunk_loader.recency, lambda: [(good, [])])
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ahead.run)
+        with trio.fail_after(10):
+            while bulk.loads < 2:  # a look or round failed: the next ones go on
+                ahead.wake()
+                await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    assert len(calls) >= 2 and not ahead._in_flight
+    logged = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    what = "look" if step == "hold" else "round"
+    assert [r.getMessage() for r in logged] == [
+        f"dataset good: a readahead {what} failed; its jobs' reads fetch what it would have"]
+    assert logged[0].exc_info[0] is RuntimeError

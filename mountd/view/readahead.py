@@ -122,20 +122,21 @@ class ViewReadahead:
                         continue
                     try:
                         items = next_items(group, needs, min(ROUND_ITEMS, room))
+                        if items:
+                            group.cached.hold(items)
                     except Exception:
                         self._failed(ds.name, "look")
                         continue
                     self._failures.succeeded((ds.name, "look"))
                     if items:
-                        group.cached.hold(items)
                         self._in_flight[ds.name] += len(items)
                         nursery.start_soon(self._round, group, items)
                 # a look costs O(items x jobs): at most a twentieth of the loop's time
                 await trio.sleep(max(LOOK_GAP, 20 * (time.perf_counter() - started)))
 
     async def _round(self, group: DatasetJobs, items: list[int]) -> None:
-        self.recency.wanted(group.ds.digest.hash(i) for i in items)
         try:
+            self.recency.wanted(group.ds.digest.hash(i) for i in items)
             await self.bulk.load(group.ds, items, self._counters, FetchCause.VIEW_AHEAD)
         except Exception:
             self._failed(group.ds.name, "round")
