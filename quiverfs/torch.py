@@ -27,7 +27,8 @@ read while the loader refills, and mountd's planning of the next segment (and th
 pushes of its items) would hold up those reads. Where a segment runs to the end of the
 epoch and the job moved on by one epoch last time, the next epoch's first manifest is
 read ahead the same way (mountd then starts that epoch; a job that runs another epoch
-instead has it started afresh). A single batch's manifest
+instead has it started afresh), unless the epoch is the last of the ``epochs`` the job
+said it runs. A single batch's manifest
 (items still being cached, or a probe timing the job) is read when the batch is asked
 for.
 """
@@ -136,9 +137,11 @@ class QuiverBatchSampler(Sampler[list[int]]):
     def __init__(self, root: str, batch_size: int, *, seed: int = 0, rank: int = 0,
                  world_size: int = 1, dataset: Any = None, paths: Sequence[Any] | None = None,
                  job_id: str | None = None, scan_factor: int = DEFAULT_SCAN_FACTOR,
-                 gpus: int = 1) -> None:
+                 gpus: int = 1, epochs: int | None = None) -> None:
         """``dataset``'s files are its ``samples``, or ``paths`` (the file of each index,
-        absolute or relative to ``root``); with neither, ImageFolder(root)'s."""
+        absolute or relative to ``root``); with neither, ImageFolder(root)'s. ``epochs``:
+        how many the job runs (0 to epochs - 1), where known: the last one's end then
+        reads no next epoch's first manifest ahead, which mountd would plan for no one."""
         self.root = os.path.abspath(root)
         self.mount_root, self.dataset_name, self.prefix = find_mount(self.root)
         files, extensions = dataset_files(self.root, dataset, paths)
@@ -149,6 +152,8 @@ class QuiverBatchSampler(Sampler[list[int]]):
         config = {"dataset": self.dataset_name, "prefix": self.prefix,
                   "batch_size": batch_size, "seed": seed, "rank": rank,
                   "world_size": world_size, "scan_factor": scan_factor, "gpus": gpus}
+        if epochs is not None:
+            config["epochs"] = epochs
         if extensions is not None:
             config["extensions"] = list(extensions)
         else:
@@ -266,8 +271,11 @@ class QuiverBatchSampler(Sampler[list[int]]):
         if self._ahead is None:
             self._ahead = concurrent.futures.ThreadPoolExecutor(1, "quiver-manifest")
         ahead = self._ahead
-        # an epoch's first manifest is read ahead only for a job that moves on by one
-        successive = self._previous_epoch == self.epoch - 1
+        # an epoch's first manifest is read ahead only for a job that moves on by one,
+        # and that runs another epoch (as far as it says)
+        last = self.config.get("epochs")
+        successive = (self._previous_epoch == self.epoch - 1
+                      and (last is None or self.epoch + 1 < last))
         self._previous_epoch = self.epoch
         next_manifest: concurrent.futures.Future[Manifest] | None = None
         while batch < len(self):

@@ -184,6 +184,46 @@ def test_the_next_epochs_first_manifest_is_read_ahead(warm_digits):
         (0, False), (1, False), (2, True), (3, True), (4, True)], reads
 
 
+def test_nothing_is_planned_after_the_last_epoch_a_job_says_it_runs(warm_digits):
+    """A job that says it runs 3 epochs: the last one's end reads no manifest of a
+    fourth ahead, so mountd plans and pushes no segment for it; every segment planned
+    was handed out and read, and a manifest asked past the last epoch is refused.
+    (Without ``epochs``, the fourth epoch's first segment was read ahead, and the one
+    after it planned ahead, for no one: test_the_next_epochs_first_manifest_is_read_ahead.)"""
+    m, root = warm_digits
+    sampler = QuiverBatchSampler(root, 32, seed=2, epochs=3)
+    replies: list[tuple[int, int, int]] = []  # (epoch, batch, batches it hands out)
+    ask = sampler._ask  # every manifest the sampler reads (through JOB/next)
+
+    def recorded(reports: bytes, b: int, e: int) -> dict:
+        manifest = ask(reports, b, e)
+        replies.append((e, b, 1 + len(manifest.segment)))
+        return manifest
+
+    sampler._ask = recorded  # type: ignore[method-assign]
+    try:
+        epoch_indices(iter(sampler))
+        m.wait_for_mode("full", MODE_TIMEOUT)
+        for epoch in (1, 2):
+            sampler.set_epoch(epoch)
+            assert sorted(epoch_indices(iter(sampler))) == list(range(1797))
+        sampler._ahead.shutdown()  # its reads ahead are done
+        sampler._ahead = None
+        # each plan ahead was handed out by the last reply: none is under way
+        job = m.status()["jobs"][0]
+        assert (job["epoch"], job["batches_planned"]) == (2, len(sampler))
+        segments = [r for r in replies if r[2] > 1]
+        assert segments and job["counters"]["segments"] == len(segments), (replies, job)
+        assert max(e for e, _, _ in replies) == 2
+        # what epoch 2's replies handed out is its batches, each once: nothing of a
+        # fourth epoch, nor a segment beyond the last batch
+        assert sum(n for e, _, n in replies if e == 2) == len(sampler)
+        with pytest.raises(RuntimeError, match="the job runs 3 epochs"):
+            sampler.manifest(0, 3)
+    finally:
+        sampler.close()
+
+
 def test_an_epoch_run_again_after_a_read_ahead_starts_afresh(warm_digits):
     m, root = warm_digits
     sampler = QuiverBatchSampler(root, 32, seed=3)

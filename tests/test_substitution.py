@@ -317,6 +317,8 @@ def test_unknown_dataset_is_a_clear_error(digits_mount):
     (b'{"dataset": "digits", "batch_size": 4, "prefix": {}}', "prefix must be a string"),
     (b'{"dataset": "digits", "batch_size": 4, "seed": -1}', "seed must be an integer in"),
     (b'{"dataset": "digits", "batch_size": 1e999}', "batch_size must be an integer"),
+    (b'{"dataset": "digits", "batch_size": 4, "epochs": 0}', "epochs (how many the job"),
+    (b'{"dataset": "digits", "batch_size": 4, "epochs": "3"}', "epochs must be an integer"),
     (b'[1, 2]', "must be a JSON object"),
     (b'\xff\xfe', "not JSON"),
 ])

@@ -6,10 +6,11 @@
                     extensions; each open for writing starts a new list, and the next
                     config write takes it (so write it again before each config)
     JOB/config      write one JSON object (one write call): dataset, batch_size, seed,
-                    rank, world_size, prefix, and either extensions (DatasetFolder's rule;
-                    torchvision's image extensions where neither is given) or paths (the
-                    number of lines in JOB/paths); read it back with universe and
-                    batches_per_epoch
+                    rank, world_size, prefix, optionally epochs (how many the job
+                    runs: no batch after them is planned), and either extensions
+                    (DatasetFolder's rule; torchvision's image extensions where neither
+                    is given) or paths (the number of lines in JOB/paths); read it back
+                    with universe and batches_per_epoch
     JOB/eE-bI       read: the manifest (JSON) of mini-batch I of epoch E (with the
                     batches after it, where it hands out a segment: mountd.jobs.planner)
     JOB/report      write lines "EPOCH BATCH SECONDS": per-batch times (for probing)

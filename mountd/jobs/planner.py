@@ -14,7 +14,10 @@ may take them without reading their files (whose manifests are kept, without a
 Batch 0 of any epoch other than the job's current one starts that epoch afresh: a
 sampler handed the rest of an epoch asks for the next epoch's first manifest ahead of
 time, and its loader may then run an epoch again instead (a later batch of an earlier
-epoch is an error).
+epoch is an error). A job that says how many epochs it runs (its config's ``epochs``)
+is planned none after them: the sampler asks for no manifest past its last epoch, and
+one asked for is refused (else its segment would be planned, and its pages pushed, for
+no one).
 """
 from __future__ import annotations
 
@@ -85,6 +88,10 @@ class BatchPlanner:
             group = job.group
             if job.config is None or group is None:
                 raise JobError(job.error or "the job has no config: write its config first")
+            last = job.config.epochs
+            if last is not None and epoch >= last:  # nothing past them is planned
+                raise JobError(f"the job runs {last} epochs (0 to {last - 1}): epoch "
+                               f"{epoch} is not one of them")
             plan = job.plan
             if plan is not None and epoch < plan.epoch and index > 0:
                 raise JobError(f"epoch {epoch} is over (the job is at epoch {plan.epoch})")

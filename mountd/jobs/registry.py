@@ -60,6 +60,9 @@ class JobConfig:
     paths: int | None = None
     scan_factor: int = DEFAULT_SCAN_FACTOR
     gpus: int = 1
+    # Epochs the job runs (0 .. epochs - 1), where it says: none after them is planned
+    # (BatchPlanner.manifest refuses one). None: not said, any epoch may follow.
+    epochs: int | None = None
 
     @classmethod
     def parse(cls, raw: bytes) -> JobConfig:
@@ -74,7 +77,8 @@ class JobConfig:
             raise JobError(f"unknown job config keys: {', '.join(sorted(unknown))}")
         if "dataset" not in data or "batch_size" not in data:
             raise JobError("the job config needs 'dataset' and 'batch_size'")
-        ints = ("batch_size", "seed", "rank", "world_size", "scan_factor", "gpus", "paths")
+        ints = ("batch_size", "seed", "rank", "world_size", "scan_factor", "gpus", "paths",
+                "epochs")
         for key in ints:
             if key in data and (not isinstance(data[key], int) or isinstance(data[key], bool)
                                 or not 0 <= data[key] < MAX_CONFIG_INT):
@@ -106,6 +110,8 @@ class JobConfig:
                            f"(world_size {cfg.world_size})")
         if cfg.scan_factor < 1 or cfg.gpus < 1:
             raise JobError("scan_factor and gpus must be at least 1")
+        if cfg.epochs is not None and cfg.epochs < 1:
+            raise JobError("epochs (how many the job runs) must be at least 1")
         return cfg
 
 
