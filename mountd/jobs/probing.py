@@ -117,14 +117,16 @@ class BenefitProbe:
             plans[index] = MISSED if not hits else UNKNOWN
 
     def times(self) -> tuple[float | None, float | None]:
-        """(t_miss, t_hit) as last measured; t_miss alone once this probe's misses are
-        measured and its hits not yet (the coordinator's model takes a batch of the
-        job's misses to last at least that long)."""
+        """(t_miss, t_hit) as last measured by a whole probe, its misses and its hits;
+        (None, None) before. A probe's misses alone are not told: on t_miss alone the
+        coordinator may allot the dataset no cache (a lone job's misses measure the
+        bucket's bandwidth themselves before any chunk load has, so loads look no
+        faster), and then no batch is planned with the cache, t_hit is never measured,
+        and the job stays off on half a measure. Whether that happened depended on
+        when the bucket meter first read the loads, which timing (CPU load, extra
+        wake-ups of the planner and loader) moves."""
         if self.measured is not None:
             return self.measured
-        missed = self.missed if self.model is not None else self.miss
-        if self.window and len(missed) >= self.window and not self.active:
-            return statistics.fmean(missed[:self.window]), None
         return None, None
 
     @property
