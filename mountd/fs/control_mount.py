@@ -155,7 +155,11 @@ class ControlMount:
         if proc is not None and proc.returncode is None:
             await self._end(proc)
         if self._running:
-            await self._ended.wait()
+            # bounded: mountd's unmount must not wait on a restart that hangs
+            with trio.move_on_after(2 * STOP_TIMEOUT):
+                await self._ended.wait()
+                return
+            log.error("the restart of the process serving %s did not end", self.mountpoint)
 
     async def _end(self, proc: trio.Process) -> None:
         """Ask the child to unmount and end; killed, and its mount detached, if it does
