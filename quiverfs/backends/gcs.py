@@ -5,6 +5,7 @@ import http.client
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from typing import BinaryIO
 
@@ -23,11 +24,14 @@ from quiverfs.errors import ExitCode, QuietError
 
 log = logging.getLogger(__name__)
 
-# Seconds: connect and read timeouts of one HTTP request, and the whole retry budget.
+# Seconds: connect and read timeouts of one HTTP request, and the whole retry budget of
+# the calls that make a digest (list, stat, stream). An item's read has its own, shorter
+# bound (StorageOptions.fetch_deadline): a reader waits on it.
 CONNECT_TIMEOUT = 10.0
 READ_TIMEOUT = 60.0
 RETRY_DEADLINE = 120.0
 STREAM_CHUNK = 8 << 20
+BODY_PIECE = 1 << 20  # bytes of a body read at most between two looks at the deadline
 ENDPOINT = "https://storage.googleapis.com"
 
 
@@ -53,12 +57,15 @@ class GCSBackend(Backend):
         self.options = options or StorageOptions()
         self.endpoint = self.options.emulator_host or ENDPOINT
         self.retry: Retry = DEFAULT_RETRY.with_deadline(retry_deadline)
+        self.fetch_deadline = self.options.fetch_deadline
+        self.read_retry: Retry = DEFAULT_RETRY.with_deadline(self.fetch_deadline)
         self.timeout = (CONNECT_TIMEOUT, READ_TIMEOUT)
-        self.urllib3_timeout = urllib3.Timeout(connect=CONNECT_TIMEOUT, read=READ_TIMEOUT)
         self._local = threading.local()
         self._clients: list[storage.Client] = []
         self._readers: list[AuthorizedHttp] = []
         self._lock = threading.Lock()
+        self._bodies: set[urllib3.BaseHTTPResponse] = set()  # reads receiving a body
+        self._aborted = False
 
     def client(self) -> storage.Client:
         """The calling thread's client."""
@@ -136,6 +143,8 @@ class GCSBackend(Backend):
             return False
 
     def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        """As Backend.read, within ``fetch_deadline`` seconds in all, retries included:
+        a body that trickles fails as one that does not come."""
         if length == 0:
             return b""
         client = self.client()
@@ -147,20 +156,65 @@ class GCSBackend(Backend):
         if offset or length is not None:
             end = "" if length is None else str(offset + length - 1)
             headers["Range"] = f"bytes={offset}-{end}"
+        until = time.monotonic() + self.fetch_deadline
         try:
-            return self.retry(self._get)(url, headers)
+            return self.read_retry(self._get)(url, headers, until, self.object_uri(key))
         except (gexc.GoogleAPIError, auth_exc.GoogleAuthError, urllib3.exceptions.HTTPError,
                 http.client.HTTPException, OSError) as exc:
             raise self._error(exc, key) from None
 
-    def _get(self, url: str, headers: dict[str, str]) -> bytes:
-        """One GET, its body read whole; a status over 299 raised as the client would."""
-        response = self.reader().request("GET", url, headers=headers,
-                                         timeout=self.urllib3_timeout, retries=False)
-        if response.status >= 300:
-            raise gexc.from_http_status(response.status, f"GET {url}: "
-                                        f"{response.data[:200].decode(errors='replace')}")
-        return response.data
+    def _get(self, url: str, headers: dict[str, str], until: float, where: str) -> bytes:
+        """One GET, its body read whole by ``until`` (time.monotonic()); a status over 299
+        raised as the client would. The deadline and an abort are QuietErrors, which the
+        retry does not retry."""
+        left = until - time.monotonic()
+        if self._aborted:
+            raise self._stopped(where)
+        if left <= 0:
+            raise QuietError(f"{where} was not read within {self.fetch_deadline:g} s",
+                             ExitCode.BACKEND)
+        timeout = urllib3.Timeout(connect=min(CONNECT_TIMEOUT, left), read=min(READ_TIMEOUT, left))
+        response = self.reader().request("GET", url, headers=headers, timeout=timeout,
+                                         retries=False, preload_content=False)
+        whole = False
+        with self._lock:
+            self._bodies.add(response)
+            aborted = self._aborted
+        try:
+            if aborted:
+                raise self._stopped(where)
+            if response.status >= 300:
+                text = self._body(response, until, where, limit=200)
+                raise gexc.from_http_status(response.status, f"GET {url}: "
+                                            f"{text.decode(errors='replace')}")
+            data = self._body(response, until, where)
+            whole = True
+            return data
+        finally:
+            with self._lock:
+                self._bodies.discard(response)
+            if not whole:
+                response.close()  # its connection is not reused mid-body
+            response.release_conn()
+
+    def _body(self, response: urllib3.BaseHTTPResponse, until: float, where: str,
+              limit: int | None = None) -> bytes:
+        """The body of ``response`` (its first ``limit`` bytes), read in pieces so that
+        the deadline is looked at after each one that arrives."""
+        pieces = []
+        got = 0
+        while limit is None or got < limit:
+            if time.monotonic() >= until:
+                raise QuietError(f"{where} was not read within {self.fetch_deadline:g} s "
+                                 f"({got} bytes came)", ExitCode.BACKEND)
+            piece = response.read1(BODY_PIECE if limit is None else limit - got)
+            if not piece:
+                break
+            if self._aborted:
+                raise self._stopped(where)
+            pieces.append(piece)
+            got += len(piece)
+        return b"".join(pieces)
 
     def stream_into(self, key: str, sink: BinaryIO) -> int:
         blob = self.client().bucket(self.bucket_name).blob(self._name(key),
@@ -194,7 +248,25 @@ class GCSBackend(Backend):
             raise self._error(gexc.NotFound("missing"), key)
         return ObjectInfo(key, int(blob.size or 0))
 
+    @staticmethod
+    def _stopped(where: str) -> QuietError:
+        return QuietError(f"{where}: reads stopped (the dataset was unmounted, or mountd "
+                          "is stopping)", ExitCode.BACKEND)
+
+    def abort(self) -> None:
+        """End the reads in flight now, and refuse new ones (their sockets are shut:
+        a thread blocked on one returns at once). Does not block."""
+        with self._lock:
+            self._aborted = True
+            bodies = list(self._bodies)
+        for response in bodies:
+            try:
+                response.shutdown()
+            except (ValueError, RuntimeError, OSError):
+                pass  # its read ended meanwhile
+
     def close(self) -> None:
+        self.abort()
         with self._lock:
             for client in self._clients:
                 client.close()
