@@ -1,6 +1,7 @@
 """A stalled "bucket" on loopback: it answers every GET with ``200`` headers and then
-one byte of the requested range every ``interval`` seconds, and records its
-connections (opened, and open now) so that a test can see a client give them up."""
+one byte of the requested range every ``interval`` seconds (or, ``silent``, answers
+nothing), and records its connections (opened, and open now) so that a test can see a
+client give them up."""
 from __future__ import annotations
 
 import contextlib
@@ -17,8 +18,9 @@ WHOLE = 1 << 20  # bytes a request without a Range is promised
 class SlowListener:
     """Accepts on 127.0.0.1 (``url``); one thread per connection."""
 
-    def __init__(self, interval: float) -> None:
+    def __init__(self, interval: float, silent: bool = False) -> None:
         self.interval = interval
+        self.silent = silent
         self._server = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
         self._lock = threading.Lock()
@@ -53,13 +55,16 @@ class SlowListener:
                     request += piece
                 found = RANGE.search(request)
                 length = int(found[2]) - int(found[1]) + 1 if found else WHOLE
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"
-                             b"Content-Length: %d\r\n\r\n" % length)
+                if not self.silent:
+                    conn.sendall(b"HTTP/1.1 200 OK\r\n"
+                                 b"Content-Type: application/octet-stream\r\n"
+                                 b"Content-Length: %d\r\n\r\n" % length)
                 for _ in range(length):
                     readable, _, _ = select.select([conn], [], [], self.interval)
                     if self._closing.is_set() or (readable and not conn.recv(65536)):
                         return  # the client closed it (or sent another request: none do)
-                    conn.sendall(b"x")
+                    if not self.silent:
+                        conn.sendall(b"x")
         except OSError:
             pass  # reset by the client
         finally:
@@ -74,8 +79,8 @@ class SlowListener:
 
 
 @contextlib.contextmanager
-def slow_listener(interval: float) -> Iterator[SlowListener]:
-    listener = SlowListener(interval)
+def slow_listener(interval: float, silent: bool = False) -> Iterator[SlowListener]:
+    listener = SlowListener(interval, silent)
     thread = threading.Thread(target=listener.serve, daemon=True)
     thread.start()
     try:

@@ -104,38 +104,45 @@ def test_a_trickling_body_fails_within_the_fetch_deadline(mountd_factory, gcs_di
 
 @needs_fuse
 @pytest.mark.parametrize("loaders", [0, 1])
-def test_umount_ends_the_datasets_fetches(mountd_factory, gcs_digest, listener, loaders):
+@pytest.mark.parametrize("silent", [False, True], ids=["trickling", "silent"])
+def test_umount_ends_the_datasets_fetches(mountd_factory, gcs_digest, loaders, silent):
     """After 'quiver umount', the listener sees every connection closed and no new one;
-    the stalled reads fail (the fetch deadline, 30 s by default, is not what
-    ends them)."""
-    m, readers = start_stalled(mountd_factory, gcs_digest, listener, loaders)
-    m.call({"op": "umount", "name": "syn"})
-    wait_for("the stalled connections to close", lambda: listener.counts()[1] == 0)
-    opened = listener.counts()[0]
-    wait_for("the stalled reads to fail", readers.done)
-    # EIO, or ENOENT where the read learns that its dataset is gone
-    assert all(e is not None and e.errno in (errno.EIO, errno.ENOENT)
-               for e in readers.errors.values()), readers.errors
-    assert listener.counts() == (opened, 0)  # none retried
-    assert m.status()["datasets"] == []
+    the stalled reads fail (the fetch deadline, 30 s by default, is not what ends
+    them), whether they wait for a body or for the headers."""
+    with slow_listener(TRICKLE, silent) as listener:
+        m, readers = start_stalled(mountd_factory, gcs_digest, listener, loaders)
+        m.call({"op": "umount", "name": "syn"})
+        wait_for("the stalled connections to close", lambda: listener.counts()[1] == 0)
+        opened = listener.counts()[0]
+        wait_for("the stalled reads to fail", readers.done)
+        # EIO, or ENOENT where the read learns that its dataset is gone
+        assert all(e is not None and e.errno in (errno.EIO, errno.ENOENT)
+                   for e in readers.errors.values()), readers.errors
+        assert listener.counts() == (opened, 0)  # none retried
+        assert m.status()["datasets"] == []
 
 
 @needs_fuse
 @pytest.mark.parametrize("loaders", [0, 1])
+@pytest.mark.parametrize("silent", [False, True], ids=["trickling", "silent"])
 def test_sigterm_ends_mountd_within_seconds_during_stalled_fetches(mountd_factory,
-                                                                   gcs_digest, listener,
-                                                                   loaders):
-    m, readers = start_stalled(mountd_factory, gcs_digest, listener, loaders)
-    assert m.proc is not None
-    m.proc.send_signal(signal.SIGTERM)
-    started = time.monotonic()
-    wait_for("mountd to exit", lambda: m.proc.poll() is not None, timeout=WAIT)
-    took = time.monotonic() - started
-    assert m.proc.returncode == 0, m.log_tail()
-    assert took <= STOP_GOAL, f"mountd took {took:.1f} s to exit after SIGTERM"
-    assert not os.path.ismount(m.root)
-    assert loader_pids(m) == set()
-    wait_for("the stalled reads to end", readers.done)
+                                                                   gcs_digest, loaders,
+                                                                   silent):
+    """Whether the stalled fetches wait for a body or for the headers, in mountd's
+    workers or in loader processes: mountd exits 0 within STOP_GOAL, unmounted, its
+    loader processes gone."""
+    with slow_listener(TRICKLE, silent) as listener:
+        m, readers = start_stalled(mountd_factory, gcs_digest, listener, loaders)
+        assert m.proc is not None
+        m.proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        wait_for("mountd to exit", lambda: m.proc.poll() is not None, timeout=WAIT)
+        took = time.monotonic() - started
+        assert m.proc.returncode == 0, m.log_tail()
+        assert took <= STOP_GOAL, f"mountd took {took:.1f} s to exit after SIGTERM"
+        assert not os.path.ismount(m.root)
+        assert loader_pids(m) == set()
+        wait_for("the stalled reads to end", readers.done)
 
 
 def control_mount_pids(m: MountdProcess) -> set[int]:

@@ -4,10 +4,12 @@ from __future__ import annotations
 import http.client
 import logging
 import os
+import socket
 import threading
 import time
-from collections.abc import Iterator
-from typing import BinaryIO
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, BinaryIO
 
 import requests
 import urllib3
@@ -18,6 +20,8 @@ from google.auth.credentials import AnonymousCredentials
 from google.auth.transport.urllib3 import AuthorizedHttp
 from google.cloud import storage
 from google.cloud.storage.retry import DEFAULT_RETRY
+from urllib3.connection import HTTPConnection
+from urllib3.connectionpool import HTTPConnectionPool
 
 from quiverfs.backends.base import Backend, ObjectInfo, StorageOptions, check_key
 from quiverfs.errors import ExitCode, QuietError
@@ -64,7 +68,8 @@ class GCSBackend(Backend):
         self._clients: list[storage.Client] = []
         self._readers: list[AuthorizedHttp] = []
         self._lock = threading.Lock()
-        self._bodies: set[urllib3.BaseHTTPResponse] = set()  # reads receiving a body
+        # the readers' connections, whose sockets abort() shuts
+        self._connections: weakref.WeakSet[HTTPConnection] = weakref.WeakSet()
         self._aborted = False
 
     def client(self) -> storage.Client:
@@ -86,10 +91,15 @@ class GCSBackend(Backend):
         if http is None:
             client = self.client()
             http = self._local.reader = AuthorizedHttp(client._credentials,
-                                                       http=_pool_for(client._http, self.endpoint))
+                                                       http=_pool_for(client._http, self.endpoint,
+                                                                     self._made))
             with self._lock:
                 self._readers.append(http)
         return http
+
+    def _made(self, connection: HTTPConnection) -> None:
+        with self._lock:
+            self._connections.add(connection)
 
     def _make_client(self) -> storage.Client:
         client = self._new_client()
@@ -177,11 +187,8 @@ class GCSBackend(Backend):
         response = self.reader().request("GET", url, headers=headers, timeout=timeout,
                                          retries=False, preload_content=False)
         whole = False
-        with self._lock:
-            self._bodies.add(response)
-            aborted = self._aborted
         try:
-            if aborted:
+            if self._aborted:  # its socket may have been made after abort() shut them
                 raise self._stopped(where)
             if response.status >= 300:
                 text = self._body(response, until, where, limit=200)
@@ -191,8 +198,6 @@ class GCSBackend(Backend):
             whole = True
             return data
         finally:
-            with self._lock:
-                self._bodies.discard(response)
             if not whole:
                 response.close()  # its connection is not reused mid-body
             response.release_conn()
@@ -254,16 +259,19 @@ class GCSBackend(Backend):
                           "is stopping)", ExitCode.BACKEND)
 
     def abort(self) -> None:
-        """End the reads in flight now, and refuse new ones (their sockets are shut:
-        a thread blocked on one returns at once). Does not block."""
+        """End the reads in flight now, and refuse new ones: their sockets are shut, and
+        a thread blocked on one (for the headers or the body) returns at once. Does not
+        block. A connect under way is bounded by CONNECT_TIMEOUT only."""
         with self._lock:
             self._aborted = True
-            bodies = list(self._bodies)
-        for response in bodies:
-            try:
-                response.shutdown()
-            except (ValueError, RuntimeError, OSError):
-                pass  # its read ended meanwhile
+            connections = list(self._connections)
+        for connection in connections:
+            sock = connection.sock  # read once: the thread using it may replace it
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # not connected (any more)
 
     def close(self) -> None:
         self.abort()
@@ -289,15 +297,49 @@ def _read_environment_once(session: requests.Session, url: str) -> None:
     session.trust_env = False
 
 
-def _pool_for(session: requests.Session, url: str) -> urllib3.PoolManager:
+def _pool_for(session: requests.Session, url: str,
+              made: Callable[[HTTPConnection], None]) -> urllib3.PoolManager:
     """A one-connection urllib3 pool that reaches ``url`` as ``session`` does (after
-    ``_read_environment_once``): through its proxy, checking its CA bundle."""
+    ``_read_environment_once``): through its proxy, checking its CA bundle. Each
+    connection it makes is passed to ``made``."""
     verify = session.verify
     ca_certs = verify if isinstance(verify, str) else requests.certs.where()
     proxy = requests.utils.select_proxy(url, session.proxies)
     kwargs = {"maxsize": 1, "ca_certs": ca_certs,
               "cert_reqs": "CERT_REQUIRED" if verify is not False else "CERT_NONE"}
-    return urllib3.ProxyManager(proxy, **kwargs) if proxy else urllib3.PoolManager(**kwargs)
+    if proxy:
+        return _TrackingProxyManager(made, proxy, **kwargs)
+    return _TrackingPoolManager(made, **kwargs)
+
+
+class _Tracking:
+    """A PoolManager whose pools tell ``made`` of each connection they make (urllib3
+    keeps a connection in use out of any place another thread could find it)."""
+
+    def __init__(self, made: Callable[[HTTPConnection], None], *args: Any,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._made_callback = made
+
+    def _new_pool(self, *args: Any, **kwargs: Any) -> HTTPConnectionPool:
+        pool = super()._new_pool(*args, **kwargs)  # type: ignore[misc]
+        make = pool.ConnectionCls
+        made = self._made_callback
+
+        def connection(*args: Any, **kwargs: Any) -> HTTPConnection:
+            made(conn := make(*args, **kwargs))
+            return conn
+
+        pool.ConnectionCls = connection
+        return pool
+
+
+class _TrackingPoolManager(_Tracking, urllib3.PoolManager):
+    pass
+
+
+class _TrackingProxyManager(_Tracking, urllib3.ProxyManager):
+    pass
 
 
 class _CountingSink:
