@@ -5,13 +5,15 @@ mountd keeps two pools of them: one for the misses readers wait on (``fetch``: t
 checked bytes come back first, the store's outcome after), at the jobs' priority, and
 one for chunk loads (``load``), work ahead of need, at a lower one (AHEAD_NICENESS).
 
-The processes start when they are first wanted (``want``: a dataset in a GCS bucket
-is mounted; or a first request) and run until unmount, when their stdin is closed and
-they give up what they hold. A dataset's unmount tells them to drop its source (``drop``). One that exits is started again after
-RESTART_DELAY; the requests it had in flight end with LoaderUnavailable, and their
-callers fetch those items in mountd instead. The processes write into this node's store
-directory; what they stored, and what they could not, is recorded in the store here
-(``ContentStore.stored_elsewhere``, ``write_failed_elsewhere``).
+The processes start when they are first wanted (``want``: a dataset in a GCS bucket is
+mounted; or a first request) and run until unmount, when their stdin is closed and they
+give up what they hold; a dataset's unmount has them drop its source (``drop``), and
+mountd's stop ends the requests waiting on them (``stop_requests``). One that exits is
+started again after RESTART_DELAY; the requests it had in flight end with
+LoaderUnavailable, and their callers fetch those items in mountd instead. The processes
+write into this node's store directory; what they stored, and what they could not, is
+recorded in the store here (``ContentStore.stored_elsewhere``,
+``write_failed_elsewhere``).
 """
 from __future__ import annotations
 

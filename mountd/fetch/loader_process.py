@@ -1,17 +1,17 @@
 """A loader process: fetches items from a GCS bucket, checks their SHA-256 and stores
 them into mountd's store directory, off mountd's serving loop.
 
-mountd (``mountd.fetch.loader_pool``) starts it (``main``) and talks to it over its stdin
-and stdout: length-prefixed pickles of ``LoadRequest`` (or ``Drop``: a dataset was
-unmounted) in, ``LoadReply`` out, in any order. Several requests are in flight at once (one thread each: a bucket's time to
-first byte is tens of milliseconds); each thread hashes what it fetched, and one thread
-writes the store (``StoreWriter``), as many queued items as there are in one
-transaction, letting go of the index whenever it is idle. A request for a reader
-waiting on a miss (``serve``) is answered with the checked bytes first, and with what
-the store made of them after. Content that does not hash to its digest is never
-stored or sent. Once it has imported the GCS client and can take requests it says so
-(``Ready``); it ends when its stdin does (mountd unmounts, or has died), giving up
-the fetches under way.
+mountd (``mountd.fetch.loader_pool``) starts it (``main``) and talks to it over its
+stdin and stdout: length-prefixed pickles of ``LoadRequest`` (or ``Drop``: a dataset was
+unmounted) in, ``LoadReply`` out, in any order. Several requests are in flight at once
+(one thread each: a bucket's time to first byte is tens of milliseconds); each thread
+hashes what it fetched, and one thread writes the store (``StoreWriter``), as many
+queued items as there are in one transaction, letting go of the index whenever it is
+idle. A request for a reader waiting on a miss (``serve``) is answered with the checked
+bytes first, and with what the store made of them after. Content that does not hash to
+its digest is never stored or sent. Once it has imported the GCS client and can take
+requests it says so (``Ready``); it ends when its stdin does (mountd unmounts, or has
+died), giving up the fetches under way.
 """
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ class GCSBackend(Backend):
     """Objects under ``gs://bucket/prefix``; one client per thread (clients are not
     shared), each with the environment's proxies and CA bundle read when it is made.
     Whole-item reads go through a lighter transport made from the same client
-    (``reader``)."""
+    (``reader``), each within ``options.fetch_deadline``; ``abort`` ends those in flight."""
 
     def __init__(self, uri: str, options: StorageOptions | None = None,
                  retry_deadline: float = RETRY_DEADLINE) -> None:
@@ -183,7 +183,8 @@ class GCSBackend(Backend):
         if left <= 0:
             raise QuietError(f"{where} was not read within {self.fetch_deadline:g} s",
                              ExitCode.BACKEND)
-        timeout = urllib3.Timeout(connect=min(CONNECT_TIMEOUT, left), read=min(READ_TIMEOUT, left))
+        timeout = urllib3.Timeout(connect=min(CONNECT_TIMEOUT, left),
+                                  read=min(READ_TIMEOUT, left))
         response = self.reader().request("GET", url, headers=headers, timeout=timeout,
                                          retries=False, preload_content=False)
         whole = False
