@@ -19,7 +19,8 @@ from quiverfs.cycle_cli import add_cycle_options
 from quiverfs.dataset_name import check_name
 from quiverfs.errors import ExitCode, QuietError
 from quiverfs.job_protocol import VIEWS
-from quiverfs.option_types import Address, ByteSize, IntAtLeast
+from quiverfs.backends.base import FETCH_DEADLINE
+from quiverfs.option_types import Address, ByteSize, FloatAtLeast, IntAtLeast
 from quiverfs.peer_network import PeerNetworks
 from quiverfs.sizes import human
 from quiverfs.storage_cli import add_storage_options, storage_options
@@ -73,6 +74,11 @@ def add_parsers(sub: argparse._SubParsersAction,
                    "readers wait on and N for chunk loads; 0 fetches everything in mountd "
                    "(default: one per core but one, at least 1, at most 4: %(default)s "
                    "here)")
+    d.add_argument("--fetch-deadline", metavar="SECONDS",
+                   type=FloatAtLeast("--fetch-deadline", 0, minimum_ok=False),
+                   default=FETCH_DEADLINE,
+                   help="seconds a read of an item from a gs:// bucket may take in all, "
+                   "retries included; past it the read fails with EIO (default %(default)g)")
     d.add_argument("--push-memory", metavar="BYTES", type=ByteSize("--push-memory", zero_ok=True),
                    default=PUSH_MEMORY,
                    help="bytes of substitutable jobs' planned items pushed into the "
@@ -163,6 +169,7 @@ def cmd_mountd(args: argparse.Namespace, embedded_coordinator: EmbeddedFactory) 
                        cache_size=args.cache_size,
                        control_socket=args.control_socket or control_client.default_socket(root),
                        threads=args.threads, loader_processes=args.loader_processes,
+                       fetch_deadline=args.fetch_deadline,
                        push_memory=args.push_memory, fuse_opens=args.fuse_opens,
                        memory_per_uid=args.memory_per_user, memory_total=args.memory_total,
                        chunk_bytes=args.chunk_size, metrics=args.metrics,

@@ -33,6 +33,7 @@ from mountd.jobs.registry import JobRegistry
 from mountd.store.content_store import ContentStore
 from mountd.view.view_jobs import ViewJobs
 from quiverfs import sd_notify
+from quiverfs.backends.base import FETCH_DEADLINE
 from quiverfs.chunk_plan import CACHE_CHUNKS
 from quiverfs.errors import ExitCode, QuietError
 from quiverfs.fs_identity import (NOBODY, IdentityUnavailable, UserIdentity, acting_as,
@@ -83,6 +84,7 @@ class MountdConfig:
     fuse_tasks: int = 64  # FUSE requests handled at once
     fuse_opens: bool = False  # dataset files opened with a handle even where no-open works
     prefetch_concurrency: int = 16  # items a prefetch fetches at once
+    fetch_deadline: float = FETCH_DEADLINE  # seconds a bucket read may take, retries included
 
 
 def check_cluster_config(cfg: MountdConfig) -> None:
@@ -128,7 +130,7 @@ class Mountd:
         self.root = os.path.abspath(cfg.root)
         # The state first: one that cannot be written stops the start before the store
         # (which serves uncached when it cannot write) says anything.
-        self.registry = Registry(os.path.join(cfg.cache_dir, "state"))
+        self.registry = Registry(os.path.join(cfg.cache_dir, "state"), cfg.fetch_deadline)
         self.store = ContentStore(os.path.join(cfg.cache_dir, "store"), cfg.cache_size)
         self.table = MountTable()
         self.limiter = trio.CapacityLimiter(cfg.threads)
@@ -308,6 +310,13 @@ class Mountd:
             async for signum in sigs:
                 log.info("%s: unmounting", signal.Signals(signum).name)
                 self._terminated = True
+                # A read waiting on a stalled bucket would hold the exit until it gave
+                # up: a worker's socket is shut now, and a loader process's request
+                # ends here (its fallback to a worker then fails at once).
+                for ds in self.table.by_name.values():
+                    ds.backend.abort()
+                for pool in self.pools:
+                    pool.stop_requests()
                 await self.control_mount.stop()  # its unmount looks ROOT/.quiver up here
                 pyfuse3.terminate()
 

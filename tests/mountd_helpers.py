@@ -37,7 +37,8 @@ def mountd_factory(tmp_path) -> Iterator[MountdFactory]:
               extra_args: tuple[str, ...] = ()) -> MountdProcess:
         base = workdir or str(tmp_path)
         root = os.path.join(base, f"{name}-mnt")
-        os.makedirs(root, exist_ok=True)
+        if not is_mounted(root):  # a killed mountd's stale mount answers stat with ENOTCONN
+            os.makedirs(root, exist_ok=True)
         cache_dir = cache_dir or os.path.join(base, f"{name}-cache")
         os.makedirs(cache_dir, exist_ok=True)
         m = MountdProcess(root, cache_dir, cache_size, os.path.join(base, f"{name}.log"),

@@ -17,6 +17,7 @@ from mountd.datasets.pools import has_labels
 from mountd.datasets.registry import Registration, Registry, new_registration
 from mountd.datasets.shared_digests import SharedDigests
 from mountd.fetch.item_reader import ReadFailed
+from mountd.fetch.fetch_stop import stop_fetches
 from mountd.fetch.loader_pool import LoaderPool
 from mountd.fetch.read_stats import ReadStats
 from mountd.fetch.services import ReadServices
@@ -298,7 +299,8 @@ class Controller:
             self.views.dataset_removed(name)
             await self._forget(ds)
         pyfuse3.invalidate_entry_async(pyfuse3.ROOT_INODE, name.encode(), ignore_enoent=True)
-        await trio.to_thread.run_sync(ds.backend.close, limiter=self.limiter)
+        await stop_fetches(ds, self.table.by_name.values(), self.loader_pools.values(),
+                           self.limiter)
         log.info("uid %d unmounted %s", peer.uid, name)
         return {"name": name}
 

@@ -17,6 +17,7 @@ import time
 
 from quiverfs import digest as digest_format
 from quiverfs.backends import Backend, StorageOptions, open_backend
+from quiverfs.backends.base import FETCH_DEADLINE
 from quiverfs.dataset_name import check_name
 from quiverfs.errors import ExitCode, QuietError
 from quiverfs.fs_identity import UserIdentity
@@ -52,8 +53,9 @@ class Registration:
 class Registry:
     """Loads and saves registrations; owns the digests and credentials on disk."""
 
-    def __init__(self, state_dir: str) -> None:
+    def __init__(self, state_dir: str, fetch_deadline: float = FETCH_DEADLINE) -> None:
         self.state_dir = state_dir
+        self.fetch_deadline = fetch_deadline  # the node's bound on a bucket read
         # The registrations on disk, as last loaded or saved: what they name stays.
         self._saved: list[Registration] = []
         subdirs = [os.path.join(state_dir, sub) for sub in ("digests", "credentials")]
@@ -144,7 +146,9 @@ class Registry:
                               anonymous=reg.anonymous, read_as=reg.user)
 
     def open_backend(self, reg: Registration, digest: digest_format.Digest) -> Backend:
-        return open_backend(digest.source, self.storage_options(reg))
+        options = dataclasses.replace(self.storage_options(reg),
+                                      fetch_deadline=self.fetch_deadline)
+        return open_backend(digest.source, options)
 
     def forget(self, reg: Registration, still_used: set[str]) -> None:
         """Remove a registration's credentials, and its digest if no dataset in

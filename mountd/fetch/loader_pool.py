@@ -5,13 +5,15 @@ mountd keeps two pools of them: one for the misses readers wait on (``fetch``: t
 checked bytes come back first, the store's outcome after), at the jobs' priority, and
 one for chunk loads (``load``), work ahead of need, at a lower one (AHEAD_NICENESS).
 
-The processes start when they are first wanted (``want``: a dataset in a GCS bucket
-is mounted; or a first request) and run until unmount, when their stdin is closed and
-they finish what they hold. One that exits is started again after
-RESTART_DELAY; the requests it had in flight end with LoaderUnavailable, and their
-callers fetch those items in mountd instead. The processes write into this node's store
-directory; what they stored, and what they could not, is recorded in the store here
-(``ContentStore.stored_elsewhere``, ``write_failed_elsewhere``).
+The processes start when they are first wanted (``want``: a dataset in a GCS bucket is
+mounted; or a first request) and run until unmount, when their stdin is closed and they
+give up what they hold; a dataset's unmount has them drop its source (``drop``), and
+mountd's stop ends the requests waiting on them (``stop_requests``). One that exits is
+started again after RESTART_DELAY; the requests it had in flight end with
+LoaderUnavailable, and their callers fetch those items in mountd instead. The processes
+write into this node's store directory; what they stored, and what they could not, is
+recorded in the store here (``ContentStore.stored_elsewhere``,
+``write_failed_elsewhere``).
 """
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ from collections.abc import Callable
 
 import trio
 
-from mountd.fetch.loader_process import (FRAME_HEADER, LoadReply, LoadRequest, LoadSource, Outcome,
-                                         Ready)
+from mountd.fetch.loader_process import (FRAME_HEADER, Drop, LoadReply, LoadRequest, LoadSource,
+                                         Outcome, Ready)
 from mountd.store.content_store import ContentStore
 from quiverfs.backends import Backend
 
@@ -145,6 +147,7 @@ class LoaderPool:
         self._started = trio.Event()  # set (and replaced) whenever a process starts
         self._ids = itertools.count()
         self._nursery: trio.Nursery | None = None  # where stores' outcomes are awaited
+        self._stopping = False  # mountd is stopping: no request waits on a process
 
     def want(self) -> None:
         """Start the processes now, if they are not running: each takes most of a
@@ -270,12 +273,42 @@ class LoaderPool:
         await trio.to_thread.run_sync(self.store.write_failed_elsewhere, reply.reason,
                                       reply.outcome is Outcome.DAMAGED, limiter=self.limiter)
 
+    def stop_requests(self) -> None:
+        """mountd is stopping: end the requests waiting on the processes, and those sent
+        from now on, with LoaderUnavailable (a FUSE request waiting on a stalled fetch
+        would hold the unmount). The processes themselves end with the pool's run."""
+        self._stopping = True
+        for process in self._live:
+            if process is not None:
+                process.abandon()
+
+    async def drop(self, source: LoadSource) -> None:
+        """Tell every running process to stop reading ``source`` (no dataset mounted
+        reads it any more): the requests for it fail, those under way at once."""
+        for process in [p for p in self._live if p is not None]:
+            try:
+                await self._send(process, Drop(source))
+            except LoaderUnavailable as exc:
+                log.debug("%s: its requests end with it", exc)
+
     async def _ask(self, request: LoadRequest) -> trio.MemoryReceiveChannel[LoadReply]:
         """Send ``request`` to a process; the channel its replies come on."""
+        if self._stopping:
+            raise LoaderUnavailable("mountd is stopping")
         process = await self._a_process()
-        body = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
         send, receive = trio.open_memory_channel[LoadReply](2)
         process.pending[request.id] = send
+        try:
+            await self._send(process, request)
+        except LoaderUnavailable:
+            process.pending.pop(request.id, None)
+            raise
+        return receive
+
+    @staticmethod
+    async def _send(process: _Process, message: LoadRequest | Drop) -> None:
+        """Write ``message`` to ``process``'s stdin; LoaderUnavailable if it cannot."""
+        body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         try:
             # A frame cut short would garble the stream: it is sent whole, or the
             # process is given up.
@@ -283,13 +316,10 @@ class LoaderPool:
                 async with process.send_lock:
                     await process.proc.stdin.send_all(FRAME_HEADER.pack(len(body)) + body)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            process.pending.pop(request.id, None)
             raise LoaderUnavailable(f"loader process {process.proc.pid} exited") from None
         if sending.cancelled_caught:
-            process.pending.pop(request.id, None)
             process.proc.kill()
             raise LoaderUnavailable(f"loader process {process.proc.pid} does not read")
-        return receive
 
     async def _a_process(self) -> _Process:
         """The running process with the fewest requests, waiting for one to (re)start."""

@@ -1,16 +1,17 @@
 """A loader process: fetches items from a GCS bucket, checks their SHA-256 and stores
 them into mountd's store directory, off mountd's serving loop.
 
-mountd (``mountd.fetch.loader_pool``) starts it (``main``) and talks to it over its stdin
-and stdout: length-prefixed pickles of ``LoadRequest`` in, ``LoadReply`` out, in any
-order. Several requests are in flight at once (one thread each: a bucket's time to
-first byte is tens of milliseconds); each thread hashes what it fetched, and one thread
-writes the store (``StoreWriter``), as many queued items as there are in one
-transaction, letting go of the index whenever it is idle. A request for a reader
-waiting on a miss (``serve``) is answered with the checked bytes first, and with what
-the store made of them after. Content that does not hash to its digest is never
-stored or sent. Once it has imported the GCS client and can take requests it says so
-(``Ready``); it ends when its stdin does.
+mountd (``mountd.fetch.loader_pool``) starts it (``main``) and talks to it over its
+stdin and stdout: length-prefixed pickles of ``LoadRequest`` (or ``Drop``: a dataset was
+unmounted) in, ``LoadReply`` out, in any order. Several requests are in flight at once
+(one thread each: a bucket's time to first byte is tens of milliseconds); each thread
+hashes what it fetched, and one thread writes the store (``StoreWriter``), as many
+queued items as there are in one transaction, letting go of the index whenever it is
+idle. A request for a reader waiting on a miss (``serve``) is answered with the checked
+bytes first, and with what the store made of them after. Content that does not hash to
+its digest is never stored or sent. Once it has imported the GCS client and can take
+requests it says so (``Ready``); it ends when its stdin does (mountd unmounts, or has
+died), giving up the fetches under way.
 """
 from __future__ import annotations
 
@@ -55,17 +56,18 @@ class LoadSource:
     credentials_json: str | None  # a service-account key, as JSON (hashable)
     emulator_host: str | None
     anonymous: bool
+    fetch_deadline: float  # seconds a read may take, retries included (mountd's setting)
 
     @classmethod
     def of(cls, uri: str, options: StorageOptions) -> LoadSource:
         info = options.credentials_info
         return cls(uri, None if info is None else json.dumps(info, sort_keys=True),
-                   options.emulator_host, options.anonymous)
+                   options.emulator_host, options.anonymous, options.fetch_deadline)
 
     def options(self) -> StorageOptions:
         info = None if self.credentials_json is None else json.loads(self.credentials_json)
         return StorageOptions(credentials_info=info, emulator_host=self.emulator_host,
-                              anonymous=self.anonymous)
+                              anonymous=self.anonymous, fetch_deadline=self.fetch_deadline)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +83,14 @@ class LoadRequest:
     digest: bytes
     serve: bool = False
     store: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Drop:
+    """Stop reading ``source`` (its last dataset was unmounted): the requests for it
+    sent before this message fail, at once where their fetch is under way."""
+
+    source: LoadSource
 
 
 class Outcome(enum.Enum):
@@ -155,17 +165,28 @@ class Loader:
         self._out_lock = threading.Lock()
         self._puts: queue.Queue[tuple[LoadRequest, bytes] | None] = queue.Queue()
         self._backends: dict[LoadSource, GCSBackend] = {}
+        self._dropped: dict[LoadSource, int] = {}  # the last request id each Drop ends
         self._backends_lock = threading.Lock()
 
     def serve(self, inp: BinaryIO) -> None:
         writing = threading.Thread(target=self._write_loop, name="store writer")
         writing.start()
+        last_id = -1
         try:
             with concurrent.futures.ThreadPoolExecutor(self.threads,
                                                        thread_name_prefix="fetch") as pool:
-                while (request := read_frame(inp)) is not None:
-                    pool.submit(self._answered, request)
-                pool.shutdown(cancel_futures=True)  # mountd is unmounting: finish what runs
+                while (message := read_frame(inp)) is not None:
+                    if isinstance(message, Drop):
+                        self._drop(message.source, last_id)
+                    else:
+                        last_id = message.id
+                        pool.submit(self._answered, message)
+                # mountd is unmounting, or has died: nobody waits for a fetch under way,
+                # and one from a stalled bucket would keep this process alive
+                with self._backends_lock:
+                    for backend in self._backends.values():
+                        backend.abort()
+                pool.shutdown(cancel_futures=True)
         finally:
             self._puts.put(None)
             writing.join()
@@ -179,10 +200,23 @@ class Loader:
             except BrokenPipeError:
                 log.debug("mountd has gone: request %d stays unanswered", reply.id)
 
-    def _backend(self, source: LoadSource) -> GCSBackend:
+    def _drop(self, source: LoadSource, last_id: int) -> None:
+        """End the requests for ``source`` up to ``last_id``: those under way fail as
+        their backend closes, those not started fail in ``_backend``."""
+        with self._backends_lock:
+            self._dropped[source] = last_id
+            backend = self._backends.pop(source, None)
+        if backend is not None:
+            backend.close()
+
+    def _backend(self, request: LoadRequest) -> GCSBackend:
+        """The backend ``request`` reads; QuietError if its source was dropped since."""
         from quiverfs.backends.gcs import GCSBackend  # imported by main() already
 
+        source = request.source
         with self._backends_lock:
+            if request.id <= self._dropped.get(source, -1):
+                raise QuietError(f"{source.uri}: not read: its dataset was unmounted")
             backend = self._backends.get(source)
             if backend is None:
                 backend = self._backends[source] = GCSBackend(source.uri, source.options())
@@ -199,8 +233,7 @@ class Loader:
 
     def _fetch(self, request: LoadRequest) -> None:
         try:
-            data = self._backend(request.source).read(request.key, request.offset,
-                                                      request.length)
+            data = self._backend(request).read(request.key, request.offset, request.length)
         except (QuietError, OSError) as exc:
             message = exc.message if isinstance(exc, QuietError) else exc.strerror or str(exc)
             self._reply(LoadReply(request.id, Outcome.FAILED, reason=message))

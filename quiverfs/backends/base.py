@@ -8,6 +8,12 @@ from typing import BinaryIO
 
 from quiverfs.fs_identity import UserIdentity
 
+# Seconds an item's read from a bucket may take in all, retries included. A GCS bucket
+# serves an item of tens of megabytes in about a second and answers a retried error
+# within a few; past this, a reader is better served an error than kept waiting on a
+# source that trickles (mountd's --fetch-deadline sets it).
+FETCH_DEADLINE = 30.0
+
 
 @dataclasses.dataclass(frozen=True)
 class ObjectInfo:
@@ -24,13 +30,16 @@ class StorageOptions:
     ``credentials_info`` is a parsed service-account JSON; ``emulator_host`` points
     the GCS client at an emulator (``http://127.0.0.1:PORT``); ``anonymous`` asks for
     unauthenticated access (public buckets, emulators); ``read_as`` is the user whose
-    file-system identity opens local files (None: the caller's own).
+    file-system identity opens local files (None: the caller's own);
+    ``fetch_deadline`` bounds a bucket read's seconds, retries included (the node's
+    setting, not the registration's).
     """
 
     credentials_info: dict | None = None
     emulator_host: str | None = None
     anonymous: bool = False
     read_as: UserIdentity | None = None
+    fetch_deadline: float = FETCH_DEADLINE
 
 
 class Backend(abc.ABC):
@@ -57,6 +66,11 @@ class Backend(abc.ABC):
     def object_uri(self, key: str) -> str:
         """The full URI of ``key``, for messages and digests."""
         return f"{self.uri.rstrip('/')}/{key}"
+
+    def abort(self) -> None:
+        """End the reads in flight and refuse new ones, without blocking: a dataset
+        unmounted, or mountd stopping, waits for no stalled read. The default reads
+        nothing that can stall."""
 
     def close(self) -> None:
         """Release connections; the default has none."""

@@ -4,9 +4,12 @@ from __future__ import annotations
 import http.client
 import logging
 import os
+import socket
 import threading
-from collections.abc import Iterator
-from typing import BinaryIO
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, BinaryIO
 
 import requests
 import urllib3
@@ -17,17 +20,22 @@ from google.auth.credentials import AnonymousCredentials
 from google.auth.transport.urllib3 import AuthorizedHttp
 from google.cloud import storage
 from google.cloud.storage.retry import DEFAULT_RETRY
+from urllib3.connection import HTTPConnection
+from urllib3.connectionpool import HTTPConnectionPool
 
 from quiverfs.backends.base import Backend, ObjectInfo, StorageOptions, check_key
 from quiverfs.errors import ExitCode, QuietError
 
 log = logging.getLogger(__name__)
 
-# Seconds: connect and read timeouts of one HTTP request, and the whole retry budget.
+# Seconds: connect and read timeouts of one HTTP request, and the whole retry budget of
+# the calls that make a digest (list, stat, stream). An item's read has its own, shorter
+# bound (StorageOptions.fetch_deadline): a reader waits on it.
 CONNECT_TIMEOUT = 10.0
 READ_TIMEOUT = 60.0
 RETRY_DEADLINE = 120.0
 STREAM_CHUNK = 8 << 20
+BODY_PIECE = 1 << 20  # bytes of a body read at most between two looks at the deadline
 ENDPOINT = "https://storage.googleapis.com"
 
 
@@ -44,7 +52,7 @@ class GCSBackend(Backend):
     """Objects under ``gs://bucket/prefix``; one client per thread (clients are not
     shared), each with the environment's proxies and CA bundle read when it is made.
     Whole-item reads go through a lighter transport made from the same client
-    (``reader``)."""
+    (``reader``), each within ``options.fetch_deadline``; ``abort`` ends those in flight."""
 
     def __init__(self, uri: str, options: StorageOptions | None = None,
                  retry_deadline: float = RETRY_DEADLINE) -> None:
@@ -53,12 +61,16 @@ class GCSBackend(Backend):
         self.options = options or StorageOptions()
         self.endpoint = self.options.emulator_host or ENDPOINT
         self.retry: Retry = DEFAULT_RETRY.with_deadline(retry_deadline)
+        self.fetch_deadline = self.options.fetch_deadline
+        self.read_retry: Retry = DEFAULT_RETRY.with_deadline(self.fetch_deadline)
         self.timeout = (CONNECT_TIMEOUT, READ_TIMEOUT)
-        self.urllib3_timeout = urllib3.Timeout(connect=CONNECT_TIMEOUT, read=READ_TIMEOUT)
         self._local = threading.local()
         self._clients: list[storage.Client] = []
         self._readers: list[AuthorizedHttp] = []
         self._lock = threading.Lock()
+        # the readers' connections, whose sockets abort() shuts
+        self._connections: weakref.WeakSet[HTTPConnection] = weakref.WeakSet()
+        self._aborted = False
 
     def client(self) -> storage.Client:
         """The calling thread's client."""
@@ -79,10 +91,15 @@ class GCSBackend(Backend):
         if http is None:
             client = self.client()
             http = self._local.reader = AuthorizedHttp(client._credentials,
-                                                       http=_pool_for(client._http, self.endpoint))
+                                                       http=_pool_for(client._http, self.endpoint,
+                                                                     self._made))
             with self._lock:
                 self._readers.append(http)
         return http
+
+    def _made(self, connection: HTTPConnection) -> None:
+        with self._lock:
+            self._connections.add(connection)
 
     def _make_client(self) -> storage.Client:
         client = self._new_client()
@@ -136,6 +153,8 @@ class GCSBackend(Backend):
             return False
 
     def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        """As Backend.read, within ``fetch_deadline`` seconds in all, retries included:
+        a body that trickles fails as one that does not come."""
         if length == 0:
             return b""
         client = self.client()
@@ -147,20 +166,61 @@ class GCSBackend(Backend):
         if offset or length is not None:
             end = "" if length is None else str(offset + length - 1)
             headers["Range"] = f"bytes={offset}-{end}"
+        until = time.monotonic() + self.fetch_deadline
         try:
-            return self.retry(self._get)(url, headers)
+            return self.read_retry(self._get)(url, headers, until, self.object_uri(key))
         except (gexc.GoogleAPIError, auth_exc.GoogleAuthError, urllib3.exceptions.HTTPError,
                 http.client.HTTPException, OSError) as exc:
             raise self._error(exc, key) from None
 
-    def _get(self, url: str, headers: dict[str, str]) -> bytes:
-        """One GET, its body read whole; a status over 299 raised as the client would."""
-        response = self.reader().request("GET", url, headers=headers,
-                                         timeout=self.urllib3_timeout, retries=False)
-        if response.status >= 300:
-            raise gexc.from_http_status(response.status, f"GET {url}: "
-                                        f"{response.data[:200].decode(errors='replace')}")
-        return response.data
+    def _get(self, url: str, headers: dict[str, str], until: float, where: str) -> bytes:
+        """One GET, its body read whole by ``until`` (time.monotonic()); a status over 299
+        raised as the client would. The deadline and an abort are QuietErrors, which the
+        retry does not retry."""
+        left = until - time.monotonic()
+        if self._aborted:
+            raise self._stopped(where)
+        if left <= 0:
+            raise QuietError(f"{where} was not read within {self.fetch_deadline:g} s",
+                             ExitCode.BACKEND)
+        timeout = urllib3.Timeout(connect=min(CONNECT_TIMEOUT, left),
+                                  read=min(READ_TIMEOUT, left))
+        response = self.reader().request("GET", url, headers=headers, timeout=timeout,
+                                         retries=False, preload_content=False)
+        whole = False
+        try:
+            if self._aborted:  # its socket may have been made after abort() shut them
+                raise self._stopped(where)
+            if response.status >= 300:
+                text = self._body(response, until, where, limit=200)
+                raise gexc.from_http_status(response.status, f"GET {url}: "
+                                            f"{text.decode(errors='replace')}")
+            data = self._body(response, until, where)
+            whole = True
+            return data
+        finally:
+            if not whole:
+                response.close()  # its connection is not reused mid-body
+            response.release_conn()
+
+    def _body(self, response: urllib3.BaseHTTPResponse, until: float, where: str,
+              limit: int | None = None) -> bytes:
+        """The body of ``response`` (its first ``limit`` bytes), read in pieces so that
+        the deadline is looked at after each one that arrives."""
+        pieces = []
+        got = 0
+        while limit is None or got < limit:
+            if time.monotonic() >= until:
+                raise QuietError(f"{where} was not read within {self.fetch_deadline:g} s "
+                                 f"({got} bytes came)", ExitCode.BACKEND)
+            piece = response.read1(BODY_PIECE if limit is None else limit - got)
+            if not piece:
+                break
+            if self._aborted:
+                raise self._stopped(where)
+            pieces.append(piece)
+            got += len(piece)
+        return b"".join(pieces)
 
     def stream_into(self, key: str, sink: BinaryIO) -> int:
         blob = self.client().bucket(self.bucket_name).blob(self._name(key),
@@ -194,7 +254,28 @@ class GCSBackend(Backend):
             raise self._error(gexc.NotFound("missing"), key)
         return ObjectInfo(key, int(blob.size or 0))
 
+    @staticmethod
+    def _stopped(where: str) -> QuietError:
+        return QuietError(f"{where}: reads stopped (the dataset was unmounted, or mountd "
+                          "is stopping)", ExitCode.BACKEND)
+
+    def abort(self) -> None:
+        """End the reads in flight now, and refuse new ones: their sockets are shut, and
+        a thread blocked on one (for the headers or the body) returns at once. Does not
+        block. A connect under way is bounded by CONNECT_TIMEOUT only."""
+        with self._lock:
+            self._aborted = True
+            connections = list(self._connections)
+        for connection in connections:
+            sock = connection.sock  # read once: the thread using it may replace it
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # not connected (any more)
+
     def close(self) -> None:
+        self.abort()
         with self._lock:
             for client in self._clients:
                 client.close()
@@ -217,15 +298,49 @@ def _read_environment_once(session: requests.Session, url: str) -> None:
     session.trust_env = False
 
 
-def _pool_for(session: requests.Session, url: str) -> urllib3.PoolManager:
+def _pool_for(session: requests.Session, url: str,
+              made: Callable[[HTTPConnection], None]) -> urllib3.PoolManager:
     """A one-connection urllib3 pool that reaches ``url`` as ``session`` does (after
-    ``_read_environment_once``): through its proxy, checking its CA bundle."""
+    ``_read_environment_once``): through its proxy, checking its CA bundle. Each
+    connection it makes is passed to ``made``."""
     verify = session.verify
     ca_certs = verify if isinstance(verify, str) else requests.certs.where()
     proxy = requests.utils.select_proxy(url, session.proxies)
     kwargs = {"maxsize": 1, "ca_certs": ca_certs,
               "cert_reqs": "CERT_REQUIRED" if verify is not False else "CERT_NONE"}
-    return urllib3.ProxyManager(proxy, **kwargs) if proxy else urllib3.PoolManager(**kwargs)
+    if proxy:
+        return _TrackingProxyManager(made, proxy, **kwargs)
+    return _TrackingPoolManager(made, **kwargs)
+
+
+class _Tracking:
+    """A PoolManager whose pools tell ``made`` of each connection they make (urllib3
+    keeps a connection in use out of any place another thread could find it)."""
+
+    def __init__(self, made: Callable[[HTTPConnection], None], *args: Any,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._made_callback = made
+
+    def _new_pool(self, *args: Any, **kwargs: Any) -> HTTPConnectionPool:
+        pool = super()._new_pool(*args, **kwargs)  # type: ignore[misc]
+        make = pool.ConnectionCls
+        made = self._made_callback
+
+        def connection(*args: Any, **kwargs: Any) -> HTTPConnection:
+            made(conn := make(*args, **kwargs))
+            return conn
+
+        pool.ConnectionCls = connection
+        return pool
+
+
+class _TrackingPoolManager(_Tracking, urllib3.PoolManager):
+    pass
+
+
+class _TrackingProxyManager(_Tracking, urllib3.ProxyManager):
+    pass
 
 
 class _CountingSink:
