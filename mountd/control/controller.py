@@ -34,6 +34,7 @@ from quiverfs.digest_checks import decode_peak
 from quiverfs.errors import ExitCode, QuietError
 from quiverfs.failure_runs import FailureRuns
 from quiverfs.fs_identity import IdentityUnavailable, UserIdentity, acting_as, open_regular
+from quiverfs.gcs_endpoint import check_allowed, check_endpoint
 from quiverfs.heartbeat import to_wire
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,9 @@ class Controller:
                  services: ReadServices, jobs: JobRegistry, views: ViewJobs,
                  peer_service: PeerService | None, prefetch_concurrency: int,
                  memory: MemoryBudget, fuse_mode: str,
-                 loader_pools: dict[str, LoaderPool]) -> None:
+                 loader_pools: dict[str, LoaderPool], endpoints: tuple[str, ...] = ()) -> None:
         self.root = root
+        self.endpoints = endpoints  # the GCS endpoints users other than root may name
         self.fuse_mode = fuse_mode  # how dataset files are served: "no-open" or "open"
         self.loader_pools = loader_pools  # by name, for status
         self.table = table
@@ -99,6 +101,9 @@ class Controller:
         for reg in self.registry.load_records():
             try:
                 check_name(reg.name)  # records from before a rule was tightened
+                if reg.emulator_host is not None:  # or before root's allow-list changed
+                    check_allowed(check_endpoint(reg.emulator_host, "its endpoint"), reg.uid,
+                                  self.endpoints)
                 self._check_free(reg.name)
                 digest = (self.shared.digest(reg.identity)
                           or self.registry.load_digest(reg.identity))
@@ -208,7 +213,7 @@ class Controller:
 
     # -- requests ---------------------------------------------------------------------
     async def mount(self, peer: Peer, req: dict[str, Any]) -> dict[str, Any]:
-        request = mount_request(peer, req)
+        request = mount_request(peer, req, self.endpoints)
         name, data, view, options = request.name, request.data, request.view, request.options
         user = peer.user
         if options.credentials_info is not None:

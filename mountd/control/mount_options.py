@@ -3,6 +3,7 @@ the digest's bytes, the view, and how to reach the bucket (credentials, endpoint
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from mountd.control.server import Peer
@@ -10,6 +11,7 @@ from quiverfs.backends import StorageOptions
 from quiverfs.dataset_name import check_name
 from quiverfs.digest import Digest
 from quiverfs.errors import ExitCode, QuietError
+from quiverfs.gcs_endpoint import check_allowed, check_endpoint
 from quiverfs.job_protocol import VIEWS
 
 
@@ -24,8 +26,9 @@ class MountRequest:
     options: StorageOptions
 
 
-def mount_request(peer: Peer, req: dict[str, Any]) -> MountRequest:
-    """``req`` checked; QuietError if a field is malformed."""
+def mount_request(peer: Peer, req: dict[str, Any], endpoints: Sequence[str]) -> MountRequest:
+    """``req`` checked; QuietError if a field is malformed, or if ``peer`` (not root)
+    names a GCS endpoint that is not in ``endpoints`` (root's allow-list)."""
     name = check_name(req["name"])
     data = req["digest"]
     if not isinstance(data, bytes):
@@ -40,6 +43,9 @@ def mount_request(peer: Peer, req: dict[str, Any]) -> MountRequest:
     if view not in VIEWS:
         raise QuietError(f"unknown view {view!r}: use one of {', '.join(VIEWS)}",
                          ExitCode.USAGE)
+    if emulator_host is not None:
+        emulator_host = check_endpoint(emulator_host, "STORAGE_EMULATOR_HOST")
+        check_allowed(emulator_host, peer.uid, endpoints)
     options = StorageOptions(credentials_info=credentials, emulator_host=emulator_host,
                              anonymous=bool(req.get("anonymous", False)), read_as=peer.user)
     return MountRequest(name, data, view, bool(req.get("prefetch")), options)

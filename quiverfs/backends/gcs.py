@@ -23,6 +23,7 @@ from google.oauth2 import service_account
 
 from quiverfs.backends.base import Backend, ObjectInfo, StorageOptions, check_key
 from quiverfs.errors import ExitCode, QuietError
+from quiverfs.gcs_endpoint import DEFAULT_ENDPOINT
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,6 @@ READ_TIMEOUT = 60.0
 RETRY_DEADLINE = 120.0
 TOKEN_TIMEOUT = 10.0  # seconds: one request to a service-account key's token endpoint
 STREAM_CHUNK = 8 << 20
-ENDPOINT = "https://storage.googleapis.com"
 REASON_CHARS = 200  # of a token endpoint's error, in a message
 
 
@@ -56,7 +56,7 @@ class GCSBackend(Backend):
         self.bucket_name, self.prefix = split_gs_uri(uri)
         self.uri = f"gs://{self.bucket_name}" + (f"/{self.prefix}" if self.prefix else "")
         self.options = options or StorageOptions()
-        self.endpoint = self.options.emulator_host or ENDPOINT
+        self.endpoint = self.options.emulator_host or DEFAULT_ENDPOINT
         self.retry: Retry = DEFAULT_RETRY.with_deadline(retry_deadline)
         self.timeout = (CONNECT_TIMEOUT, READ_TIMEOUT)
         self.urllib3_timeout = urllib3.Timeout(connect=CONNECT_TIMEOUT, read=READ_TIMEOUT)
