@@ -6,6 +6,8 @@ query, a fragment or user-info would let a user choose what root asks of any ser
 can reach; those are refused for everyone. Root's own requests may name any endpoint;
 another user's only Google's (``DEFAULT_ENDPOINT``) or one that root listed with
 mountd's ``--gcs-endpoint URL[,URL...]`` (``gcs-endpoint = [...]`` in the config file).
+For the same reason another user's service-account key must send its token requests
+to Google's token endpoint.
 """
 from __future__ import annotations
 
@@ -18,6 +20,10 @@ from typing import ClassVar
 from quiverfs.errors import ExitCode, QuietError
 
 DEFAULT_ENDPOINT = "https://storage.googleapis.com"
+# Where Google's service-account keys send their token requests ('token_uri'): the
+# only places mountd posts a user's key to for users other than root.
+GOOGLE_TOKEN_URIS = ("https://oauth2.googleapis.com/token",
+                     "https://accounts.google.com/o/oauth2/token")
 _PRINTABLE = re.compile(r"[!-~]+")  # ASCII without spaces or control characters
 
 
@@ -73,6 +79,18 @@ def check_allowed(endpoint: str, uid: int, allowed: Sequence[str]) -> None:
                      f"{listed}): ask root to add it to gcs-endpoint in mountd's config file "
                      "(or its --gcs-endpoint), or unset STORAGE_EMULATOR_HOST",
                      ExitCode.PERMISSION)
+
+
+def check_token_uri(info: dict, uid: int) -> None:
+    """Refuse (PERMISSION) a non-root ``uid`` a service-account key whose token endpoint
+    is not Google's: mountd would post to it as root."""
+    token_uri = info.get("token_uri")
+    if uid == 0 or token_uri in GOOGLE_TOKEN_URIS:
+        return
+    raise QuietError(f"the service-account key's token_uri {token_uri!r} is not Google's "
+                     f"({GOOGLE_TOKEN_URIS[0]}): for users other than root, mountd exchanges "
+                     "keys only there; give a key file from 'gcloud iam service-accounts "
+                     "keys create'", ExitCode.PERMISSION)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,8 @@ import pytest
 
 from quiverfs.bench.request_log import RequestLog
 from quiverfs.bench.throttle_proxy import UNCAPPED, throttled
-from tests.mountd_helpers import dataset_counters, make_digest, mountd_factory, tree_hashes
+from tests.mountd_helpers import (call_as, dataset_counters, make_digest, mountd_factory,
+                                  tree_hashes)
 from tests.token_endpoint import JWT_BEARER, new_key, token_endpoint
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
@@ -108,3 +109,19 @@ def test_a_key_its_token_endpoint_refuses_is_refused_and_nothing_is_saved(
                 assert json.load(f) == []
         assert m.status()["datasets"] == []
         assert "syn" not in os.listdir(m.root)
+
+
+def test_a_users_key_whose_token_endpoint_is_not_googles_is_refused_unposted(
+        shared_workdir, mountd_factory, synthetic_tree, upload, gcs_emulator):
+    data = make_digest(upload(synthetic_tree.root, "syn"), "syn", gcs_emulator.host)
+    key = new_key(EMAIL)
+    m = mountd_factory(workdir=shared_workdir, cache_dir=os.path.join(shared_workdir, "cache"))
+    os.chmod(m.cache_dir, 0o755)
+    with token_endpoint([key]) as tokens:
+        reply = call_as(1000, 1000, m.socket, {"op": "mount", "name": "syn", "digest": data,
+                                               "credentials": key.info(tokens.url)})
+        assert not reply["ok"] and reply["code"] == 6, reply
+        assert f"token_uri '{tokens.url}' is not Google's" in reply["error"]
+        assert tokens.recorded() == []
+    assert os.listdir(os.path.join(m.cache_dir, "state", "credentials")) == []
+    assert m.status()["datasets"] == []

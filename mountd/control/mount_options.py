@@ -11,7 +11,7 @@ from quiverfs.backends import StorageOptions
 from quiverfs.dataset_name import check_name
 from quiverfs.digest import Digest
 from quiverfs.errors import ExitCode, QuietError
-from quiverfs.gcs_endpoint import check_allowed, check_endpoint
+from quiverfs.gcs_endpoint import check_allowed, check_endpoint, check_token_uri
 from quiverfs.job_protocol import VIEWS
 
 
@@ -28,7 +28,8 @@ class MountRequest:
 
 def mount_request(peer: Peer, req: dict[str, Any], endpoints: Sequence[str]) -> MountRequest:
     """``req`` checked; QuietError if a field is malformed, or if ``peer`` (not root)
-    names a GCS endpoint that is not in ``endpoints`` (root's allow-list)."""
+    names a GCS endpoint that is not in ``endpoints`` (root's allow-list) or brings a
+    key whose token endpoint is not Google's."""
     name = check_name(req["name"])
     data = req["digest"]
     if not isinstance(data, bytes):
@@ -46,6 +47,8 @@ def mount_request(peer: Peer, req: dict[str, Any], endpoints: Sequence[str]) -> 
     if emulator_host is not None:
         emulator_host = check_endpoint(emulator_host, "STORAGE_EMULATOR_HOST")
         check_allowed(emulator_host, peer.uid, endpoints)
+    if credentials is not None:
+        check_token_uri(credentials, peer.uid)
     options = StorageOptions(credentials_info=credentials, emulator_host=emulator_host,
                              anonymous=bool(req.get("anonymous", False)), read_as=peer.user)
     return MountRequest(name, data, view, bool(req.get("prefetch")), options)
