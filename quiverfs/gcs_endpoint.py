@@ -24,6 +24,7 @@ DEFAULT_ENDPOINT = "https://storage.googleapis.com"
 # only places mountd posts a user's key to for users other than root.
 GOOGLE_TOKEN_URIS = ("https://oauth2.googleapis.com/token",
                      "https://accounts.google.com/o/oauth2/token")
+GOOGLE_UNIVERSE = "googleapis.com"
 _PRINTABLE = re.compile(r"[!-~]+")  # ASCII without spaces or control characters
 
 
@@ -83,14 +84,22 @@ def check_allowed(endpoint: str, uid: int, allowed: Sequence[str]) -> None:
 
 def check_token_uri(info: dict, uid: int) -> None:
     """Refuse (PERMISSION) a non-root ``uid`` a service-account key whose token endpoint
-    is not Google's: mountd would post to it as root."""
-    token_uri = info.get("token_uri")
-    if uid == 0 or token_uri in GOOGLE_TOKEN_URIS:
+    is not Google's (mountd would post to it as root), or whose universe is not
+    Google's public one (google-auth then signs its own tokens, and mountd could not try
+    the key before registering it)."""
+    if uid == 0:
         return
-    raise QuietError(f"the service-account key's token_uri {token_uri!r} is not Google's "
-                     f"({GOOGLE_TOKEN_URIS[0]}): for users other than root, mountd exchanges "
-                     "keys only there; give a key file from 'gcloud iam service-accounts "
-                     "keys create'", ExitCode.PERMISSION)
+    token_uri = info.get("token_uri")
+    if token_uri not in GOOGLE_TOKEN_URIS:
+        raise QuietError(f"the service-account key's token_uri {token_uri!r} is not "
+                         f"Google's ({GOOGLE_TOKEN_URIS[0]}): for users other than root, "
+                         "mountd exchanges keys only there; give a key file from 'gcloud "
+                         "iam service-accounts keys create'", ExitCode.PERMISSION)
+    universe = info.get("universe_domain", GOOGLE_UNIVERSE)
+    if universe != GOOGLE_UNIVERSE:
+        raise QuietError(f"the service-account key's universe_domain {universe!r} is not "
+                         f"{GOOGLE_UNIVERSE!r}: for users other than root, mountd takes keys "
+                         "of Google's public cloud only", ExitCode.PERMISSION)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -122,6 +122,13 @@ def test_a_users_key_whose_token_endpoint_is_not_googles_is_refused_unposted(
                                                "credentials": key.info(tokens.url)})
         assert not reply["ok"] and reply["code"] == 6, reply
         assert f"token_uri '{tokens.url}' is not Google's" in reply["error"]
+        # Google's token endpoint, but a universe whose keys sign their own tokens
+        elsewhere = {**key.info("https://oauth2.googleapis.com/token"),
+                     "universe_domain": "example.com"}
+        reply = call_as(1000, 1000, m.socket, {"op": "mount", "name": "syn", "digest": data,
+                                               "credentials": elsewhere})
+        assert not reply["ok"] and reply["code"] == 6, reply
+        assert "universe_domain 'example.com' is not 'googleapis.com'" in reply["error"]
         assert tokens.recorded() == []
     assert os.listdir(os.path.join(m.cache_dir, "state", "credentials")) == []
     assert m.status()["datasets"] == []
