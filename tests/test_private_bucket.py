@@ -132,3 +132,26 @@ def test_a_users_key_whose_token_endpoint_is_not_googles_is_refused_unposted(
         assert tokens.recorded() == []
     assert os.listdir(os.path.join(m.cache_dir, "state", "credentials")) == []
     assert m.status()["datasets"] == []
+
+
+def test_a_registration_dropped_at_restart_leaves_no_key_behind(
+        mountd_factory, quiver, synthetic_tree, upload, gcs_emulator, tmp_path, monkeypatch):
+    uri = upload(synthetic_tree.root, "syn")
+    digest_file = str(tmp_path / "syn.qd")
+    with open(digest_file, "wb") as f:
+        f.write(make_digest(uri, "syn", gcs_emulator.host))
+    key = new_key(EMAIL)
+    with token_endpoint([key]) as tokens:
+        key_file = write_key(str(tmp_path / "key.json"), key.info(tokens.url))
+        m = mountd_factory()
+        r = mount_cli(quiver, m, digest_file, key_file, "syn")
+        assert r.returncode == 0, r.stderr
+    state = os.path.join(m.cache_dir, "state")
+    assert os.listdir(os.path.join(state, "credentials")) == ["syn.json"]
+    assert m.stop() == 0
+    for name in os.listdir(os.path.join(state, "digests")):  # the registration cannot load
+        os.unlink(os.path.join(state, "digests", name))
+    m2 = mountd_factory(cache_dir=m.cache_dir)
+    assert m2.status()["datasets"] == []
+    assert "dropping dataset 'syn'" in m2.log_tail(50)
+    assert os.listdir(os.path.join(state, "credentials")) == []

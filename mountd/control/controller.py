@@ -97,7 +97,7 @@ class Controller:
 
     def restore(self) -> None:
         """Re-register the datasets persisted by an earlier run (before mounting)."""
-        kept = []
+        kept, dropped = [], []
         for reg in self.registry.load_records():
             try:
                 check_name(reg.name)  # records from before a rule was tightened
@@ -112,6 +112,7 @@ class Controller:
                                  self.registry.storage_options(reg))
             except QuietError as exc:
                 log.error("dropping dataset %r: %s", reg.name, exc.message)
+                dropped.append(reg)
                 continue
             self.table.add(ds)
             self.reader.expect_misses(ds.backend)
@@ -121,6 +122,13 @@ class Controller:
             self.registry.save_records(kept)
         except OSError as exc:  # the records on disk stay as they were
             log.error("cannot save %s: %s", self.registry.state_dir, exc)
+        else:
+            try:  # a dropped registration's key (and digest, if unused) is not kept
+                for reg in dropped:
+                    self.registry.forget(reg, {r.identity for r in kept})
+            except OSError as exc:
+                log.error("cannot remove a dropped dataset's files from %s: %s",
+                          self.registry.state_dir, exc)
         self._warn_over_memory()
 
     def _warn_over_memory(self) -> None:
