@@ -18,6 +18,7 @@ from quiverfs.counters import ReadCounter, SamplerJobCounter
 from quiverfs.cycle_cli import add_cycle_options
 from quiverfs.dataset_name import check_name
 from quiverfs.errors import ExitCode, QuietError
+from quiverfs.gcs_endpoint import GcsEndpoints
 from quiverfs.job_protocol import VIEWS
 from quiverfs.backends.base import FETCH_DEADLINE
 from quiverfs.option_types import Address, ByteSize, FloatAtLeast, IntAtLeast
@@ -97,6 +98,12 @@ def add_parsers(sub: argparse._SubParsersAction,
     d.add_argument("--memory-total", metavar="BYTES", type=ByteSize("--memory-total"),
                    help="memory the registrations of all users together, root's too, may "
                    "take (default: a quarter of physical memory)")
+    d.add_argument("--gcs-endpoint", metavar="URL[,URL...]", type=GcsEndpoints("--gcs-endpoint"),
+                   default=(),
+                   help="GCS endpoints (http[s]://HOST[:PORT], such as an emulator's) that "
+                   "users other than root may name with STORAGE_EMULATOR_HOST, comma-"
+                   "separated; in the config file, an array of strings (default: none, only "
+                   "Google's own; root may name any)")
     d.add_argument("--metrics", metavar="HOST:PORT", type=Address("--metrics"),
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     d.add_argument("--chunk-size", type=ByteSize("--chunk-size"),
@@ -177,7 +184,8 @@ def cmd_mountd(args: argparse.Namespace, embedded_coordinator: EmbeddedFactory) 
                        probe_batches=args.probe_batches,
                        coordinator=args.coordinator, listen=args.listen,
                        cluster_secret_file=args.cluster_secret_file,
-                       peer_networks=args.peer_network or ())
+                       peer_networks=args.peer_network or (),
+                       gcs_endpoints=args.gcs_endpoint)
     if args.node_id:
         cfg.node_id = args.node_id
     if args.coordinator:
@@ -239,9 +247,12 @@ def cmd_mount(args: argparse.Namespace) -> int:
     with open(args.digest, "rb") as f:
         data = f.read()
     opts = storage_options(args)
+    # Only a bucket has an endpoint: an emulator's variable set in the shell does not
+    # make a local dataset's registration name one (which mountd may refuse).
+    endpoint = opts.emulator_host if digest.source.startswith("gs://") else None
     reply = _call(args, {"op": "mount", "name": name, "digest": data,
                          "credentials": opts.credentials_info,
-                         "emulator_host": opts.emulator_host, "anonymous": opts.anonymous,
+                         "emulator_host": endpoint, "anonymous": opts.anonymous,
                          "prefetch": args.prefetch, "view": args.view})
     mounted = control_client.typed(reply, MountReply, "mount")
     view = " (substitutable view)" if mounted.view == "substitutable" else ""

@@ -85,6 +85,7 @@ class MountdConfig:
     fuse_opens: bool = False  # dataset files opened with a handle even where no-open works
     prefetch_concurrency: int = 16  # items a prefetch fetches at once
     fetch_deadline: float = FETCH_DEADLINE  # seconds a bucket read may take, retries included
+    gcs_endpoints: tuple[str, ...] = ()  # endpoints users other than root may name
 
 
 def check_cluster_config(cfg: MountdConfig) -> None:
@@ -160,7 +161,7 @@ class Mountd:
             MemoryBudget(MemoryLimits(cfg.memory_per_uid, cfg.memory_total or default_total())),
             "no-open" if no_open else "open",
             {name: pool for name, pool in (("serving", serving), ("ahead", ahead))
-             if pool is not None})
+             if pool is not None}, cfg.gcs_endpoints)
         if not (cfg.fuse_opens or no_open):
             log.warning("this pyfuse3 does not pass the inode to read (mountd/patches): "
                         "dataset files are served with OPEN and RELEASE")

@@ -8,6 +8,7 @@ import os
 
 from quiverfs.backends import StorageOptions
 from quiverfs.errors import ExitCode, QuietError
+from quiverfs.gcs_endpoint import check_endpoint
 
 
 def add_storage_options(p: argparse.ArgumentParser) -> None:
@@ -24,8 +25,10 @@ def storage_options(args: argparse.Namespace) -> StorageOptions:
     info = None
     if getattr(args, "credentials", None):
         info = _service_account_info(args.credentials)
-    return StorageOptions(credentials_info=info,
-                          emulator_host=os.environ.get("STORAGE_EMULATOR_HOST") or None,
+    endpoint = os.environ.get("STORAGE_EMULATOR_HOST") or None
+    if endpoint is not None:
+        endpoint = check_endpoint(endpoint, "$STORAGE_EMULATOR_HOST")
+    return StorageOptions(credentials_info=info, emulator_host=endpoint,
                           anonymous=bool(getattr(args, "anonymous", False)))
 
 

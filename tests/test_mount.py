@@ -343,7 +343,8 @@ def test_gcs_registration_by_a_user_must_bring_credentials(shared_workdir, mount
                                                            gcs_emulator):
     uri = upload(synthetic_tree.root, "syn")
     data = make_digest(uri, "syn", gcs_emulator.host)
-    m = mountd_factory(workdir=shared_workdir, cache_dir=os.path.join(shared_workdir, "cache"))
+    m = mountd_factory(workdir=shared_workdir, cache_dir=os.path.join(shared_workdir, "cache"),
+                       extra_args=("--gcs-endpoint", gcs_emulator.host))
     os.chmod(m.cache_dir, 0o755)
     refused = call_as(1000, 1000, m.socket, {"op": "mount", "name": "theirs", "digest": data})
     assert not refused["ok"] and refused["code"] == 6 and "--credentials" in refused["error"]

@@ -4,6 +4,8 @@ of when bytes went out."""
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
+import http.server
 import os
 import socket
 import socketserver
@@ -13,7 +15,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from quiverfs.bench.throttle_proxy import SentBytes, ThrottleProxy, throttled
+from quiverfs.bench.request_log import RequestLog
+from quiverfs.bench.throttle_proxy import UNCAPPED, SentBytes, ThrottleProxy, throttled
 from quiverfs.errors import ExitCode
 
 PAYLOAD = 256 << 10  # bytes the streaming server sends on every connection
@@ -159,3 +162,38 @@ def test_bench_latency_option_refuses_what_it_cannot_do(quiver, tmp_path, args, 
     assert r.returncode == ExitCode.USAGE
     assert r.stderr.strip() == f"quiver: error: {message}"
     assert not (tmp_path / "out.json").exists()
+
+
+class _HTTPEcho(http.server.BaseHTTPRequestHandler):
+    """Answers every request with its body (HTTP/1.1: one connection for all)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def _answer(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _answer  # noqa: N815 (http.server's names)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("server_url", [_HTTPEcho], indirect=True)
+def test_records_each_requests_headers_on_a_kept_alive_connection(server_url):
+    log = RequestLog()
+    body = b"x" * 100_000 + b"\r\n\r\nGET /not-a-request HTTP/1.1\r\n\r\n"  # in a body
+    with throttled(server_url, UNCAPPED, request_log=log) as proxy:
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.port)
+        conn.request("POST", "/upload?x=1", body=body, headers={"Authorization": "Bearer a"})
+        assert conn.getresponse().read() == body
+        conn.request("GET", "/b/o?alt=media", headers={"Range": "bytes=0-9"})
+        assert conn.getresponse().read() == b""
+        conn.close()
+    got = [(r.method, r.target, r.headers.get("authorization"), r.headers.get("range"))
+           for r in log.requests()]
+    assert got == [("POST", "/upload?x=1", "Bearer a", None),
+                   ("GET", "/b/o?alt=media", None, "bytes=0-9")]

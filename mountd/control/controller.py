@@ -1,6 +1,7 @@
 """What the control socket can ask of mountd: mount, umount, status, prefetch."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -9,6 +10,7 @@ import pyfuse3
 import trio
 
 from mountd.cluster.peers import PeerService
+from mountd.control.mount_options import check_gcs_credentials, mount_request, try_credentials
 from mountd.control.server import Peer
 from mountd.datasets.dataset import MountedDataset, PrefetchProgress
 from mountd.datasets.memory_budget import DigestCost, Held, MemoryBudget, charged, digest_cost
@@ -25,7 +27,7 @@ from mountd.jobs.registry import JobRegistry
 from mountd.view.view_jobs import ViewJobs
 from quiverfs import digest as digest_format
 from quiverfs import ownership
-from quiverfs.backends import StorageOptions
+from quiverfs.backends import StorageOptions, open_backend
 from quiverfs.background import BackgroundTasks
 from quiverfs.counters import FetchCause
 from quiverfs.dataset_name import check_name
@@ -34,8 +36,8 @@ from quiverfs.digest_checks import decode_peak
 from quiverfs.errors import ExitCode, QuietError
 from quiverfs.failure_runs import FailureRuns
 from quiverfs.fs_identity import IdentityUnavailable, UserIdentity, acting_as, open_regular
+from quiverfs.gcs_endpoint import check_allowed, check_endpoint
 from quiverfs.heartbeat import to_wire
-from quiverfs.job_protocol import VIEWS
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +57,9 @@ class Controller:
                  services: ReadServices, jobs: JobRegistry, views: ViewJobs,
                  peer_service: PeerService | None, prefetch_concurrency: int,
                  memory: MemoryBudget, fuse_mode: str,
-                 loader_pools: dict[str, LoaderPool]) -> None:
+                 loader_pools: dict[str, LoaderPool], endpoints: tuple[str, ...] = ()) -> None:
         self.root = root
+        self.endpoints = endpoints  # the GCS endpoints users other than root may name
         self.fuse_mode = fuse_mode  # how dataset files are served: "no-open" or "open"
         self.loader_pools = loader_pools  # by name, for status
         self.table = table
@@ -83,28 +86,36 @@ class Controller:
                 "prefetch": self.prefetch, "cluster": self.cluster_status}
 
     # -- building datasets ------------------------------------------------------------
-    def _build(self, reg: Registration, digest: Digest, cost: DigestCost) -> MountedDataset:
-        """The dataset of ``reg``, on the shared copies of ``digest``'s tree and pools."""
+    def _build(self, reg: Registration, digest: Digest, cost: DigestCost,
+               options: StorageOptions) -> MountedDataset:
+        """The dataset of ``reg``, on the shared copies of ``digest``'s tree and pools,
+        its bucket reached as ``options`` say."""
         tree = self.shared.tree(digest)
         pools = self.shared.pools(digest) if reg.view == "substitutable" else None
-        backend = self.registry.open_backend(reg, digest)
+        backend = open_backend(digest.source, dataclasses.replace(
+            options, fetch_deadline=self.registry.fetch_deadline))
         return MountedDataset(reg=reg, digest=digest, tree=tree, backend=backend,
                               inode_base=self.table.allocate_base(tree.n_nodes), cost=cost,
                               pools=pools, fetch_depth=self.reader.fetch_depth(backend))
 
     def restore(self) -> None:
         """Re-register the datasets persisted by an earlier run (before mounting)."""
-        kept = []
+        kept, dropped = [], []
         for reg in self.registry.load_records():
             try:
                 check_name(reg.name)  # records from before a rule was tightened
+                if reg.emulator_host is not None:  # or before root's allow-list changed
+                    check_allowed(check_endpoint(reg.emulator_host, "its endpoint"), reg.uid,
+                                  self.endpoints)
                 self._check_free(reg.name)
                 digest = (self.shared.digest(reg.identity)
                           or self.registry.load_digest(reg.identity))
                 self._check_item_sizes(digest)
-                ds = self._build(reg, digest, digest_cost(digest))
+                ds = self._build(reg, digest, digest_cost(digest),
+                                 self.registry.storage_options(reg))
             except QuietError as exc:
                 log.error("dropping dataset %r: %s", reg.name, exc.message)
+                dropped.append(reg)
                 continue
             self.table.add(ds)
             self.reader.expect_misses(ds.backend)
@@ -114,6 +125,13 @@ class Controller:
             self.registry.save_records(kept)
         except OSError as exc:  # the records on disk stay as they were
             log.error("cannot save %s: %s", self.registry.state_dir, exc)
+        else:
+            try:  # a dropped registration's key (and digest, if unused) is not kept
+                for reg in dropped:
+                    self.registry.forget(reg, {r.identity for r in kept})
+            except OSError as exc:
+                log.error("cannot remove a dropped dataset's files from %s: %s",
+                          self.registry.state_dir, exc)
         self._warn_over_memory()
 
     def _warn_over_memory(self) -> None:
@@ -204,36 +222,16 @@ class Controller:
                                              cost))
         return cost
 
-    @staticmethod
-    def _check_gcs_credentials(digest: Digest, options: StorageOptions, peer: Peer) -> None:
-        """A user's gs:// registration must bring its own access: mountd's credentials
-        (root's, or the VM's service account) are never lent to another user."""
-        if (digest.source.startswith("gs://") and peer.uid != 0
-                and options.credentials_info is None and not options.anonymous
-                and not options.emulator_host):
-            raise QuietError(f"{digest.source}: pass --credentials FILE (a service-account "
-                             "key you may use) or --anonymous for a public bucket; mountd "
-                             "does not lend its own credentials", ExitCode.PERMISSION)
-
     # -- requests ---------------------------------------------------------------------
     async def mount(self, peer: Peer, req: dict[str, Any]) -> dict[str, Any]:
-        name = check_name(req["name"])
-        data = req["digest"]
-        if not isinstance(data, bytes):
-            raise QuietError("the digest must be sent as bytes", ExitCode.USAGE)
-        credentials = req.get("credentials")
-        emulator_host = req.get("emulator_host")
-        if not (credentials is None or isinstance(credentials, dict)) or not (
-                emulator_host is None or isinstance(emulator_host, str)):
-            raise QuietError("credentials must be a map and emulator_host a string",
-                             ExitCode.USAGE)
-        view = req.get("view", "exact")
-        if view not in VIEWS:
-            raise QuietError(f"unknown view {view!r}: use one of {', '.join(VIEWS)}",
-                             ExitCode.USAGE)
+        request = mount_request(peer, req, self.endpoints)
+        name, data, view, options = request.name, request.data, request.view, request.options
         user = peer.user
-        options = StorageOptions(credentials_info=credentials, emulator_host=emulator_host,
-                                 anonymous=bool(req.get("anonymous", False)), read_as=user)
+        if options.credentials_info is not None:
+            # Before the lock: a token endpoint that answers slowly holds up only this
+            # request. A key that is refused leaves nothing behind.
+            await trio.to_thread.run_sync(try_credentials, options.credentials_info,
+                                          limiter=self.limiter)
         async with self._lock:
             self._check_free(name)
             self._check_quota(user, len(data))
@@ -241,7 +239,7 @@ class Controller:
             # leaves nothing behind on root's disk (and nothing is built in memory).
             digest = await self._decode(data)
             cost = await self._check_memory(user.uid, digest, view)
-            self._check_gcs_credentials(digest, options, peer)
+            check_gcs_credentials(digest, options, user.uid)
             self._check_item_sizes(digest)
             if view == "substitutable" and not has_labels(digest):
                 raise QuietError(f"digest {digest.name!r} has no labels, so nothing may stand "
@@ -252,10 +250,11 @@ class Controller:
             await trio.to_thread.run_sync(self._check_local_access, digest, user,
                                           limiter=self.limiter)
             reg = new_registration(name, digest.identity, user, options, len(data), view)
-            ds = await trio.to_thread.run_sync(self._build, reg, digest, cost,
+            # The backend takes the request's credentials: the saved copy is for restarts.
+            ds = await trio.to_thread.run_sync(self._build, reg, digest, cost, options,
                                                limiter=self.limiter)
-            await trio.to_thread.run_sync(self.registry.keep, reg, data, credentials,
-                                          limiter=self.limiter)
+            await trio.to_thread.run_sync(self.registry.keep, reg, data,
+                                          options.credentials_info, limiter=self.limiter)
             # Saved before it is shown: a registration the disk did not take is not one.
             try:
                 await self._save([*self._registrations(), reg])
@@ -267,7 +266,7 @@ class Controller:
             self.reader.expect_misses(ds.backend)
         log.info("uid %d mounted %s (%s view): %d items from %s", peer.uid, name, view,
                  len(digest), digest.source)
-        if req.get("prefetch"):
+        if request.prefetch:
             self._start_prefetch(ds)
         return {"path": os.path.join(self.root, name), "items": len(digest),
                 "bytes": digest.total_bytes, "view": view}

@@ -16,7 +16,7 @@ import tempfile
 import time
 
 from quiverfs import digest as digest_format
-from quiverfs.backends import Backend, StorageOptions, open_backend
+from quiverfs.backends import StorageOptions
 from quiverfs.backends.base import FETCH_DEADLINE
 from quiverfs.dataset_name import check_name
 from quiverfs.errors import ExitCode, QuietError
@@ -138,17 +138,25 @@ class Registry:
             json.dump(info, f)
 
     def storage_options(self, reg: Registration) -> StorageOptions:
+        """How a saved registration reaches its bucket, with its saved credentials;
+        QuietError if they cannot be read back."""
         info = None
         if reg.has_credentials:
-            with open(self._cred_path(reg.name), encoding="utf-8") as f:
-                info = json.load(f)
+            path = self._cred_path(reg.name)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    info = json.load(f)
+            except OSError as exc:
+                raise QuietError(f"cannot read its credentials {path}: "
+                                 f"{exc.strerror or exc}", ExitCode.PERMISSION) from None
+            except ValueError:
+                raise QuietError(f"its credentials {path} are not JSON",
+                                 ExitCode.PERMISSION) from None
+            if not isinstance(info, dict):
+                raise QuietError(f"its credentials {path} are not a JSON object",
+                                 ExitCode.PERMISSION)
         return StorageOptions(credentials_info=info, emulator_host=reg.emulator_host,
                               anonymous=reg.anonymous, read_as=reg.user)
-
-    def open_backend(self, reg: Registration, digest: digest_format.Digest) -> Backend:
-        options = dataclasses.replace(self.storage_options(reg),
-                                      fetch_deadline=self.fetch_deadline)
-        return open_backend(digest.source, options)
 
     def forget(self, reg: Registration, still_used: set[str]) -> None:
         """Remove a registration's credentials, and its digest if no dataset in

@@ -1,6 +1,7 @@
 """``gs://bucket/prefix`` backend over the official google-cloud-storage client."""
 from __future__ import annotations
 
+import functools
 import http.client
 import logging
 import os
@@ -17,14 +18,17 @@ from google.api_core import exceptions as gexc
 from google.api_core.retry import Retry
 from google.auth import exceptions as auth_exc
 from google.auth.credentials import AnonymousCredentials
+from google.auth.transport.requests import Request
 from google.auth.transport.urllib3 import AuthorizedHttp
 from google.cloud import storage
 from google.cloud.storage.retry import DEFAULT_RETRY
+from google.oauth2 import service_account
 from urllib3.connection import HTTPConnection
 from urllib3.connectionpool import HTTPConnectionPool
 
 from quiverfs.backends.base import Backend, ObjectInfo, StorageOptions, check_key
 from quiverfs.errors import ExitCode, QuietError
+from quiverfs.gcs_endpoint import DEFAULT_ENDPOINT
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +38,10 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT = 10.0
 READ_TIMEOUT = 60.0
 RETRY_DEADLINE = 120.0
+TOKEN_TIMEOUT = 10.0  # seconds: one request to a service-account key's token endpoint
 STREAM_CHUNK = 8 << 20
 BODY_PIECE = 1 << 20  # bytes of a body read at most between two looks at the deadline
-ENDPOINT = "https://storage.googleapis.com"
+REASON_CHARS = 200  # of a token endpoint's error, in a message
 
 
 def split_gs_uri(uri: str) -> tuple[str, str]:
@@ -59,7 +64,7 @@ class GCSBackend(Backend):
         self.bucket_name, self.prefix = split_gs_uri(uri)
         self.uri = f"gs://{self.bucket_name}" + (f"/{self.prefix}" if self.prefix else "")
         self.options = options or StorageOptions()
-        self.endpoint = self.options.emulator_host or ENDPOINT
+        self.endpoint = self.options.emulator_host or DEFAULT_ENDPOINT
         self.retry: Retry = DEFAULT_RETRY.with_deadline(retry_deadline)
         self.fetch_deadline = self.options.fetch_deadline
         self.read_retry: Retry = DEFAULT_RETRY.with_deadline(self.fetch_deadline)
@@ -283,6 +288,41 @@ class GCSBackend(Backend):
                 reader.http.clear()
             self._clients.clear()
             self._readers.clear()
+
+
+def check_service_account(info: dict) -> None:
+    """Exchange the service-account key ``info`` for an access token once, as the
+    storage client will at its first request: QuietError naming the key if its token
+    endpoint refuses it (PERMISSION) or cannot be reached (BACKEND)."""
+    who = (f"service-account key {info.get('client_email')!r} (key id "
+           f"{info.get('private_key_id')!r})")
+    try:
+        credentials = service_account.Credentials.from_service_account_info(
+            info, scopes=storage.Client.SCOPE)
+    except (ValueError, KeyError, auth_exc.GoogleAuthError) as exc:
+        raise QuietError(f"{who} is not usable ({_one_line(exc)}): give a key file from "
+                         "'gcloud iam service-accounts keys create'",
+                         ExitCode.PERMISSION) from None
+    with requests.Session() as session:
+        request = functools.partial(Request(session), timeout=TOKEN_TIMEOUT)
+        try:
+            credentials.refresh(request)
+        except auth_exc.TransportError as exc:
+            raise QuietError(f"cannot reach the token endpoint {info.get('token_uri')!r} of "
+                             f"{who}: {_one_line(exc)}", ExitCode.BACKEND) from None
+        # an endpoint's answer that is not a token's shape fails inside google-auth
+        except (auth_exc.GoogleAuthError, ValueError, TypeError, KeyError) as exc:
+            raise QuietError(f"{who} was refused by its token endpoint "
+                             f"{info.get('token_uri')!r}: {_one_line(exc)}: check that the "
+                             "key is enabled and not deleted, or pass another --credentials",
+                             ExitCode.PERMISSION) from None
+
+
+def _one_line(exc: Exception) -> str:
+    """An exception's message (google-auth's first argument), on one line, bounded."""
+    first = exc.args[0] if exc.args and isinstance(exc.args[0], str) else str(exc)
+    text = " ".join(first.split()).rstrip(".") or type(exc).__name__
+    return text if len(text) <= REASON_CHARS else text[:REASON_CHARS] + "..."
 
 
 def _read_environment_once(session: requests.Session, url: str) -> None:

@@ -14,7 +14,8 @@ A response is the first data from upstream after the client sent something (HTTP
 keeps one request at a time on a connection).
 
 The bytes sent to clients are also kept in time bins (``sent``), so that a benchmark
-can ask how busy the bucket was during given intervals.
+can ask how busy the bucket was during given intervals. With a ``request_log``, the
+HTTP requests clients send are recorded there, headers and all, before they go upstream.
 
     with throttled("http://127.0.0.1:9023", rate=20e6, latency=0.03) as proxy:
         ... point clients at proxy.url ...
@@ -32,6 +33,8 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Iterable, Iterator
+
+from quiverfs.bench.request_log import RequestLog, RequestParser
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +99,11 @@ class SentBytes:
 class _Link:
     """One proxied connection: its two sockets, closed when both directions are done."""
 
-    def __init__(self, client: socket.socket, upstream: socket.socket) -> None:
+    def __init__(self, client: socket.socket, upstream: socket.socket,
+                 parser: RequestParser | None) -> None:
         self.client = client
         self.upstream = upstream
+        self.parser = parser  # of the requests it carries, when they are recorded
         # Set when the client sends, cleared by the first response byte: that byte waits
         # for the latency.
         self.awaiting_response = threading.Event()
@@ -127,12 +132,13 @@ class ThrottleProxy:
     bandwidth and delaying each response's first byte by ``latency`` seconds."""
 
     def __init__(self, upstream_port: int, rate: float, burst: int = DEFAULT_BURST,
-                 latency: float = 0.0) -> None:
+                 latency: float = 0.0, request_log: RequestLog | None = None) -> None:
         if latency < 0:
             raise ValueError(f"latency must not be negative, not {latency}")
         self.upstream = (LOOPBACK, upstream_port)
         self.bucket = TokenBucket(rate, burst)
         self.latency = latency
+        self.request_log = request_log
         self.sent = SentBytes()  # bytes down, in time bins
         self._listener = socket.create_server((LOOPBACK, 0))
         self.port: int = self._listener.getsockname()[1]
@@ -202,7 +208,8 @@ class ThrottleProxy:
             return
         for s in (client, upstream):
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        link = _Link(client, upstream)
+        link = _Link(client, upstream,
+                     self.request_log.parser() if self.request_log is not None else None)
         self.connections += 1
         pumps = [threading.Thread(target=self._pump, args=(link, upstream, client, True),
                                   name=f"proxy-down-{self.connections}", daemon=True),
@@ -220,6 +227,8 @@ class ThrottleProxy:
         try:
             while data := src.recv(RECV_SIZE):
                 if not down:
+                    if link.parser is not None:
+                        link.parser.feed(data)  # recorded before it can be answered
                     link.awaiting_response.set()  # before the request can be answered
                 elif self._wait_down(link, len(data)):
                     break
@@ -254,11 +263,12 @@ class ThrottleProxy:
 
 @contextlib.contextmanager
 def throttled(upstream_url: str, rate: float, burst: int = DEFAULT_BURST,
-              latency: float = 0.0) -> Iterator[ThrottleProxy]:
+              latency: float = 0.0, request_log: RequestLog | None = None
+              ) -> Iterator[ThrottleProxy]:
     """A started proxy in front of ``http://127.0.0.1:PORT``; always stopped on exit."""
     parts = urllib.parse.urlsplit(upstream_url)
     if parts.hostname != LOOPBACK or parts.port is None:
         raise ValueError(f"the throttle proxy only forwards to {LOOPBACK}:PORT, "
                          f"not {upstream_url!r}")
-    with ThrottleProxy(parts.port, rate, burst, latency) as proxy:
+    with ThrottleProxy(parts.port, rate, burst, latency, request_log) as proxy:
         yield proxy
