@@ -30,13 +30,23 @@ _UCRED = struct.Struct("3i")
 MAX_CONNECTIONS = 512  # control connections open at once, all users together
 MAX_CONNECTIONS_PER_UID = 16  # and of one uid (root is not limited)
 # Bytes of request frames held at once, from the header's arrival until the request is
-# answered (a frame is held about three times over while it is received and decoded):
-# one uid's (root is not limited) and all users'. A frame waits for room. Frames under
-# SMALL_FRAME are not counted: the connections bound them.
+# answered (a frame is held about twice over while it is decoded: its body, and the
+# digest's bytes copied out of it): one uid's (root is not limited) and all users'. A
+# frame waits for room. Frames under SMALL_FRAME are not counted: the connections bound
+# them.
 FRAME_BYTES_PER_UID = wire.MAX_FRAME
 FRAME_BYTES_TOTAL = 4 * wire.MAX_FRAME
 SMALL_FRAME = 1 << 20
 FRAME_TIMEOUT = 60.0  # seconds a counted frame's body may take to arrive
+# What a request may decode to: a map of a few fields, one of them a map (a key file's
+# credentials, a few KiB), and the digest as bytes. Anything else is refused as it is
+# decoded, before it takes more memory than the frame's bytes.
+REQUEST_LIMITS = wire.Limits(max_array_len=64, max_map_len=64, max_str_len=64 << 10,
+                             max_bin_len=wire.MAX_FRAME, max_ext_len=0,
+                             container_bytes=64 << 10)
+# Requests decoded at once, in worker threads of their own: a large one takes a while,
+# and neither the serving loop nor the threads that fetch and read wait for it.
+DECODERS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +128,7 @@ class ControlServer:
         self._slots = ConnectionSlots(MAX_CONNECTIONS_PER_UID, MAX_CONNECTIONS)
         self.frames = frames or FrameBytes(FRAME_BYTES_PER_UID, FRAME_BYTES_TOTAL)
         self.frame_timeout = frame_timeout
+        self._decoders = trio.CapacityLimiter(DECODERS)
         self._socket: socket.socket | None = None  # bound by ``bind``
 
     def bind(self) -> None:
@@ -202,9 +213,10 @@ class ControlServer:
             body = await wire.recv_body(stream, length)
         return await self._dispatch(peer, body)
 
-    async def _dispatch(self, peer: Peer, body: bytes) -> dict[str, Any]:
+    async def _dispatch(self, peer: Peer, body: bytes | bytearray) -> dict[str, Any]:
         try:
-            request = wire.unpack(body)
+            request = await trio.to_thread.run_sync(wire.unpack, body, REQUEST_LIMITS,
+                                                    limiter=self._decoders)
             if not isinstance(request, dict) or request.get("op") not in self.handlers:
                 raise QuietError(f"unknown request (ops: {', '.join(sorted(self.handlers))})",
                                  ExitCode.USAGE)
