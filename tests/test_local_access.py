@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from mountd.control.controller import MAX_DATASETS_PER_USER, MAX_ITEM_BYTES
+from mountd.control.controller import MAX_ITEM_BYTES
+from mountd.control.quotas import MAX_DATASETS_PER_USER
 from mountd.fetch.integrity_budget import MAX_INTEGRITY_FAILURES_PER_USER
 from mountd.fs.datasets_fs import FAILED_HOLD
 from quiverfs import digest as digest_format

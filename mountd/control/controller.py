@@ -9,6 +9,7 @@ import pyfuse3
 import trio
 
 from mountd.cluster.peers import PeerService
+from mountd.control.quotas import check_quota
 from mountd.control.server import Peer
 from mountd.datasets.dataset import MountedDataset, PrefetchProgress
 from mountd.datasets.memory_budget import DigestCost, Held, MemoryBudget, charged, digest_cost
@@ -39,10 +40,6 @@ from quiverfs.job_protocol import VIEWS
 log = logging.getLogger(__name__)
 
 PREFETCH_BATCH = 256  # entries checked against the store per thread call
-# What one uid (other than root) may register: datasets, and bytes of their digests kept
-# in the state directory.
-MAX_DATASETS_PER_USER = 64
-MAX_DIGEST_BYTES_PER_USER = 2 << 30
 # Largest item mountd serves: a read holds its item in memory, once per reader thread.
 MAX_ITEM_BYTES = 1 << 30
 
@@ -163,27 +160,6 @@ class Controller:
                              f"mountd serves ({MAX_ITEM_BYTES} bytes): split it into smaller "
                              "items", ExitCode.BAD_INPUT)
 
-    def _check_quota(self, user: UserIdentity, digest_bytes: int) -> None:
-        """A uid's registrations are bounded in number, in digest bytes on root's disk,
-        and by how many hash checks its datasets have failed."""
-        if user.uid == 0:
-            return
-        mine = [ds for ds in self.table.by_name.values() if ds.reg.uid == user.uid]
-        if len(mine) >= MAX_DATASETS_PER_USER:
-            raise QuietError(f"uid {user.uid} has {len(mine)} datasets mounted, the most "
-                             "allowed: 'quiver umount' one first", ExitCode.PERMISSION)
-        used = sum(ds.reg.digest_bytes for ds in mine)
-        if used + digest_bytes > MAX_DIGEST_BYTES_PER_USER:
-            raise QuietError(f"uid {user.uid}'s digests would take {used + digest_bytes} "
-                             f"bytes, over the {MAX_DIGEST_BYTES_PER_USER}-byte limit: "
-                             "'quiver umount' a dataset first", ExitCode.PERMISSION)
-        failures = self.integrity.failures[user.uid]
-        if self.integrity.spent(user.uid):
-            raise QuietError(f"uid {user.uid}'s datasets have failed {failures} hash checks "
-                             "since mountd started: recreate their digests ('quiver digest "
-                             "create'); new registrations are refused until mountd restarts",
-                             ExitCode.PERMISSION)
-
     async def _decode(self, data: bytes) -> Digest:
         """The copy in use of the digest file ``data``, else ``data`` decoded if the
         decoding fits in mountd's memory limit."""
@@ -235,7 +211,8 @@ class Controller:
                                  anonymous=bool(req.get("anonymous", False)), read_as=user)
         async with self._lock:
             self._check_free(name)
-            self._check_quota(user, len(data))
+            check_quota(user, [ds.reg for ds in self.table.by_name.values()
+                               if ds.reg.uid == user.uid], self.integrity, len(data))
             # Nothing is written before every check has passed: a refused registration
             # leaves nothing behind on root's disk (and nothing is built in memory).
             digest = await self._decode(data)
