@@ -31,6 +31,7 @@ STARTUP_TIMEOUT = 120.0  # seconds a backgrounded mountd may take to answer
 THREADS = 16  # mountd's blocking workers, by default
 PUSH_MEMORY = 256 << 20  # bytes, by default (mountd.fetch.page_push)
 MEMORY_PER_USER = 2 << 30  # bytes, by default (mountd.datasets.memory_budget)
+DIGEST_BYTES_PER_USER = 2 << 30  # bytes, by default (mountd.control.quotas)
 MAX_LOADER_PROCESSES = 64
 
 
@@ -91,6 +92,11 @@ def add_parsers(sub: argparse._SubParsersAction,
     d.add_argument("--memory-total", metavar="BYTES", type=ByteSize("--memory-total"),
                    help="memory the registrations of all users together, root's too, may "
                    "take (default: a quarter of physical memory)")
+    d.add_argument("--digest-bytes-per-user", metavar="BYTES",
+                   type=ByteSize("--digest-bytes-per-user"), default=DIGEST_BYTES_PER_USER,
+                   help="bytes of digest files the registrations of one user (root "
+                   "excepted) may keep in the state directory, each digest counted once "
+                   "however many names it is registered under (default 2G)")
     d.add_argument("--metrics", metavar="HOST:PORT", type=Address("--metrics"),
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     d.add_argument("--chunk-size", type=ByteSize("--chunk-size"),
@@ -165,6 +171,7 @@ def cmd_mountd(args: argparse.Namespace, embedded_coordinator: EmbeddedFactory) 
                        threads=args.threads, loader_processes=args.loader_processes,
                        push_memory=args.push_memory, fuse_opens=args.fuse_opens,
                        memory_per_uid=args.memory_per_user, memory_total=args.memory_total,
+                       digest_bytes_per_uid=args.digest_bytes_per_user,
                        chunk_bytes=args.chunk_size, metrics=args.metrics,
                        force_evict_after=args.force_evict_after,
                        probe_batches=args.probe_batches,

@@ -194,6 +194,42 @@ def test_registrations_per_user_are_bounded(shared_workdir, mountd_factory):
         f"{digest_format.decode(data).identity}.qd"]
 
 
+def test_one_digest_under_many_names_counts_once_toward_a_users_digest_bytes(
+        shared_workdir, mountd_factory):
+    """The state directory keeps a digest once, by identity, however many names it is
+    registered under: so it counts once toward the uid's bytes of digests (before, once
+    per name: a third name of it was refused here)."""
+    mine = attacker_dir(shared_workdir)
+    digests = []
+    for name in ("one", "two", "three"):
+        src = os.path.join(mine, name)
+        os.mkdir(src)
+        os.chown(src, ATTACKER, ATTACKER)
+        attacker_file(src, "x.bin", name.encode())
+        digests.append(make_digest(src, name))
+    limit = len(digests[0]) + len(digests[1])  # two of them, not three
+    m = mountd_factory(workdir=shared_workdir, cache_dir=os.path.join(shared_workdir, "cache"),
+                       extra_args=("--digest-bytes-per-user", str(limit)))
+    os.chmod(m.cache_dir, 0o755)  # the control socket lives there
+
+    def register(name: str, data: bytes) -> dict:
+        return call_as(ATTACKER, ATTACKER, m.socket, {"op": "mount", "name": name,
+                                                      "digest": data})
+
+    for i in range(4):
+        reply = register(f"one-{i}", digests[0])
+        assert reply["ok"], (i, reply)
+    assert register("two", digests[1])["ok"]
+    refused = register("three", digests[2])
+    assert not refused["ok"] and refused["code"] == 6, refused
+    assert refused["error"] == (f"uid {ATTACKER}'s digests would take "
+                                f"{limit + len(digests[2])} bytes, over the {limit}-byte "
+                                "limit: 'quiver umount' a dataset first")
+    assert sorted(os.listdir(os.path.join(m.cache_dir, "state", "digests"))) == sorted(
+        f"{digest_format.decode(d).identity}.qd" for d in digests[:2])
+    assert m.call({"op": "mount", "name": "roots", "digest": digests[2]})["path"]
+
+
 def wrong_guesses(directory: str, name: str, n: int) -> bytes:
     """A digest of ``n`` one-byte items of ``directory``'s file ``f`` that all fail their
     hash check, and two, ``honest`` and ``later``, that pass it (the file holds zeros)."""

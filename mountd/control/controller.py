@@ -9,7 +9,7 @@ import pyfuse3
 import trio
 
 from mountd.cluster.peers import PeerService
-from mountd.control.quotas import check_quota
+from mountd.control.quotas import Quota
 from mountd.control.server import Peer
 from mountd.datasets.dataset import MountedDataset, PrefetchProgress
 from mountd.datasets.memory_budget import DigestCost, Held, MemoryBudget, charged, digest_cost
@@ -51,7 +51,7 @@ class Controller:
                  services: ReadServices, jobs: JobRegistry, views: ViewJobs,
                  peer_service: PeerService | None, prefetch_concurrency: int,
                  memory: MemoryBudget, fuse_mode: str,
-                 loader_pools: dict[str, LoaderPool]) -> None:
+                 loader_pools: dict[str, LoaderPool], quota: Quota = Quota()) -> None:
         self.root = root
         self.fuse_mode = fuse_mode  # how dataset files are served: "no-open" or "open"
         self.loader_pools = loader_pools  # by name, for status
@@ -69,6 +69,7 @@ class Controller:
         self.peer_service = peer_service  # with --coordinator
         self.prefetch_concurrency = prefetch_concurrency
         self.memory = memory
+        self.quota = quota
         self.shared = SharedDigests()  # one copy per digest, whoever registered it
         self._lock = trio.Lock()
         self.tasks = BackgroundTasks()  # where prefetches run
@@ -211,11 +212,12 @@ class Controller:
                                  anonymous=bool(req.get("anonymous", False)), read_as=user)
         async with self._lock:
             self._check_free(name)
-            check_quota(user, [ds.reg for ds in self.table.by_name.values()
-                               if ds.reg.uid == user.uid], self.integrity, len(data))
+            mine = [ds.reg for ds in self.table.by_name.values() if ds.reg.uid == user.uid]
+            self.quota.check_count(user, mine, self.integrity)
             # Nothing is written before every check has passed: a refused registration
             # leaves nothing behind on root's disk (and nothing is built in memory).
             digest = await self._decode(data)
+            self.quota.check_digest_bytes(user, mine, digest.identity, len(data))
             cost = await self._check_memory(user.uid, digest, view)
             self._check_gcs_credentials(digest, options, peer)
             self._check_item_sizes(digest)
