@@ -337,8 +337,10 @@ class Controller:
                 "cluster": self.cluster.status()}
 
     async def cluster_status(self, peer: Peer, req: dict[str, Any]) -> dict[str, Any]:
-        """Members, each one's share of this node's datasets' keys, and the cycles."""
+        """Members, each one's share of this node's datasets' keys, and the cycles of
+        the caller's datasets (root: all)."""
         cluster = self.cluster
+        mine = {ds.reg.identity for ds in self.table.visible_to(peer.uid)}
         live = cluster.live()
         digests = [ds.digest for ds in self.table.by_name.values()]
         hashes = [d.hash(i) for d in digests for i in range(0, len(d), max(1, len(d) // 2000))]
@@ -350,7 +352,8 @@ class Controller:
                 "nodes": [{"id": n, "peer": cluster.members[n], "live": n in live,
                            "share": round(shares.get(n, 0) / total, 3)}
                           for n in sorted(cluster.members)],
-                "cycles": to_wire(cluster.cycles),
+                "cycles": to_wire({key: cycle for key, cycle in cluster.cycles.items()
+                                   if peer.uid == 0 or key in mine}),
                 "jobs": self.jobs.status(peer.uid),
                 "rejected_puts": self.peer_service.rejected_puts if self.peer_service else 0}
 
