@@ -40,13 +40,12 @@ SMALL_FRAME = 1 << 20
 FRAME_TIMEOUT = 60.0  # seconds a counted frame's body may take to arrive
 # What a request may decode to: a map of a few fields, one of them a map (a key file's
 # credentials, a few KiB), and the digest as bytes. Anything else is refused as it is
-# decoded, before it takes more memory than the frame's bytes.
+# decoded, at once and before it takes more memory than the frame's bytes. It is decoded
+# on the loop: msgpack holds the GIL for a whole message, so a worker thread would free
+# nothing, and what it decoded would stay in that thread's malloc arena.
 REQUEST_LIMITS = wire.Limits(max_array_len=64, max_map_len=64, max_str_len=64 << 10,
                              max_bin_len=wire.MAX_FRAME, max_ext_len=0,
                              container_bytes=64 << 10)
-# Requests decoded at once, in worker threads of their own: a large one takes a while,
-# and neither the serving loop nor the threads that fetch and read wait for it.
-DECODERS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +127,6 @@ class ControlServer:
         self._slots = ConnectionSlots(MAX_CONNECTIONS_PER_UID, MAX_CONNECTIONS)
         self.frames = frames or FrameBytes(FRAME_BYTES_PER_UID, FRAME_BYTES_TOTAL)
         self.frame_timeout = frame_timeout
-        self._decoders = trio.CapacityLimiter(DECODERS)
         self._socket: socket.socket | None = None  # bound by ``bind``
 
     def bind(self) -> None:
@@ -215,8 +213,7 @@ class ControlServer:
 
     async def _dispatch(self, peer: Peer, body: bytes | bytearray) -> dict[str, Any]:
         try:
-            request = await trio.to_thread.run_sync(wire.unpack, body, REQUEST_LIMITS,
-                                                    limiter=self._decoders)
+            request = wire.unpack(body, REQUEST_LIMITS)
             if not isinstance(request, dict) or request.get("op") not in self.handlers:
                 raise QuietError(f"unknown request (ops: {', '.join(sorted(self.handlers))})",
                                  ExitCode.USAGE)
