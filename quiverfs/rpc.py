@@ -170,7 +170,7 @@ class RpcServer:
             reply = await self._dispatch(body)
             try:
                 await self._send(stream, send_lock, reply)
-            except (TypeError, ValueError):  # a handler's result msgpack cannot pack
+            except (TypeError, ValueError, OverflowError):  # a result msgpack cannot pack
                 log.exception("RPC reply to %r cannot be sent", reply.get("id"))
                 await self._send(stream, send_lock, {"id": reply.get("id"), "ok": False,
                                                      "error": "internal error: reply"})

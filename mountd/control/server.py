@@ -198,7 +198,7 @@ class ControlServer:
                 await wire.send_msg(stream, reply)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return
-            except (TypeError, ValueError):  # a reply msgpack cannot pack: a bug here
+            except (TypeError, ValueError, OverflowError):  # a reply msgpack cannot pack: a bug
                 log.exception("control reply to uid %d cannot be sent", peer.uid)
                 await self._reply_error(stream, "internal error: see mountd's log",
                                         ExitCode.DAEMON)
