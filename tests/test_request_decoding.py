@@ -1,7 +1,7 @@
 """A request that decodes to far more than its bytes (16 MiB of empty arrays once made
-1.2 GB of lists, on the serving loop) is refused as it is decoded, off the loop: mountd
-grows by at most three times the request's bytes, and another user's ``status`` is
-answered within 100 ms meanwhile. The same limits hold on the peer RPC port."""
+1.2 GB of lists, for 5 s of the serving loop) is refused at once as it is decoded:
+mountd grows by at most three times the request's bytes, and another user's ``status``
+is answered within 100 ms meanwhile. The same holds for frames on the RPC port."""
 from __future__ import annotations
 
 import hashlib
