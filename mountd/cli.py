@@ -33,6 +33,7 @@ STARTUP_TIMEOUT = 120.0  # seconds a backgrounded mountd may take to answer
 THREADS = 16  # mountd's blocking workers, by default
 PUSH_MEMORY = 256 << 20  # bytes, by default (mountd.fetch.page_push)
 MEMORY_PER_USER = 2 << 30  # bytes, by default (mountd.datasets.memory_budget)
+DIGEST_BYTES_PER_USER = 2 << 30  # bytes, by default (mountd.control.quotas)
 MAX_LOADER_PROCESSES = 64
 
 
@@ -104,6 +105,11 @@ def add_parsers(sub: argparse._SubParsersAction,
                    "users other than root may name with STORAGE_EMULATOR_HOST, comma-"
                    "separated; in the config file, an array of strings (default: none, only "
                    "Google's own; root may name any)")
+    d.add_argument("--digest-bytes-per-user", metavar="BYTES",
+                   type=ByteSize("--digest-bytes-per-user"), default=DIGEST_BYTES_PER_USER,
+                   help="bytes of digest files the registrations of one user (root "
+                   "excepted) may keep in the state directory, each digest counted once "
+                   "however many names it is registered under (default 2G)")
     d.add_argument("--metrics", metavar="HOST:PORT", type=Address("--metrics"),
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     d.add_argument("--chunk-size", type=ByteSize("--chunk-size"),
@@ -179,6 +185,7 @@ def cmd_mountd(args: argparse.Namespace, embedded_coordinator: EmbeddedFactory) 
                        fetch_deadline=args.fetch_deadline,
                        push_memory=args.push_memory, fuse_opens=args.fuse_opens,
                        memory_per_uid=args.memory_per_user, memory_total=args.memory_total,
+                       digest_bytes_per_uid=args.digest_bytes_per_user,
                        chunk_bytes=args.chunk_size, metrics=args.metrics,
                        force_evict_after=args.force_evict_after,
                        probe_batches=args.probe_batches,

@@ -17,6 +17,7 @@ from mountd.cluster.membership import Cluster, EmbeddedFactory, RemoteCoordinato
 from mountd.cluster.peers import PeerService, PeerSet
 from mountd.control.controller import Controller
 from mountd.control.metrics import MountdCollector
+from mountd.control.quotas import MAX_DIGEST_BYTES_PER_USER, Quota
 from mountd.control.server import ControlServer
 from mountd.datasets.memory_budget import MemoryBudget, MemoryLimits, default_total
 from mountd.datasets.mount_table import MountTable
@@ -80,6 +81,7 @@ class MountdConfig:
     push_memory: int = 256 << 20  # bytes of planned items pushed to the kernel, unread
     memory_per_uid: int = 2 << 30  # bytes of registrations' shared copies, per uid
     memory_total: int | None = None  # and of all users'; None: a quarter of physical memory
+    digest_bytes_per_uid: int = MAX_DIGEST_BYTES_PER_USER  # of digest files kept, per uid
     node_id: str = dataclasses.field(default_factory=socket.gethostname)
     fuse_tasks: int = 64  # FUSE requests handled at once
     fuse_opens: bool = False  # dataset files opened with a handle even where no-open works
@@ -161,7 +163,8 @@ class Mountd:
             MemoryBudget(MemoryLimits(cfg.memory_per_uid, cfg.memory_total or default_total())),
             "no-open" if no_open else "open",
             {name: pool for name, pool in (("serving", serving), ("ahead", ahead))
-             if pool is not None}, cfg.gcs_endpoints)
+             if pool is not None}, cfg.gcs_endpoints,
+            Quota(digest_bytes=cfg.digest_bytes_per_uid))
         if not (cfg.fuse_opens or no_open):
             log.warning("this pyfuse3 does not pass the inode to read (mountd/patches): "
                         "dataset files are served with OPEN and RELEASE")

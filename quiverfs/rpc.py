@@ -31,6 +31,7 @@ from quiverfs import wire
 from quiverfs.background import BackgroundTasks
 from quiverfs.connection_slots import ConnectionSlots
 from quiverfs.errors import ExitCode, QuietError
+from quiverfs.heartbeat import MAX_CHUNKS, MAX_ENTRIES
 from quiverfs.option_types import listen_error, parse_address
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,13 @@ MAX_UNAUTHENTICATED = 256  # connections still in their handshake, all sources t
 MAX_UNAUTHENTICATED_PER_HOST = 32  # and from one source address
 MAX_AUTHENTICATED = 1024  # connections past the handshake (cluster members hold a few)
 LISTEN_BACKLOG = 4096  # connections the kernel queues before accepting
+# What a frame may decode to, sized to the largest messages: a heartbeat's lists of one
+# number per chunk, its datasets by identity, a batch's items as bytes. Whatever its
+# shape, a frame decodes to copies of its strings and bytes and at most MAX_FRAME bytes
+# of arrays and maps (16 MiB of empty arrays once made 1.2 GB of lists).
+LIMITS = wire.Limits(max_array_len=MAX_CHUNKS, max_map_len=MAX_ENTRIES,
+                     max_str_len=1 << 20, max_bin_len=MAX_FRAME, max_ext_len=0,
+                     container_bytes=MAX_FRAME)
 
 Handler = Callable[[dict[str, Any]], Awaitable[Any]]
 
@@ -157,22 +165,22 @@ class RpcServer:
                 nursery.start_soon(self._request, stream, send_lock, slots, body)
 
     async def _request(self, stream: trio.SocketStream, send_lock: trio.Lock,
-                       slots: trio.Semaphore, body: bytes) -> None:
+                       slots: trio.Semaphore, body: bytearray) -> None:
         try:
             reply = await self._dispatch(body)
             try:
                 await self._send(stream, send_lock, reply)
-            except (TypeError, ValueError):  # a handler's result msgpack cannot pack
+            except (TypeError, ValueError, OverflowError):  # a result msgpack cannot pack
                 log.exception("RPC reply to %r cannot be sent", reply.get("id"))
                 await self._send(stream, send_lock, {"id": reply.get("id"), "ok": False,
                                                      "error": "internal error: reply"})
         finally:
             slots.release()
 
-    async def _dispatch(self, body: bytes) -> dict[str, Any]:
+    async def _dispatch(self, body: bytearray) -> dict[str, Any]:
         rid = None
         try:
-            request = wire.unpack(body)
+            request = wire.unpack(body, LIMITS)
             if not isinstance(request, dict):
                 raise RpcError("a request must be a map")
             rid = request.get("id")
@@ -241,7 +249,7 @@ class RpcClient:
     async def _reader(self, stream: trio.SocketStream) -> None:
         try:
             while True:
-                reply = wire.unpack(await wire.recv_frame(stream, self.max_frame))
+                reply = wire.unpack(await wire.recv_frame(stream, self.max_frame), LIMITS)
                 rid = reply.get("id") if isinstance(reply, dict) else None
                 # an id that is no call's (a list, say: unhashable) is ignored
                 channel = self._waiting.pop(rid, None) if isinstance(rid, int) else None

@@ -155,3 +155,28 @@ async def test_stopping_while_a_restart_starts_its_process_ends_that_process(mou
         for proc in procs:
             if proc.returncode is None:
                 proc.kill()
+
+
+async def test_an_answer_that_cannot_be_packed_is_eio_and_the_mount_goes_on(mount, caplog):
+    """A handler's answer msgpack cannot pack (a bug) costs that request EIO; before, its
+    TypeError ended the link, and the child serving every user's ``.quiver`` with it."""
+    async def listxattr(inode: int, ctx: object) -> object:
+        return {b"user.a"}  # a set: msgpack packs no sets
+
+    mount.fs.listxattr = listxattr
+    async with trio.open_nursery() as nursery:
+        await nursery.start(mount.run)
+        child = mount._proc.pid
+
+        def listed() -> int | list[str]:
+            try:
+                return os.listxattr(mount.mountpoint)
+            except OSError as exc:
+                return exc.errno
+
+        assert await trio.to_thread.run_sync(listed) == errno.EIO
+        assert await trio.to_thread.run_sync(_served, mount.mountpoint)
+        assert mount._proc.pid == child and mount._proc.returncode is None
+        await mount.stop()
+    assert "FUSE control.listxattr: its answer cannot be sent: answered EIO" in caplog.text
+    assert "trying again" not in caplog.text and "mounting it again" not in caplog.text

@@ -6,6 +6,7 @@ it must not reach belong to root.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import hashlib
 import json
 import os
@@ -15,16 +16,20 @@ import time
 
 import pytest
 
-from mountd.control.controller import MAX_DATASETS_PER_USER, MAX_ITEM_BYTES
+from mountd.control.controller import MAX_ITEM_BYTES
+from mountd.control.quotas import MAX_DATASETS_PER_USER
 from mountd.fetch.integrity_budget import MAX_INTEGRITY_FAILURES_PER_USER
 from mountd.fs.datasets_fs import FAILED_HOLD
+from quiverfs import control_client
 from quiverfs import digest as digest_format
-from tests.mountd_helpers import call_as, dataset_counters, make_digest, mountd_factory  # noqa: F401
+from tests.mountd_helpers import (call_as, dataset_counters, make_digest,  # noqa: F401
+                                  mountd_factory, run_as)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"),
                                 reason="needs root and /dev/fuse")
 
 ATTACKER = 1000
+NOBODY = 65534
 SECRET = b"TOPSECRET-root-only"
 # Reads files as the calling user and prints, as JSON, what each read returned
 # (hex) or the errno it failed with. The system Python: the attacker needs no venv.
@@ -191,6 +196,90 @@ def test_registrations_per_user_are_bounded(shared_workdir, mountd_factory):
     assert m.call({"op": "mount", "name": "roots", "digest": data})["path"]
     assert os.listdir(os.path.join(m.cache_dir, "state", "digests")) == [
         f"{digest_format.decode(data).identity}.qd"]
+
+
+def test_one_digest_under_many_names_counts_once_toward_a_users_digest_bytes(
+        shared_workdir, mountd_factory):
+    """The state directory keeps a digest once, by identity, however many names it is
+    registered under: so it counts once toward the uid's bytes of digests (before, once
+    per name: a third name of it was refused here)."""
+    mine = attacker_dir(shared_workdir)
+    digests = []
+    for name in ("one", "two", "three"):
+        src = os.path.join(mine, name)
+        os.mkdir(src)
+        os.chown(src, ATTACKER, ATTACKER)
+        attacker_file(src, "x.bin", name.encode())
+        digests.append(make_digest(src, name))
+    limit = len(digests[0]) + len(digests[1])  # two of them, not three
+    m = mountd_factory(workdir=shared_workdir, cache_dir=os.path.join(shared_workdir, "cache"),
+                       extra_args=("--digest-bytes-per-user", str(limit)))
+    os.chmod(m.cache_dir, 0o755)  # the control socket lives there
+
+    def register(name: str, data: bytes) -> dict:
+        return call_as(ATTACKER, ATTACKER, m.socket, {"op": "mount", "name": name,
+                                                      "digest": data})
+
+    for i in range(4):
+        reply = register(f"one-{i}", digests[0])
+        assert reply["ok"], (i, reply)
+    assert register("two", digests[1])["ok"]
+    refused = register("three", digests[2])
+    assert not refused["ok"] and refused["code"] == 6, refused
+    assert refused["error"] == (f"uid {ATTACKER}'s digests would take "
+                                f"{limit + len(digests[2])} bytes, over the {limit}-byte "
+                                "limit: 'quiver umount' a dataset first")
+    assert sorted(os.listdir(os.path.join(m.cache_dir, "state", "digests"))) == sorted(
+        f"{digest_format.decode(d).identity}.qd" for d in digests[:2])
+    assert m.call({"op": "mount", "name": "roots", "digest": digests[2]})["path"]
+
+
+def start_job(mountpoint: str, job: str, dataset: str) -> None:
+    """Configure a job reading ``dataset``'s one item (c0/x.bin) under ROOT/.quiver."""
+    path = os.path.join(mountpoint, ".quiver", "jobs", job)
+    os.mkdir(path)
+    for name, data in (("paths", b"c0/x.bin\n"),
+                       ("config", json.dumps({"dataset": dataset, "batch_size": 1,
+                                              "paths": 1}).encode())):
+        fd = os.open(os.path.join(path, name), os.O_WRONLY)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+
+
+def test_cluster_status_shows_a_user_only_their_own_datasets_cycles(shared_workdir,
+                                                                     mountd_factory):
+    """Two users' jobs make chunk cycles of their datasets; ``quiver status --cluster``
+    shows each user the cycle of their own (before, both: another user's digest
+    identity, chunk count and states), and root both."""
+    m = start_shared_mountd(mountd_factory, shared_workdir)
+    identities = {}
+    for uid in (ATTACKER, NOBODY):
+        src = os.path.join(shared_workdir, f"src{uid}", "c0")
+        os.makedirs(src)
+        with open(os.path.join(src, "x.bin"), "wb") as f:
+            f.write(f"uid {uid}'s item".encode())
+        for d in (src, os.path.dirname(src)):
+            os.chown(d, uid, uid)
+        os.chown(os.path.join(src, "x.bin"), uid, uid)
+        data = make_digest(os.path.dirname(src), f"ds{uid}")
+        identities[uid] = digest_format.decode(data).identity
+        reply = call_as(uid, uid, m.socket, {"op": "mount", "name": f"ds{uid}", "digest": data})
+        assert reply["ok"], reply
+        run_as(uid, uid, functools.partial(start_job, m.root, f"job{uid}", f"ds{uid}"))
+
+    deadline = time.monotonic() + 60
+    while set(m.call({"op": "cluster"})["cycles"]) != set(identities.values()):
+        assert time.monotonic() < deadline, m.call({"op": "cluster"})["cycles"]
+        time.sleep(0.1)
+
+    def cycles_seen() -> list[str]:
+        return sorted(control_client.call(m.socket, {"op": "cluster"})["cycles"])
+
+    for uid in (ATTACKER, NOBODY):
+        assert run_as(uid, uid, cycles_seen) == [identities[uid]]
+    assert sorted(m.call({"op": "cluster"})["cycles"]) == sorted(identities.values())
 
 
 def wrong_guesses(directory: str, name: str, n: int) -> bytes:

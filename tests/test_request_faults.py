@@ -89,12 +89,14 @@ async def test_control_request_that_fails_gets_an_error_and_the_server_goes_on(t
     assert "injected fault" in caplog.text
 
 
+@pytest.mark.parametrize("unpackable", [{1, 2}, 1 << 64])  # a set; an int past u64
 async def test_a_reply_that_cannot_be_sent_is_an_error_and_the_server_goes_on(tmp_path,
-                                                                             caplog):
+                                                                             caplog,
+                                                                             unpackable):
     """A handler's reply msgpack cannot pack (a bug) costs that request an error reply;
-    before, its TypeError ended the server's task, and mountd."""
+    before, its TypeError (or OverflowError) ended the server's task, and mountd."""
     async def unsendable(peer: Peer, req: dict[str, Any]) -> dict[str, Any]:
-        return {"items": {1, 2}}
+        return {"items": unpackable}
 
     path = str(tmp_path / "control.sock")
     server = ControlServer(path, {"unsendable": unsendable, "echo": echo})

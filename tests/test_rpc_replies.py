@@ -28,6 +28,10 @@ async def _unsendable(args: dict) -> object:
     return {1, 2}  # a handler's bug: msgpack packs no set
 
 
+async def _overflowing(args: dict) -> object:
+    return 1 << 64  # a handler's bug: msgpack packs no int past u64
+
+
 async def _serving(handlers: dict, nursery: trio.Nursery) -> int:
     server = RpcServer(SECRET, handlers)
     port = int(server.bind("127.0.0.1", 0, "--test").rsplit(":", 1)[1])
@@ -37,7 +41,8 @@ async def _serving(handlers: dict, nursery: trio.Nursery) -> int:
 
 async def test_a_request_whose_answer_cannot_be_sent_gets_an_error_reply():
     async with trio.open_nursery() as nursery:
-        port = await _serving({"echo": _echo, "unsendable": _unsendable}, nursery)
+        port = await _serving({"echo": _echo, "unsendable": _unsendable,
+                               "overflowing": _overflowing}, nursery)
         stream = await trio.open_tcp_stream("127.0.0.1", port)
         async with stream:
             await client_handshake(stream, SECRET)
@@ -48,9 +53,12 @@ async def test_a_request_whose_answer_cannot_be_sent_gets_an_error_reply():
             await wire.send_msg(stream, {"id": 2, "op": "unsendable", "args": {}})
             assert wire.unpack(await wire.recv_frame(stream)) == {
                 "id": 2, "ok": False, "error": "internal error: reply"}
-            await wire.send_msg(stream, {"id": 3, "op": "echo", "args": {"value": 7}})
+            await wire.send_msg(stream, {"id": 3, "op": "overflowing", "args": {}})
             assert wire.unpack(await wire.recv_frame(stream)) == {
-                "id": 3, "ok": True, "result": 7}
+                "id": 3, "ok": False, "error": "internal error: reply"}
+            await wire.send_msg(stream, {"id": 4, "op": "echo", "args": {"value": 7}})
+            assert wire.unpack(await wire.recv_frame(stream)) == {
+                "id": 4, "ok": True, "result": 7}
         nursery.cancel_scope.cancel()
 
 

@@ -11,6 +11,7 @@ import trio
 
 from mountd.cluster.peers import PeerService
 from mountd.control.mount_options import check_gcs_credentials, mount_request, try_credentials
+from mountd.control.quotas import Quota
 from mountd.control.server import Peer
 from mountd.datasets.dataset import MountedDataset, PrefetchProgress
 from mountd.datasets.memory_budget import DigestCost, Held, MemoryBudget, charged, digest_cost
@@ -42,10 +43,6 @@ from quiverfs.heartbeat import to_wire
 log = logging.getLogger(__name__)
 
 PREFETCH_BATCH = 256  # entries checked against the store per thread call
-# What one uid (other than root) may register: datasets, and bytes of their digests kept
-# in the state directory.
-MAX_DATASETS_PER_USER = 64
-MAX_DIGEST_BYTES_PER_USER = 2 << 30
 # Largest item mountd serves: a read holds its item in memory, once per reader thread.
 MAX_ITEM_BYTES = 1 << 30
 
@@ -57,7 +54,8 @@ class Controller:
                  services: ReadServices, jobs: JobRegistry, views: ViewJobs,
                  peer_service: PeerService | None, prefetch_concurrency: int,
                  memory: MemoryBudget, fuse_mode: str,
-                 loader_pools: dict[str, LoaderPool], endpoints: tuple[str, ...] = ()) -> None:
+                 loader_pools: dict[str, LoaderPool], endpoints: tuple[str, ...] = (),
+                 quota: Quota = Quota()) -> None:
         self.root = root
         self.endpoints = endpoints  # the GCS endpoints users other than root may name
         self.fuse_mode = fuse_mode  # how dataset files are served: "no-open" or "open"
@@ -76,6 +74,7 @@ class Controller:
         self.peer_service = peer_service  # with --coordinator
         self.prefetch_concurrency = prefetch_concurrency
         self.memory = memory
+        self.quota = quota
         self.shared = SharedDigests()  # one copy per digest, whoever registered it
         self._lock = trio.Lock()
         self.tasks = BackgroundTasks()  # where prefetches run
@@ -182,27 +181,6 @@ class Controller:
                              f"mountd serves ({MAX_ITEM_BYTES} bytes): split it into smaller "
                              "items", ExitCode.BAD_INPUT)
 
-    def _check_quota(self, user: UserIdentity, digest_bytes: int) -> None:
-        """A uid's registrations are bounded in number, in digest bytes on root's disk,
-        and by how many hash checks its datasets have failed."""
-        if user.uid == 0:
-            return
-        mine = [ds for ds in self.table.by_name.values() if ds.reg.uid == user.uid]
-        if len(mine) >= MAX_DATASETS_PER_USER:
-            raise QuietError(f"uid {user.uid} has {len(mine)} datasets mounted, the most "
-                             "allowed: 'quiver umount' one first", ExitCode.PERMISSION)
-        used = sum(ds.reg.digest_bytes for ds in mine)
-        if used + digest_bytes > MAX_DIGEST_BYTES_PER_USER:
-            raise QuietError(f"uid {user.uid}'s digests would take {used + digest_bytes} "
-                             f"bytes, over the {MAX_DIGEST_BYTES_PER_USER}-byte limit: "
-                             "'quiver umount' a dataset first", ExitCode.PERMISSION)
-        failures = self.integrity.failures[user.uid]
-        if self.integrity.spent(user.uid):
-            raise QuietError(f"uid {user.uid}'s datasets have failed {failures} hash checks "
-                             "since mountd started: recreate their digests ('quiver digest "
-                             "create'); new registrations are refused until mountd restarts",
-                             ExitCode.PERMISSION)
-
     async def _decode(self, data: bytes) -> Digest:
         """The copy in use of the digest file ``data``, else ``data`` decoded if the
         decoding fits in mountd's memory limit."""
@@ -234,10 +212,12 @@ class Controller:
                                           limiter=self.limiter)
         async with self._lock:
             self._check_free(name)
-            self._check_quota(user, len(data))
+            mine = [ds.reg for ds in self.table.by_name.values() if ds.reg.uid == user.uid]
+            self.quota.check_count(user, mine, self.integrity)
             # Nothing is written before every check has passed: a refused registration
             # leaves nothing behind on root's disk (and nothing is built in memory).
             digest = await self._decode(data)
+            self.quota.check_digest_bytes(user, mine, digest.identity, len(data))
             cost = await self._check_memory(user.uid, digest, view)
             check_gcs_credentials(digest, options, user.uid)
             self._check_item_sizes(digest)
@@ -359,8 +339,10 @@ class Controller:
                 "cluster": self.cluster.status()}
 
     async def cluster_status(self, peer: Peer, req: dict[str, Any]) -> dict[str, Any]:
-        """Members, each one's share of this node's datasets' keys, and the cycles."""
+        """Members, each one's share of this node's datasets' keys, and the cycles of
+        the caller's datasets (root: all)."""
         cluster = self.cluster
+        mine = {ds.reg.identity for ds in self.table.visible_to(peer.uid)}
         live = cluster.live()
         digests = [ds.digest for ds in self.table.by_name.values()]
         hashes = [d.hash(i) for d in digests for i in range(0, len(d), max(1, len(d) // 2000))]
@@ -372,7 +354,8 @@ class Controller:
                 "nodes": [{"id": n, "peer": cluster.members[n], "live": n in live,
                            "share": round(shares.get(n, 0) / total, 3)}
                           for n in sorted(cluster.members)],
-                "cycles": to_wire(cluster.cycles),
+                "cycles": to_wire({key: cycle for key, cycle in cluster.cycles.items()
+                                   if peer.uid == 0 or key in mine}),
                 "jobs": self.jobs.status(peer.uid),
                 "rejected_puts": self.peer_service.rejected_puts if self.peer_service else 0}
 

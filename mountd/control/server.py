@@ -30,13 +30,22 @@ _UCRED = struct.Struct("3i")
 MAX_CONNECTIONS = 512  # control connections open at once, all users together
 MAX_CONNECTIONS_PER_UID = 16  # and of one uid (root is not limited)
 # Bytes of request frames held at once, from the header's arrival until the request is
-# answered (a frame is held about three times over while it is received and decoded):
-# one uid's (root is not limited) and all users'. A frame waits for room. Frames under
-# SMALL_FRAME are not counted: the connections bound them.
+# answered (a frame is held about twice over while it is decoded: its body, and the
+# digest's bytes copied out of it): one uid's (root is not limited) and all users'. A
+# frame waits for room. Frames under SMALL_FRAME are not counted: the connections bound
+# them.
 FRAME_BYTES_PER_UID = wire.MAX_FRAME
 FRAME_BYTES_TOTAL = 4 * wire.MAX_FRAME
 SMALL_FRAME = 1 << 20
 FRAME_TIMEOUT = 60.0  # seconds a counted frame's body may take to arrive
+# What a request may decode to: a map of a few fields, one of them a map (a key file's
+# credentials, a few KiB), and the digest as bytes. Anything else is refused as it is
+# decoded, at once and before it takes more memory than the frame's bytes. It is decoded
+# on the loop: msgpack holds the GIL for a whole message, so a worker thread would free
+# nothing, and what it decoded would stay in that thread's malloc arena.
+REQUEST_LIMITS = wire.Limits(max_array_len=64, max_map_len=64, max_str_len=64 << 10,
+                             max_bin_len=wire.MAX_FRAME, max_ext_len=0,
+                             container_bytes=64 << 10)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +198,7 @@ class ControlServer:
                 await wire.send_msg(stream, reply)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return
-            except (TypeError, ValueError):  # a reply msgpack cannot pack: a bug here
+            except (TypeError, ValueError, OverflowError):  # a reply msgpack cannot pack: a bug
                 log.exception("control reply to uid %d cannot be sent", peer.uid)
                 await self._reply_error(stream, "internal error: see mountd's log",
                                         ExitCode.DAEMON)
@@ -202,9 +211,9 @@ class ControlServer:
             body = await wire.recv_body(stream, length)
         return await self._dispatch(peer, body)
 
-    async def _dispatch(self, peer: Peer, body: bytes) -> dict[str, Any]:
+    async def _dispatch(self, peer: Peer, body: bytes | bytearray) -> dict[str, Any]:
         try:
-            request = wire.unpack(body)
+            request = wire.unpack(body, REQUEST_LIMITS)
             if not isinstance(request, dict) or request.get("op") not in self.handlers:
                 raise QuietError(f"unknown request (ops: {', '.join(sorted(self.handlers))})",
                                  ExitCode.USAGE)

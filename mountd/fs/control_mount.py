@@ -221,8 +221,14 @@ class ControlMount:
             log.exception("FUSE control.%s failed: answered EIO", op)
             result, err = None, errno.EIO
         try:
+            answer = msgpack.packb([rid, err, result])
+        except (TypeError, ValueError, OverflowError):  # a bug here: left to propagate,
+            # it would end the link, and the child serving every user's ``.quiver``
+            log.exception("FUSE control.%s: its answer cannot be sent: answered EIO", op)
+            answer = msgpack.packb([rid, errno.EIO, None])
+        try:
             async with send_lock:
-                await stream.send_all(msgpack.packb([rid, err, result]))
+                await stream.send_all(answer)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the child is gone; its kernel request went with it
 
