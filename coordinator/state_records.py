@@ -16,7 +16,7 @@ class Node:
     id: str
     peer: str
     capacity: int
-    last_seen: float = 0.0  # time.time() of its last heartbeat
+    last_seen: float = 0.0  # its last heartbeat, on the coordinator's RunClock
 
 
 @dataclasses.dataclass

@@ -1,0 +1,126 @@
+"""Silence is counted while the coordinator runs: a real ``quiver coordinator`` process,
+with real mountd nodes or heartbeats over RPC."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import pytest
+
+from quiverfs.heartbeat import (DatasetReport, Heartbeat, HeartbeatReply, JobReport,
+                                LoadedShare, from_wire, to_wire)
+from tests.mountd_helpers import make_digest
+from tests.test_cluster import SECRET, Cluster, rpc_call, start_nodes
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
+
+HEARTBEAT_TIMEOUT = 2.0  # CoordinatorProcess's default
+FORGET_AFTER = 3.0
+CHUNKS = 4
+
+
+def status(c: Cluster) -> dict:
+    return rpc_call(int(c.coordinator.address.rsplit(":", 1)[1]), SECRET, "status", {})
+
+
+def nodes(c: Cluster) -> dict[str, bool]:
+    """The members the coordinator knows of: id -> alive."""
+    return {n["id"]: n["alive"] for n in status(c)["nodes"]}
+
+
+def loaders(c: Cluster) -> dict[str, dict[str, list[str]]]:
+    """Per dataset identity, the nodes loading each loading chunk."""
+    return {d["identity"]: d["loaders"] for d in status(c)["datasets"]}
+
+
+def beat(c: Cluster, node: str, datasets: tuple[str, ...] = ("ident",),
+         loaded: tuple[LoadedShare, ...] = ()) -> HeartbeatReply:
+    """One heartbeat from ``node`` (a job on each of ``datasets``) over RPC."""
+    job = JobReport(id=f"{node}-job", gen=0, gpus=1, remaining=(5,) * CHUNKS, probe_seq=0)
+    report = DatasetReport(name="ds", chunks=CHUNKS, size=4000, chunk_bytes=500,
+                           loaded=loaded, jobs=(job,))
+    reply = rpc_call(int(c.coordinator.address.rsplit(":", 1)[1]), SECRET, "heartbeat",
+                     to_wire(Heartbeat(node, f"127.0.0.1:{9000 + len(node)}", 1500,
+                                       {d: report for d in datasets})))
+    return from_wire(reply, HeartbeatReply)
+
+
+def log_since(c: Cluster, offset: int) -> str:
+    with open(c.coordinator.log_path, encoding="utf-8") as f:
+        f.seek(offset)
+        return f.read()
+
+
+def stop_for(c: Cluster, seconds: float) -> None:
+    """SIGSTOP the coordinator for ``seconds`` (the pause is the test's stimulus, not a
+    wait for a condition)."""
+    c.coordinator.proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        c.coordinator.proc.send_signal(signal.SIGCONT)
+
+
+def restart_after(c: Cluster, seconds: float) -> None:
+    """Stop the coordinator (SIGTERM), and start it again from its state directory
+    ``seconds`` later."""
+    assert c.coordinator.stop() == 0
+    time.sleep(seconds)
+    c.coordinator.start()
+
+
+OUTAGES: dict[str, Callable[[Cluster, float], None]] = {"stopped": stop_for,
+                                                        "restarted": restart_after}
+
+
+@pytest.fixture
+def cluster(tmp_path, request):
+    c = Cluster(str(tmp_path), coordinator_args=getattr(request, "param", (
+        "--forget-after", str(FORGET_AFTER))))
+    c.coordinator.start()
+    yield c
+    problems = c.stop()
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("outage", OUTAGES)
+def test_an_outage_longer_than_forget_after_counts_no_node_dead(cluster, outage,
+                                                                synthetic_tree):
+    """Real nodes beat on while the coordinator is stopped or down: once it runs again,
+    neither is forgotten nor counted dead, and the membership keeps its version."""
+    start_nodes(cluster, ["a", "b"], make_digest(synthetic_tree.root, "syn"))
+    before = status(cluster)
+    logged = os.path.getsize(cluster.coordinator.log_path)
+    OUTAGES[outage](cluster, FORGET_AFTER + 1.0)
+    # Past a heartbeat timeout of its running, where the old count would show
+    end = time.monotonic() + 2 * HEARTBEAT_TIMEOUT
+    while time.monotonic() < end:
+        now = status(cluster)
+        assert {n["id"]: n["alive"] for n in now["nodes"]} == {"a": True, "b": True}, now
+        # a restart counts one version (nodes recompute owners, the same ones)
+        assert now["version"] == before["version"] + (outage == "restarted"), now
+    for node in ("a", "b"):
+        assert cluster.live_members(node) == ["a", "b"]
+    after = log_since(cluster, logged)
+    for line in ("forgot node", "declared dead", "joined", "is back"):
+        assert line not in after, after
+
+
+@pytest.mark.parametrize("outage", OUTAGES)
+def test_an_outage_longer_than_forget_after_moves_no_chunk_load(cluster, outage):
+    """Nodes sharing a chunk's load keep their shares across the outage; a node that
+    stays silent while the coordinator runs is still dead one heartbeat timeout later."""
+    first = beat(cluster, "a").cycles["ident"].loads  # a alone loads the first chunks
+    beat(cluster, "b")
+    beat(cluster, "a", loaded=first)  # a and b load the next ones
+    shares = loaders(cluster)
+    assert shares["ident"] and all(n == ["a", "b"] for n in shares["ident"].values()), shares
+    OUTAGES[outage](cluster, FORGET_AFTER + 1.0)
+    assert nodes(cluster) == {"a": True, "b": True}  # before either beats again
+    assert loaders(cluster) == shares
+    assert [m.id for m in beat(cluster, "a").nodes] == ["a", "b"]
+    assert loaders(cluster) == shares
+    cluster.wait_for(lambda: beat(cluster, "a") and not nodes(cluster).get("b"),
+                     "b, silent while the coordinator runs, to be dead")
