@@ -7,6 +7,7 @@ membership and each dataset's chunk cycle with the nodes that load the current
 chunk. A node whose heartbeats stop for ``heartbeat_timeout`` seconds is dead: its
 keys move to the survivors and its jobs stop pinning chunks. One not heard from for
 ``forget_after`` seconds is forgotten: gone from the membership and from every dataset.
+A dataset no node has reported for ``forget_datasets_after`` seconds is forgotten too.
 These silences are counted while the coordinator runs (``coordinator.run_clock``): after
 it was stopped, stalled or down, every node that was live gets a full heartbeat timeout.
 
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_TIMEOUT = 5.0  # seconds without a heartbeat before a node is dead
 REPROBE_AFTER = 600.0  # seconds between probes of a job
 FORGET_AFTER = 600.0  # seconds without a heartbeat before a node is forgotten, at least
+FORGET_DATASETS_AFTER = 86400.0  # seconds no node reports a dataset before it is forgotten
 
 
 class CoordinatorState:
@@ -42,7 +44,8 @@ class CoordinatorState:
     def __init__(self, state_dir: str, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
                  force_after: float = FORCE_EVICT_AFTER, budget: int | None = None,
                  probe_batches: int = PROBE_BATCHES, reprobe_after: float = REPROBE_AFTER,
-                 forget_after: float | None = None) -> None:
+                 forget_after: float | None = None,
+                 forget_datasets_after: float = FORGET_DATASETS_AFTER) -> None:
         self.heartbeat_timeout = heartbeat_timeout
         # A gap shorter than a heartbeat timeout: one the clock counts cannot kill a node
         # that beat just before it.
@@ -51,6 +54,7 @@ class CoordinatorState:
         # None: FORGET_AFTER, or the heartbeat timeout where longer (a node is dead first)
         self.forget_after = (max(FORGET_AFTER, heartbeat_timeout) if forget_after is None
                              else forget_after)
+        self.forget_datasets_after = forget_datasets_after
         self.force_after = force_after
         self.budget = budget  # bytes of cache cluster-wide; None: the nodes' capacities
         self.probe_batches = probe_batches
@@ -159,7 +163,8 @@ class CoordinatorState:
         self._alive = alive
 
     def forget(self, now: float | None = None) -> list[str]:
-        """Forget the nodes not heard from for ``forget_after`` seconds; their ids."""
+        """Forget the nodes not heard from for ``forget_after`` seconds, and the datasets
+        no node reported for ``forget_datasets_after``; the nodes' ids."""
         now = self.now() if now is None else now
         silent = sorted(n.id for n in self.nodes.values()
                         if now - n.last_seen > self.forget_after)
@@ -167,6 +172,13 @@ class CoordinatorState:
             quiet = now - self.nodes[node].last_seen
             self.drop(node, f"not heard from for {quiet:.0f} s" if math.isfinite(quiet)
                       else "the time of its last heartbeat is not known")
+        for ds in [d for d in self.datasets.values()
+                   if now - d.last_reported > self.forget_datasets_after]:
+            # Its cycle, loaders, allocation and probes all live in its record.
+            del self.datasets[ds.identity]
+            self.dirty = True
+            log.info("forgot dataset %s (%s): no node reported it for %.0f s", ds.name,
+                     ds.identity, now - ds.last_reported)
         return silent
 
     def drop(self, node: str, why: str) -> None:
@@ -229,6 +241,7 @@ class CoordinatorState:
                     identity, report.name, ChunkCycle(report.chunks, self.force_after))
                 changed = True
             ds.reports[beat.node] = report
+            ds.last_reported = now
         for ds in self.datasets.values():
             for gone in [n for n in ds.reports if n not in alive]:
                 del ds.reports[gone]

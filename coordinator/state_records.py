@@ -33,3 +33,4 @@ class DatasetState:
     gain: float = 0.0  # G, the GPU shares its jobs save with the cache
     probes: dict[str, int] = dataclasses.field(default_factory=dict)  # job -> probe number
     probed_at: dict[str, float] = dataclasses.field(default_factory=dict)
+    last_reported: float = 0.0  # its last report by any node, on the RunClock

@@ -1,10 +1,10 @@
 """The coordinator's state file, ``STATE_DIR/coordinator.json``: its JSON form, reading it
 back at a start (older forms included) and writing it atomically.
 
-Everything but the nodes' reports is saved, with how long each node had been silent
-(seconds the coordinator ran since it last heard from it, ``run_clock``), so a restart
-revives no node that was dead, and goes on counting those silences where they were: the
-time it was down counts for none.
+Everything but the nodes' reports is saved, with how long each node and dataset had
+been silent (seconds the coordinator ran since it last heard from or of it,
+``run_clock``), so a restart revives no node that was dead, and goes on counting those
+silences where they were: the time it was down counts for none.
 """
 from __future__ import annotations
 
@@ -106,6 +106,7 @@ def encode(version: int, nodes: Iterable[Node], datasets: Iterable[DatasetState]
                        "silent_s": max(now - n.last_seen, 0.0)}
                       for n in nodes],
             "datasets": [{"identity": d.identity, "name": d.name,
+                          "unreported_s": max(now - d.last_reported, 0.0),
                           "cycle": d.cycle.snapshot(),
                           "loaders": {str(c): n for c, n in d.loaders.items()},
                           "done": {str(c): sorted(n) for c, n in d.done.items()},
@@ -130,11 +131,13 @@ def _restore(data: dict, force_after: float, now: float) -> Saved:
         if isinstance(loaders, list):  # written by a two-chunk cycle: its one load
             loaders = {str(c): loaders for c in cycle.loading}
             done = {str(c): done for c in cycle.loading}
+        # Written before datasets were forgotten: its time counts from this start.
+        unreported = _seconds(d.get("unreported_s", 0.0), f"dataset {d['identity']}")
         datasets[d["identity"]] = DatasetState(
             d["identity"], d["name"], cycle,
             {int(c): list(n) for c, n in loaders.items() if int(c) in cycle.loading},
             {int(c): set(n) for c, n in done.items() if int(c) in cycle.loading},
-            mode=CacheMode(d.get("mode", CacheMode.COOP)))
+            mode=CacheMode(d.get("mode", CacheMode.COOP)), last_reported=now - unreported)
     return Saved(int(data.get("version", 0)), nodes, datasets)
 
 

@@ -1,7 +1,8 @@
-"""Silence is counted while the coordinator runs: a real ``quiver coordinator`` process,
-with real mountd nodes or heartbeats over RPC."""
+"""Silence is counted while the coordinator runs, and what no node reports is forgotten:
+a real ``quiver coordinator`` process, with real mountd nodes or heartbeats over RPC."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -11,6 +12,7 @@ import pytest
 
 from quiverfs.heartbeat import (DatasetReport, Heartbeat, HeartbeatReply, JobReport,
                                 LoadedShare, from_wire, to_wire)
+from quiverfs.torch import QuiverBatchSampler
 from tests.mountd_helpers import make_digest
 from tests.test_cluster import SECRET, Cluster, rpc_call, start_nodes
 
@@ -124,3 +126,31 @@ def test_an_outage_longer_than_forget_after_moves_no_chunk_load(cluster, outage)
     assert loaders(cluster) == shares
     cluster.wait_for(lambda: beat(cluster, "a") and not nodes(cluster).get("b"),
                      "b, silent while the coordinator runs, to be dead")
+
+
+@pytest.mark.parametrize("cluster", [("--forget-datasets-after", "2")], indirect=True)
+def test_a_dataset_no_node_reports_is_forgotten_and_one_in_use_is_not(cluster):
+    beat(cluster, "a", ("old", "used"))
+    assert sorted(loaders(cluster)) == ["old", "used"]
+    cluster.wait_for(lambda: beat(cluster, "a", ("used",)) and "old" not in loaders(cluster),
+                     "the dataset no node reports to be forgotten")
+    assert list(loaders(cluster)) == ["used"]  # reported all along: kept
+
+    def saved() -> list[str]:
+        with open(os.path.join(cluster.coordinator.state_dir, "coordinator.json"),
+                  encoding="utf-8") as f:
+            return [d["identity"] for d in json.load(f)["datasets"]]
+    cluster.wait_for(lambda: saved() == ["used"], "the state file to drop it")
+    restart_after(cluster, 0.0)
+    assert list(loaders(cluster)) == ["used"]
+
+
+@pytest.mark.parametrize("cluster", [("--forget-datasets-after", "2")], indirect=True)
+def test_a_real_nodes_dataset_is_forgotten_once_its_jobs_end(cluster, synthetic_tree):
+    start_nodes(cluster, ["a"], make_digest(synthetic_tree.root, "syn"))
+    sampler = QuiverBatchSampler(os.path.join(cluster.nodes["a"].root, "syn"), 8, seed=1)
+    try:
+        cluster.wait_for(lambda: len(loaders(cluster)) == 1, "the job's dataset to be known")
+    finally:
+        sampler.close()
+    cluster.wait_for(lambda: loaders(cluster) == {}, "the dataset to be forgotten")
