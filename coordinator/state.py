@@ -187,11 +187,7 @@ class CoordinatorState:
         del self.nodes[node]
         self.bandwidth.pop(node, None)
         for ds in self.datasets.values():
-            ds.reports.pop(node, None)
-            for chunk, loaders in ds.loaders.items():
-                if node in loaders:  # the others split the chunk anew, as when one dies
-                    ds.loaders[chunk] = [n for n in loaders if n != node]
-                    ds.done[chunk] = set()
+            ds.leave(node)
             for key in [k for k in ds.probes if k.partition("/")[0] == node]:
                 del ds.probes[key]
                 ds.probed_at.pop(key, None)
@@ -243,6 +239,10 @@ class CoordinatorState:
             ds.reports[beat.node] = report
             ds.last_reported = now
         for ds in self.datasets.values():
+            # A node reports every dataset it has jobs on: one it leaves out has none
+            # there now, and would pin chunks and take a share of the budget for them.
+            if ds.identity not in beat.datasets:
+                changed |= ds.leave(beat.node)
             for gone in [n for n in ds.reports if n not in alive]:
                 del ds.reports[gone]
         changed |= self._allocate(now)

@@ -37,6 +37,11 @@ def loaders(c: Cluster) -> dict[str, dict[str, list[str]]]:
     return {d["identity"]: d["loaders"] for d in status(c)["datasets"]}
 
 
+def jobs(c: Cluster) -> dict[str, list[str]]:
+    """Per dataset identity, the nodes of the jobs the coordinator counts."""
+    return {d["identity"]: [j["node"] for j in d["jobs"]] for d in status(c)["datasets"]}
+
+
 def beat(c: Cluster, node: str, datasets: tuple[str, ...] = ("ident",),
          loaded: tuple[LoadedShare, ...] = ()) -> HeartbeatReply:
     """One heartbeat from ``node`` (a job on each of ``datasets``) over RPC."""
@@ -154,3 +159,28 @@ def test_a_real_nodes_dataset_is_forgotten_once_its_jobs_end(cluster, synthetic_
     finally:
         sampler.close()
     cluster.wait_for(lambda: loaders(cluster) == {}, "the dataset to be forgotten")
+
+
+def test_a_node_that_leaves_a_dataset_hands_its_chunk_loads_over(cluster):
+    """A node reports every dataset it has jobs on: one it leaves out, it has left."""
+    first = beat(cluster, "a").cycles["ident"].loads
+    beat(cluster, "b")
+    beat(cluster, "a", loaded=first)
+    assert all(n == ["a", "b"] for n in loaders(cluster)["ident"].values())
+    beat(cluster, "a", datasets=())
+    assert jobs(cluster) == {"ident": ["b"]}
+    shares = loaders(cluster)["ident"]
+    assert shares and all(n == ["b"] for n in shares.values()), shares
+
+
+def test_a_real_nodes_ended_job_stops_counting(cluster, synthetic_tree):
+    start_nodes(cluster, ["a"], make_digest(synthetic_tree.root, "syn"))
+    sampler = QuiverBatchSampler(os.path.join(cluster.nodes["a"].root, "syn"), 8, seed=1)
+    try:
+        sampler.set_epoch(0)
+        sampler.manifest(0)
+        cluster.wait_for(lambda: list(jobs(cluster).values()) == [["a"]], "the job to count")
+    finally:
+        sampler.close()
+    cluster.wait_for(lambda: list(jobs(cluster).values()) == [[]],
+                     "the ended job to leave the coordinator (the dataset is kept)")
