@@ -126,6 +126,8 @@ def test_an_outage_longer_than_forget_after_moves_no_chunk_load(cluster, outage)
     assert shares["ident"] and all(n == ["a", "b"] for n in shares["ident"].values()), shares
     OUTAGES[outage](cluster, FORGET_AFTER + 1.0)
     assert nodes(cluster) == {"a": True, "b": True}  # before either beats again
+    left_out = status(cluster)["not_running_s"]  # a restart's downtime is no process's
+    assert (left_out >= FORGET_AFTER + 1.0) == (outage == "stopped"), left_out
     assert loaders(cluster) == shares
     assert [m.id for m in beat(cluster, "a").nodes] == ["a", "b"]
     assert loaders(cluster) == shares
