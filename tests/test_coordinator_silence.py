@@ -10,11 +10,13 @@ from collections.abc import Callable
 
 import pytest
 
+from quiverfs.bench.processes import free_port
 from quiverfs.heartbeat import (DatasetReport, Heartbeat, HeartbeatReply, JobReport,
                                 LoadedShare, from_wire, to_wire)
 from quiverfs.torch import QuiverBatchSampler
 from tests.mountd_helpers import make_digest
 from tests.test_cluster import SECRET, Cluster, rpc_call, start_nodes
+from tests.test_metrics import scrape, value
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
 
@@ -142,6 +144,21 @@ def test_an_outage_longer_than_forget_after_moves_no_chunk_load(cluster, outage)
     assert loaders(cluster) == shares
     cluster.wait_for(lambda: beat(cluster, "a") and not nodes(cluster).get("b"),
                      "b, silent while the coordinator runs, to be dead")
+
+
+METRICS_PORT = free_port()
+
+
+@pytest.mark.parametrize("cluster", [("--forget-after", str(FORGET_AFTER), "--metrics",
+                                      f"127.0.0.1:{METRICS_PORT}")], indirect=True)
+def test_the_metrics_after_a_pause_count_the_nodes_live_and_the_pause(cluster):
+    beat(cluster, "a")
+    beat(cluster, "b")
+    stop_for(cluster, FORGET_AFTER + 1.0)
+    samples = scrape(METRICS_PORT)
+    assert value(samples, "quiver_coordinator_nodes", state="live") == 2
+    assert value(samples, "quiver_coordinator_nodes", state="dead") == 0
+    assert value(samples, "quiver_coordinator_not_running_seconds_total") >= FORGET_AFTER + 1
 
 
 @pytest.mark.parametrize("cluster", [("--forget-datasets-after", "2")], indirect=True)
