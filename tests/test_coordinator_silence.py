@@ -112,7 +112,7 @@ def test_an_outage_longer_than_forget_after_counts_no_node_dead(cluster, outage,
     before = status(cluster)
     logged = os.path.getsize(cluster.coordinator.log_path)
     OUTAGES[outage](cluster, FORGET_AFTER + 1.0)
-    # Past a heartbeat timeout of its running, where the old count would show
+    # For two heartbeat timeouts once it runs again: a node counted dead would show
     end = time.monotonic() + 2 * HEARTBEAT_TIMEOUT
     while time.monotonic() < end:
         now = status(cluster)
