@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from coordinator.state import FORGET_AFTER, HEARTBEAT_TIMEOUT, REPROBE_AFTER
+from coordinator.state import (FORGET_AFTER, FORGET_DATASETS_AFTER, HEARTBEAT_TIMEOUT,
+                               REPROBE_AFTER)
 from quiverfs.cycle_cli import add_cycle_options
 from quiverfs.errors import ExitCode, QuietError
 from quiverfs.option_types import Address, ByteSize, FloatAtLeast
@@ -30,6 +31,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    "the membership and from every dataset, restarts included; at least "
                    f"--heartbeat-timeout (default {FORGET_AFTER:g}, or --heartbeat-timeout "
                    "where longer)")
+    p.add_argument("--forget-datasets-after", metavar="SECONDS",
+                   default=FORGET_DATASETS_AFTER,
+                   type=FloatAtLeast("--forget-datasets-after", 0, minimum_ok=False),
+                   help="seconds no node reports a dataset (no node has a job on it) "
+                   "before it is forgotten with its chunk cycle, restarts included "
+                   "(default %(default)g)")
     p.add_argument("--peer-network", metavar="CIDR[,CIDR...]",
                    type=PeerNetworks("--peer-network"),
                    help="refuse nodes whose peer address is outside these networks, or is "
@@ -64,7 +71,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     state = CoordinatorState(
         os.path.abspath(args.state_dir), args.heartbeat_timeout, args.force_evict_after,
         budget=args.cache_budget, probe_batches=args.probe_batches,
-        reprobe_after=args.reprobe_after, forget_after=args.forget_after)
+        reprobe_after=args.reprobe_after, forget_after=args.forget_after,
+        forget_datasets_after=args.forget_datasets_after)
     try:
         state.save()  # an unwritable state directory fails now, not at the first join
     except OSError as exc:

@@ -7,10 +7,9 @@ from the scrape's thread), and every scrape sees one consistent moment.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from coordinator.state import CoordinatorState
 from quiverfs.chunk_cycle import ChunkState
@@ -36,12 +35,16 @@ class CoordinatorCollector:
 
     def _families(self) -> list[Metric]:
         """Every family, built at one moment (runs on the loop)."""
-        state, now = self.state, time.time()
+        state, now = self.state, self.state.now()
         live = {n.id for n in state.live(now)}
         nodes = GaugeMetricFamily("quiver_coordinator_nodes", "Members, live or dead",
                                   labels=["state"])
         nodes.add_metric(["live"], len(live))
         nodes.add_metric(["dead"], len(state.nodes) - len(live))
+        stopped = CounterMetricFamily("quiver_coordinator_not_running_seconds",
+                                      "Seconds the coordinator was stopped or stalled, "
+                                      "counted as no node's silence")
+        stopped.add_metric([], state.clock.left_out)
         budget = GaugeMetricFamily("quiver_coordinator_budget_bytes",
                                    "Cache bytes the allocation shares out")
         budget.add_metric([], state.budget if state.budget is not None else sum(
@@ -74,4 +77,4 @@ class CoordinatorCollector:
                 for job in report.jobs:
                     if job.benefit is not None:
                         benefit.add_metric([ds.name, node, job.id], job.benefit)
-        return [nodes, budget, chunks, resident, depth, mode, gain, benefit]
+        return [nodes, stopped, budget, chunks, resident, depth, mode, gain, benefit]

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import time
 from typing import Any
 
 import trio
@@ -53,14 +52,12 @@ class CoordinatorServer:
         await self._save_changes()
         return to_wire(reply)
 
-    async def _forget_silent(self) -> None:
-        """Forget silent nodes when their time comes, also while no heartbeat arrives
-        (a heartbeat forgets them too)."""
+    async def _tick(self) -> None:
+        """Read the state's clock every ``tick`` seconds, so that a longer gap is time
+        the coordinator did not run (``run_clock``), and forget what is due also while
+        no heartbeat arrives (a heartbeat forgets too)."""
         while True:
-            due = self.state.next_forget()
-            wait = self.state.forget_after if due is None else due - time.time()
-            # At least a little: the loop's clock and the wall clock may disagree.
-            await trio.sleep(max(wait, 0.05))
+            await trio.sleep(self.state.tick)
             self.state.forget()
             await self._save_changes()
 
@@ -78,7 +75,7 @@ class CoordinatorServer:
             log.info("coordinator listening on %s", self.address)
             if self.metrics is not None:
                 await nursery.start(self.metrics.serve)
-            nursery.start_soon(self._forget_silent)
+            nursery.start_soon(self._tick)
             sd_notify.notify("READY=1")
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for signum in signals:

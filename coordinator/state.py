@@ -7,6 +7,9 @@ membership and each dataset's chunk cycle with the nodes that load the current
 chunk. A node whose heartbeats stop for ``heartbeat_timeout`` seconds is dead: its
 keys move to the survivors and its jobs stop pinning chunks. One not heard from for
 ``forget_after`` seconds is forgotten: gone from the membership and from every dataset.
+A dataset no node has reported for ``forget_datasets_after`` seconds is forgotten too.
+These silences are counted while the coordinator runs (``coordinator.run_clock``): after
+it was stopped, stalled or down, every node that was live gets a full heartbeat timeout.
 
 The same class runs inside ``quiver coordinator`` and, for a single node without
 ``--coordinator``, inside mountd. It is saved in its state directory, and resumed from
@@ -16,11 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
+import math
 from typing import Any
 
 from coordinator import state_store
 from coordinator.allocation import DatasetDemand, JobBenefit, allocate, resident_chunks
+from coordinator.run_clock import MAX_GAP, RunClock
 from coordinator.state_records import DatasetState, Node
 from quiverfs.chunk_cycle import FORCE_EVICT_AFTER, ChunkCycle
 from quiverfs.heartbeat import (PROBE_BATCHES, CacheMode, CycleView, Heartbeat, HeartbeatReply,
@@ -31,6 +35,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_TIMEOUT = 5.0  # seconds without a heartbeat before a node is dead
 REPROBE_AFTER = 600.0  # seconds between probes of a job
 FORGET_AFTER = 600.0  # seconds without a heartbeat before a node is forgotten, at least
+FORGET_DATASETS_AFTER = 86400.0  # seconds no node reports a dataset before it is forgotten
 
 
 class CoordinatorState:
@@ -39,11 +44,17 @@ class CoordinatorState:
     def __init__(self, state_dir: str, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
                  force_after: float = FORCE_EVICT_AFTER, budget: int | None = None,
                  probe_batches: int = PROBE_BATCHES, reprobe_after: float = REPROBE_AFTER,
-                 forget_after: float | None = None) -> None:
+                 forget_after: float | None = None,
+                 forget_datasets_after: float = FORGET_DATASETS_AFTER) -> None:
         self.heartbeat_timeout = heartbeat_timeout
+        # A gap shorter than a heartbeat timeout: one the clock counts cannot kill a node
+        # that beat just before it.
+        self.clock = RunClock(min(MAX_GAP, heartbeat_timeout / 2))
+        self.tick = self.clock.max_gap / 4  # the owner reads the clock at least this often
         # None: FORGET_AFTER, or the heartbeat timeout where longer (a node is dead first)
         self.forget_after = (max(FORGET_AFTER, heartbeat_timeout) if forget_after is None
                              else forget_after)
+        self.forget_datasets_after = forget_datasets_after
         self.force_after = force_after
         self.budget = budget  # bytes of cache cluster-wide; None: the nodes' capacities
         self.probe_batches = probe_batches
@@ -53,25 +64,29 @@ class CoordinatorState:
         self.bandwidth: dict[str, float] = {}  # node -> what its bucket fetches get
         self.version = 0  # bumped when membership changes
         self._alive: set[str] = set()
-        self._seen_saved = 0.0  # the latest last-seen time in the last snapshot
+        self._saved_at = 0.0  # the clock's reading at the last snapshot
         self.store = state_store.StateStore(state_dir)
         self.dirty = False  # changed since ``changes()`` last gave the state to save
         self._load()
 
     # -- persistence (the file is coordinator.state_store's) --------------------------
     def _load(self) -> None:
-        saved = self.store.load(self.force_after)
+        now = self.now()
+        saved = self.store.load(self.force_after, now)
         if saved is None:
             return
         self.nodes, self.datasets = saved.nodes, saved.datasets
         self.version = saved.version + 1
         log.info("resumed: %d nodes, %d datasets", len(self.nodes), len(self.datasets))
-        self.forget()
+        self.forget(now)
+        # The time it was down is no node's silence: the live ones beat on meanwhile.
+        self._alive = self._renew(now)
 
     def snapshot(self) -> bytes:
-        """The state file's contents (whose last-seen times count as saved)."""
-        self._seen_saved = max((n.last_seen for n in self.nodes.values()), default=0.0)
-        return state_store.encode(self.version, self.nodes.values(), self.datasets.values())
+        """The state file's contents (whose silences count as saved)."""
+        now = self._saved_at = self.now()
+        return state_store.encode(self.version, self.nodes.values(), self.datasets.values(),
+                                  now)
 
     def changes(self) -> bytes | None:
         """The state file's contents if the state changed since the last call: the
@@ -90,14 +105,35 @@ class CoordinatorState:
         self.store.write(data)
 
     # -- membership -------------------------------------------------------------------
+    def now(self) -> float:
+        """The clock silences are counted on: seconds this coordinator has run. Read
+        after a gap in which it did not run, it gives every live node a full heartbeat
+        timeout again."""
+        now, gap = self.clock.read()
+        if gap:
+            renewed = self._renew(now)
+            # Past a heartbeat timeout, counting the gap would have killed every node.
+            log.log(logging.WARNING if gap > self.heartbeat_timeout else logging.DEBUG,
+                    "the coordinator did not run for %.1f s (stopped or stalled): not "
+                    "counted as silence; %d live node(s) get a full heartbeat timeout",
+                    gap, len(renewed))
+        return now
+
+    def _renew(self, now: float) -> set[str]:
+        """Count the live nodes as heard from ``now``; their ids."""
+        live = self.live(now)
+        for node in live:
+            node.last_seen = now
+        return {n.id for n in live}
+
     def live(self, now: float | None = None) -> list[Node]:
-        now = time.time() if now is None else now
+        now = self.now() if now is None else now
         return sorted((n for n in self.nodes.values()
                        if now - n.last_seen <= self.heartbeat_timeout), key=lambda n: n.id)
 
     def join(self, node: str, peer: str, capacity: int, now: float | None = None
              ) -> HeartbeatReply:
-        now = time.time() if now is None else now
+        now = self.now() if now is None else now
         known = self.nodes.get(node)
         if known is None or known.peer != peer or known.capacity != capacity:
             self.nodes[node] = Node(node, peer, capacity, now)
@@ -127,21 +163,23 @@ class CoordinatorState:
         self._alive = alive
 
     def forget(self, now: float | None = None) -> list[str]:
-        """Forget the nodes not heard from for ``forget_after`` seconds; their ids."""
-        now = time.time() if now is None else now
+        """Forget the nodes not heard from for ``forget_after`` seconds, and the datasets
+        no node reported for ``forget_datasets_after``; the nodes' ids."""
+        now = self.now() if now is None else now
         silent = sorted(n.id for n in self.nodes.values()
                         if now - n.last_seen > self.forget_after)
         for node in silent:
-            seen = self.nodes[node].last_seen
-            self.drop(node, f"not heard from for {now - seen:.0f} s" if seen
+            quiet = now - self.nodes[node].last_seen
+            self.drop(node, f"not heard from for {quiet:.0f} s" if math.isfinite(quiet)
                       else "the time of its last heartbeat is not known")
+        for ds in [d for d in self.datasets.values()
+                   if now - d.last_reported > self.forget_datasets_after]:
+            # Its cycle, loaders, allocation and probes all live in its record.
+            del self.datasets[ds.identity]
+            self.dirty = True
+            log.info("forgot dataset %s (%s): no node reported it for %.0f s", ds.name,
+                     ds.identity, now - ds.last_reported)
         return silent
-
-    def next_forget(self) -> float | None:
-        """When (``time.time()``) the next node is due to be forgotten, if no heartbeat
-        comes from it first; None without nodes."""
-        seen = min((n.last_seen for n in self.nodes.values()), default=None)
-        return None if seen is None else seen + self.forget_after
 
     def drop(self, node: str, why: str) -> None:
         """Remove ``node`` from the membership and from every dataset: its report, its
@@ -149,11 +187,7 @@ class CoordinatorState:
         del self.nodes[node]
         self.bandwidth.pop(node, None)
         for ds in self.datasets.values():
-            ds.reports.pop(node, None)
-            for chunk, loaders in ds.loaders.items():
-                if node in loaders:  # the others split the chunk anew, as when one dies
-                    ds.loaders[chunk] = [n for n in loaders if n != node]
-                    ds.done[chunk] = set()
+            ds.leave(node)
             for key in [k for k in ds.probes if k.partition("/")[0] == node]:
                 del ds.probes[key]
                 ds.probed_at.pop(key, None)
@@ -179,7 +213,7 @@ class CoordinatorState:
     def heartbeat(self, beat: Heartbeat, now: float | None = None) -> HeartbeatReply:
         """Record a node's report; advance the cycles; return what the node should do.
         A refused heartbeat (ValueError) changes nothing."""
-        now = time.time() if now is None else now
+        now = self.now() if now is None else now
         self._check(beat, now)
         view = self.join(beat.node, beat.peer, beat.capacity, now)
         if beat.bucket_bps is not None:
@@ -187,9 +221,9 @@ class CoordinatorState:
         self.forget(now)
         self._expire(now)
         alive = {n.id for n in view.nodes}
-        # Last-seen times are saved at least once a heartbeat timeout, so a restart
-        # after a crash finds a live node's time about that recent.
-        changed = now - self._seen_saved >= self.heartbeat_timeout
+        # Silences are saved at least once a heartbeat timeout, so a restart after a
+        # crash finds them about that recent.
+        changed = now - self._saved_at >= self.heartbeat_timeout
         for identity, report in beat.datasets.items():
             ds = self.datasets.get(identity)
             if ds is not None and ds.cycle.n_chunks != report.chunks:
@@ -203,7 +237,12 @@ class CoordinatorState:
                     identity, report.name, ChunkCycle(report.chunks, self.force_after))
                 changed = True
             ds.reports[beat.node] = report
+            ds.last_reported = now
         for ds in self.datasets.values():
+            # A node reports every dataset it has jobs on: one it leaves out has none
+            # there now, and would pin chunks and take a share of the budget for them.
+            if ds.identity not in beat.datasets:
+                changed |= ds.leave(beat.node)
             for gone in [n for n in ds.reports if n not in alive]:
                 del ds.reports[gone]
         changed |= self._allocate(now)
@@ -328,10 +367,11 @@ class CoordinatorState:
                 return
 
     def status(self, now: float | None = None) -> dict[str, Any]:
-        now = time.time() if now is None else now
+        now = self.now() if now is None else now
         live = {n.id for n in self.live(now)}
         return {
             "version": self.version,
+            "not_running_s": round(self.clock.left_out, 1),
             "nodes": [{"id": n.id, "peer": n.peer, "capacity": n.capacity,
                        "alive": n.id in live, "last_seen_s": round(now - n.last_seen, 1)}
                       for n in sorted(self.nodes.values(), key=lambda n: n.id)],

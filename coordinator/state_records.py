@@ -16,7 +16,7 @@ class Node:
     id: str
     peer: str
     capacity: int
-    last_seen: float = 0.0  # time.time() of its last heartbeat
+    last_seen: float = 0.0  # its last heartbeat, on the coordinator's RunClock
 
 
 @dataclasses.dataclass
@@ -33,3 +33,16 @@ class DatasetState:
     gain: float = 0.0  # G, the GPU shares its jobs save with the cache
     probes: dict[str, int] = dataclasses.field(default_factory=dict)  # job -> probe number
     probed_at: dict[str, float] = dataclasses.field(default_factory=dict)
+    last_reported: float = 0.0  # its last report by any node, on the RunClock
+
+    def leave(self, node: str) -> bool:
+        """Take ``node`` out: its report, and its shares of loading chunks, which the
+        others split anew, as when one dies; True if it had shares."""
+        self.reports.pop(node, None)
+        shared = False
+        for chunk, loaders in self.loaders.items():
+            if node in loaders:
+                self.loaders[chunk] = [n for n in loaders if n != node]
+                self.done[chunk] = set()
+                shared = True
+        return shared

@@ -1,9 +1,10 @@
 """The coordinator's state file, ``STATE_DIR/coordinator.json``: its JSON form, reading it
 back at a start (older forms included) and writing it atomically.
 
-Everything but the nodes' reports is saved, the time each node was last heard from
-included (wall-clock), so a restart revives no node that was dead, and forgets those
-whose time has come.
+Everything but the nodes' reports is saved, with how long each node and dataset had
+been silent (seconds the coordinator ran since it last heard from or of it,
+``run_clock``), so a restart revives no node that was dead, and goes on counting those
+silences where they were: the time it was down counts for none.
 """
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import json
 import logging
 import math
 import os
-import time
 from collections.abc import Iterable
+from typing import Any
 
 from coordinator.state_records import DatasetState, Node
 from quiverfs.chunk_cycle import ChunkCycle
@@ -57,10 +58,10 @@ class StateStore:
         self.path = os.path.join(state_dir, "coordinator.json")
         self.save_error: str | None = None  # why the last save failed, until one works
 
-    def load(self, force_after: float) -> Saved | None:
+    def load(self, force_after: float, now: float) -> Saved | None:
         """What the file holds, its cycles forcing evictions after ``force_after``
-        seconds; None without a file. Raises StateCorrupted, or QuietError where the
-        file cannot be read."""
+        seconds and its silences ending at ``now`` (on the RunClock); None without a
+        file. Raises StateCorrupted, or QuietError where the file cannot be read."""
         try:
             with open(self.path, encoding="utf-8") as f:
                 data = json.load(f)
@@ -72,7 +73,7 @@ class StateStore:
         except ValueError as exc:  # not JSON, or not UTF-8
             raise StateCorrupted(self.path, exc) from None
         try:
-            return _restore(data, force_after)
+            return _restore(data, force_after, now)
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             raise StateCorrupted(self.path, exc) from None
 
@@ -96,13 +97,16 @@ class StateStore:
             self.save_error = None
 
 
-def encode(version: int, nodes: Iterable[Node], datasets: Iterable[DatasetState]) -> bytes:
-    """The state file's contents for this membership version, nodes and datasets."""
+def encode(version: int, nodes: Iterable[Node], datasets: Iterable[DatasetState],
+           now: float) -> bytes:
+    """The state file's contents for this membership version, nodes and datasets, their
+    silences as of ``now`` (on the RunClock)."""
     data = {"version": version,
             "nodes": [{"id": n.id, "peer": n.peer, "capacity": n.capacity,
-                       "last_seen": n.last_seen}
+                       "silent_s": max(now - n.last_seen, 0.0)}
                       for n in nodes],
             "datasets": [{"identity": d.identity, "name": d.name,
+                          "unreported_s": max(now - d.last_reported, 0.0),
                           "cycle": d.cycle.snapshot(),
                           "loaders": {str(c): n for c, n in d.loaders.items()},
                           "done": {str(c): sorted(n) for c, n in d.done.items()},
@@ -112,20 +116,14 @@ def encode(version: int, nodes: Iterable[Node], datasets: Iterable[DatasetState]
     return json.dumps(data).encode()
 
 
-def _restore(data: dict, force_after: float) -> Saved:
+def _restore(data: dict, force_after: float, now: float) -> Saved:
     """What the file's JSON ``data`` holds; KeyError, TypeError, ValueError... where it
     is not the shape this writes."""
-    now = time.time()
     nodes: dict[str, Node] = {}
     datasets: dict[str, DatasetState] = {}
+    silences = _silences(data["nodes"])
     for n in data["nodes"]:
-        # A file written before last-seen times were kept: as if never heard from
-        # (a live node joins again with its next heartbeat).
-        seen = float(n.get("last_seen", 0.0))
-        if not math.isfinite(seen):
-            raise ValueError(f"node {n['id']}: last_seen is {seen}")
-        # A time ahead of the clock (set back since) counts as now, not as later.
-        nodes[n["id"]] = Node(n["id"], n["peer"], n["capacity"], min(seen, now))
+        nodes[n["id"]] = Node(n["id"], n["peer"], n["capacity"], now - silences[n["id"]])
     for d in data["datasets"]:
         cycle = ChunkCycle.restore(d["cycle"], force_after)
         cycle.timeline = [tuple(e) for e in d.get("timeline", [])]
@@ -133,9 +131,34 @@ def _restore(data: dict, force_after: float) -> Saved:
         if isinstance(loaders, list):  # written by a two-chunk cycle: its one load
             loaders = {str(c): loaders for c in cycle.loading}
             done = {str(c): done for c in cycle.loading}
+        # Written before datasets were forgotten: its time counts from this start.
+        unreported = _seconds(d.get("unreported_s", 0.0), f"dataset {d['identity']}")
         datasets[d["identity"]] = DatasetState(
             d["identity"], d["name"], cycle,
             {int(c): list(n) for c, n in loaders.items() if int(c) in cycle.loading},
             {int(c): set(n) for c, n in done.items() if int(c) in cycle.loading},
-            mode=CacheMode(d.get("mode", CacheMode.COOP)))
+            mode=CacheMode(d.get("mode", CacheMode.COOP)), last_reported=now - unreported)
     return Saved(int(data.get("version", 0)), nodes, datasets)
+
+
+def _silences(nodes: list[dict]) -> dict[str, float]:
+    """Each saved node's silence in seconds. A file written with wall-clock last-seen
+    times has them measured back from its latest (about when it was written, as it was
+    written at least once a heartbeat timeout); one written before those were kept,
+    an infinite silence: never heard from (a live node joins again with its next
+    heartbeat)."""
+    if all("silent_s" in n for n in nodes):
+        return {n["id"]: _seconds(n["silent_s"], f"node {n['id']}") for n in nodes}
+    seen = {n["id"]: float(n.get("last_seen", -math.inf)) for n in nodes}
+    if any(math.isnan(t) or t == math.inf for t in seen.values()):
+        raise ValueError("a node's last_seen is not a time")
+    latest = max(seen.values(), default=0.0)
+    return {node: latest - t if math.isfinite(t) else math.inf for node, t in seen.items()}
+
+
+def _seconds(value: Any, what: str) -> float:
+    """A saved silence: finite, at least 0; else ValueError (TypeError) naming ``what``."""
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"{what}: silence of {seconds} s")
+    return seconds

@@ -466,6 +466,8 @@ def test_mountd_refuses_a_bad_number_or_address(quiver, tmp_path, secret: str, o
     ("--heartbeat-timeout", "nan", "must be a finite number"),
     ("--reprobe-after", "inf", "must be a finite number"),
     ("--reprobe-after", "-5", "must be more than 0"),
+    ("--forget-datasets-after", "0", "must be more than 0, not 0"),
+    ("--forget-datasets-after", "inf", "must be a finite number"),
     ("--force-evict-after", "nan", "must be a finite number"),
     ("--probe-batches", "0", "must be at least 1, not 0"),
     ("--cache-budget", "-1", "invalid --cache-budget"),
@@ -492,6 +494,7 @@ def test_coordinator_refuses_a_bad_number(quiver, tmp_path, option: str, value: 
     ("coordinator", "heartbeat-timeout = -1", "must be more than 0"),
     ("coordinator", "heartbeat-timeout = nan", "must be a finite number"),
     ("coordinator", "reprobe-after = inf", "must be a finite number"),
+    ("coordinator", "forget-datasets-after = -1", "must be more than 0"),
     ("coordinator", "cache-budget = -5", "invalid --cache-budget"),
     ("digest.create", 'name = "../x"', "invalid dataset name"),
 ])

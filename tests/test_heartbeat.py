@@ -165,7 +165,7 @@ async def test_a_node_leaves_out_a_report_out_of_range_and_beats_on(tmp_path):
         await cluster.synced.wait()
         nursery.cancel_scope.cancel()
     assert applied == [["ident"]] and list(link.state.datasets) == ["ident"]
-    assert link.state.bucket_bandwidth(time.time()) == 2e6  # what its fetches measured
+    assert link.state.bucket_bandwidth(link.state.now()) == 2e6  # what its fetches measured
 
 
 @pytest.mark.parametrize("rate", [float("nan"), float("inf"), 0.0, -1.0])
@@ -181,7 +181,7 @@ async def test_a_bandwidth_out_of_range_is_not_reported(tmp_path, rate):
         nursery.start_soon(cluster.run, lambda: {}, apply, lambda: rate)
         await cluster.synced.wait()
         nursery.cancel_scope.cancel()
-    assert link.state.bucket_bandwidth(time.time()) is None
+    assert link.state.bucket_bandwidth(link.state.now()) is None
 
 
 def test_a_silent_node_is_forgotten_everywhere(tmp_path):
@@ -195,7 +195,7 @@ def test_a_silent_node_is_forgotten_everywhere(tmp_path):
     ds.probes["b/b-job"], ds.probed_at["b/b-job"] = 1, 1.1
     state.heartbeat(beat("a"), now=8.0)  # b is dead, not yet forgotten
     assert [n["id"] for n in state.status(now=8.0)["nodes"]] == ["a", "b"]
-    assert state.next_forget() == pytest.approx(11.1)
+    assert state.forget(now=11.0) == []  # 9.9 s of its silence counted: not yet
     state.heartbeat(beat("a"), now=11.2)
     assert list(state.nodes) == ["a"]
     assert list(ds.reports) == ["a"]
@@ -218,7 +218,7 @@ def saved_state(tmp_path, beats: list[tuple[str, float]], **options) -> Coordina
     """A state that heard ``beats`` (node, seconds ago), written and read back."""
     state = CoordinatorState(str(tmp_path), **options)
     for node, ago in beats:
-        state.heartbeat(beat(node), now=time.time() - ago)
+        state.heartbeat(beat(node), now=state.now() - ago)
     state.save()
     return CoordinatorState(str(tmp_path), **options)
 
@@ -231,7 +231,7 @@ def test_a_restart_revives_no_dead_node(tmp_path):
     assert [m.id for m in again.heartbeat(beat("b")).nodes] == ["b"]
 
 
-def test_a_restart_forgets_the_nodes_whose_time_came_while_it_was_down(tmp_path):
+def test_a_restart_forgets_the_nodes_whose_time_had_come(tmp_path):
     again = saved_state(tmp_path, [("a", 20.0), ("b", 0.0)], heartbeat_timeout=5.0,
                         forget_after=10.0)
     assert list(again.nodes) == ["b"]
@@ -245,7 +245,7 @@ def test_a_state_file_without_last_seen_times_revives_no_node(tmp_path):
     state.heartbeat(beat("a"))
     data = json.loads(state.snapshot())
     for node in data["nodes"]:
-        del node["last_seen"]
+        del node["silent_s"]
     with open(os.path.join(tmp_path, "coordinator.json"), "w", encoding="utf-8") as f:
         json.dump(data, f)
     again = CoordinatorState(str(tmp_path))
@@ -253,11 +253,29 @@ def test_a_state_file_without_last_seen_times_revives_no_node(tmp_path):
     assert [m.id for m in again.heartbeat(beat("a")).nodes] == ["a"]
 
 
-def test_last_seen_times_are_saved_at_least_once_a_heartbeat_timeout(tmp_path):
+def test_a_state_file_with_wall_clock_times_measures_silences_from_its_latest(tmp_path):
+    """Written when last-seen times were wall-clock: the time since it was written is no
+    node's silence, but a node dead then is dead after the restart."""
+    state = CoordinatorState(str(tmp_path), heartbeat_timeout=5.0, forget_after=60.0)
+    state.heartbeat(beat("a"))
+    state.heartbeat(beat("b"))
+    data = json.loads(state.snapshot())
+    written = time.time() - 3600.0  # an hour before this start
+    for node, ago in zip(data["nodes"], (20.0, 0.0)):
+        del node["silent_s"]
+        node["last_seen"] = written - ago
+    with open(os.path.join(tmp_path, "coordinator.json"), "w", encoding="utf-8") as f:
+        json.dump(data, f)
+    again = CoordinatorState(str(tmp_path), heartbeat_timeout=5.0, forget_after=60.0)
+    assert {n["id"]: n["alive"] for n in again.status()["nodes"]} == {"a": False, "b": True}
+
+
+def test_silences_are_saved_at_least_once_a_heartbeat_timeout(tmp_path):
     state = CoordinatorState(str(tmp_path), heartbeat_timeout=5.0)
     state.heartbeat(beat("a"), now=1.0)
     assert state.changes() is not None
     state.heartbeat(beat("a"), now=2.0)
     assert state.changes() is None  # nothing changed but the time
     state.heartbeat(beat("a"), now=6.5)
-    assert json.loads(state.changes())["nodes"][0]["last_seen"] == 6.5
+    data = state.changes()  # a heartbeat timeout since the last save
+    assert data is not None and [n["id"] for n in json.loads(data)["nodes"]] == ["a"]
