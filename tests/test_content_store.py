@@ -12,7 +12,7 @@ import sqlite3
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import diskcache
 import pytest
@@ -588,6 +588,94 @@ def test_damage_found_while_serving_rebuilds_the_store(tmp_path, no_back_off):
     finally:
         done.set()
         other.join()
+        store.close()
+    assert_consistent(directory)
+
+
+@contextlib.contextmanager
+def damaged_while_held(store: ContentStore, items: list[tuple[bytes, bytes]],
+                       then: Callable[[], None] = lambda: None) -> Iterator[None]:
+    """Damage the open index of ``store`` (and call ``then``) while a worker thread holds
+    a connection to it (as one mid-query does), until the block ends; a read finds the
+    damage."""
+    held = store.index.current
+    assert held is not None
+    served, done = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        held.reader.get(items[2][0])  # its connection lives as long as the thread
+        served.set()
+        done.wait()
+
+    other = threading.Thread(target=worker)
+    other.start()
+    try:
+        served.wait()
+        damage_pages(store.index.db_path, 0.0, 1.0)
+        then()
+        with pytest.raises(StoreError, match="malformed"):
+            store.get(items[4][0])
+        yield
+    finally:
+        done.set()
+        other.join()
+        del held
+
+
+def aside(directory: str) -> list[str]:
+    return [n for n in os.listdir(directory) if DAMAGED_SUFFIX in n and not n.endswith("-wal")]
+
+
+def test_a_damaged_index_replaced_by_another_file_is_not_moved_aside(tmp_path, no_back_off):
+    """The damaged index, still open here, is replaced at its path by another index
+    (root restoring one): that file is not the damaged one, so it is opened, not moved
+    aside. Before, the file at the path was moved aside once the damaged one closed."""
+    directory = str(tmp_path / "store")
+    items = filled_store(directory)
+    other_dir = str(tmp_path / "other")
+    other = filled_store(other_dir, 2)
+    store = ContentStore(directory, 64 << 20)
+    try:
+        with damaged_while_held(store, items):
+            assert store.get(items[4][0]) is None and aside(directory) == []  # held open
+            for suffix in ("-wal", "-shm"):  # the damaged index's, as its replacer does
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(store.index.db_path + suffix)
+            os.replace(os.path.join(other_dir, "cache.db"), store.index.db_path)
+        assert store.get(other[0][0]) == other[0][1]
+        assert aside(directory) == []
+        assert store.health().writable
+    finally:
+        store.close()
+
+
+def test_a_damaged_index_is_not_moved_aside_while_held_though_its_stat_fails(
+        tmp_path, monkeypatch, no_back_off):
+    """The disk fails the stat of the damaged index while a connection of this process
+    has it open: it stays where it is until that connection is gone (closing it after a
+    rebuild would delete the new index's WAL). Before, a failed stat skipped the check
+    and moved it aside at once."""
+    directory = str(tmp_path / "store")
+    items = filled_store(directory)
+    store = ContentStore(directory, 64 << 20)
+    try:
+        db_path, real_stat = store.index.db_path, os.stat
+        failing = threading.Event()
+
+        def stat(path: object, *args: object, **kwargs: object) -> os.stat_result:
+            if failing.is_set() and os.fspath(path) == db_path:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            return real_stat(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "stat", stat)
+        with damaged_while_held(store, items, failing.set):
+            assert store.get(items[4][0]) is None and aside(directory) == []
+            failing.clear()
+            assert store.get(items[4][0]) is None and aside(directory) == []  # held
+        assert store.get(items[4][0]) is None and len(aside(directory)) == 1
+        assert store.put(*items[4]) and store.get(items[4][0]) == items[4][1]
+        assert store.health().writable
+    finally:
         store.close()
     assert_consistent(directory)
 
