@@ -325,10 +325,14 @@ class StoreIndex:
                 return
         self.health.failed(describe(exc), doing)
 
-    def write(self, do: Callable[[Index, Any], int], arg: Any, doing: str) -> int:
-        """``do(index, arg)`` under the write lock; 0 if the store cannot write."""
+    def write(self, do: Callable[[Index, Any], int], arg: Any, doing: str,
+              blocking: bool = True) -> int | None:
+        """``do(index, arg)`` under the write lock; 0 if the store cannot write; None,
+        unless ``blocking``, where another thread holds the lock."""
         index = self.for_writes()
-        with self.write_lock:
+        if not self.write_lock.acquire(blocking=blocking):
+            return None
+        try:
             if index is None or index is not self.current:
                 return 0
             try:
@@ -336,6 +340,8 @@ class StoreIndex:
             except STORE_ERRORS as exc:
                 self.write_failed(index, exc, doing)
                 return 0
+        finally:
+            self.write_lock.release()
 
     def query(self, ask: Callable[[Index], int]) -> int:
         """``ask(index)``; 0 while the store cannot answer."""
