@@ -20,7 +20,7 @@ import pytest
 from mountd.control.metrics import MountdCollector
 from mountd.datasets.mount_table import MountTable
 from mountd.jobs.registry import JobRegistry
-from mountd.store import content_store, index
+from mountd.store import background_writes, content_store, index
 from mountd.store import health as store_health
 from mountd.store import value_files as known_files
 from mountd.store.content_store import VERIFY_ON_LOOP_MAX, ContentStore
@@ -963,3 +963,29 @@ def test_a_loader_process_stores_a_batch_in_one_transaction_or_none_of_it(
     finally:
         store.close()
     assert_consistent(directory)
+
+
+# -- writes no read waits for ----------------------------------------------------------
+
+def test_a_put_for_a_read_does_not_wait_for_a_hung_writer(store, monkeypatch):
+    """While another thread holds the store's write lock (a writer hung in SQLite), a
+    read's put returns within STUCK_AFTER, at once once the writer is stuck, and its
+    bytes are served from memory; puts beyond MAX_PENDING_BYTES are not made; all are
+    stored once the lock is let go."""
+    monkeypatch.setattr(background_writes, "MAX_PENDING_BYTES", 3 * 40_000)
+    items = [item(n) for n in range(4)]
+    with store.index.write_lock:
+        took = []
+        for digest, data in items:
+            started = time.monotonic()
+            store.put_soon(digest, data)
+            took.append(time.monotonic() - started)
+        assert took[0] < 2 * background_writes.STUCK_AFTER
+        assert max(took[1:]) < background_writes.STUCK_AFTER  # the writer is stuck
+        assert [store.get(d) for d, _ in items] == [data for _, data in items[:3]] + [None]
+        assert store.health().write_failures == 1
+    deadline = time.monotonic() + 10
+    while store.writes.pending:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert len(store) == 3 and [d in store for d, _ in items] == [True] * 3 + [False]

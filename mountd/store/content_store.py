@@ -313,12 +313,14 @@ class ContentStore:
 
     def discard(self, digest: bytes) -> None:
         """Drop ``digest``'s entry (left for LRU to evict while the store cannot write):
-        from the index now, unless another thread writes it (the caller may be a read,
-        which does not wait for a writer), then in the background. A read meanwhile
-        that the index sends to its file finds it damaged again."""
+        from the index now, unless another thread writes it or a write hangs (the
+        caller may be a read, which does not wait for a writer), then in the
+        background. A read meanwhile that the index sends to its file finds it damaged
+        again."""
         self.files.forget(digest)
         self.verified.discard(digest)
-        if self.index.write(_delete, digest, "drop an entry", blocking=False) is None:
+        if self.writes.stuck() or self.index.write(_delete, digest, "drop an entry",
+                                                   blocking=False) is None:
             self.writes.submit(lambda: self.index.write(_delete, digest, "drop an entry"))
 
     def clear(self) -> None:
