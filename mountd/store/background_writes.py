@@ -112,14 +112,17 @@ class BackgroundWrites:
             except Exception:  # noqa: BLE001 - one write's failure ends that write only
                 log.exception("store %s: a background write failed", self.directory)
 
-    def close(self) -> None:
-        """Do the writes still waiting, for up to CLOSE_WAIT (a hung one is left, with
-        the daemon thread, to the process's exit), and take no more."""
+    def close(self) -> bool:
+        """Do the writes still waiting, for up to CLOSE_WAIT, and take no more; False if
+        one hangs (left, with the daemon thread, to the process's exit)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(CLOSE_WAIT)
-            if self._thread.is_alive():
-                log.warning("store %s: %d writes not done at close", self.directory,
-                            len(self._jobs) + 1)
+        if self._thread is None:
+            return True
+        self._thread.join(CLOSE_WAIT)
+        if self._thread.is_alive():
+            log.warning("store %s: %d writes not done at close (a write hangs)",
+                        self.directory, len(self._jobs) + 1)
+            return False
+        return True

@@ -337,9 +337,17 @@ class ContentStore:
         return index.cache.check(fix=False)
 
     def close(self) -> None:
-        self.writes.close()
-        self.recency.record()
-        self.index.close()
+        """Make the writes still queued and record the last hits, for up to CLOSE_WAIT;
+        a write that hangs (and the index it holds) is left to the process's exit."""
+        self.writes.submit(self.recency.record, key="recency")
+        self.writes.submit(self._close_connections)  # the writer thread's own
+        if self.writes.close():
+            self.index.close()
+
+    def _close_connections(self) -> None:
+        index = self.index.current
+        if index is not None:
+            index.close()
 
 
 def _delete(index: Index, digest: bytes) -> int:
