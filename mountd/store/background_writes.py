@@ -3,9 +3,10 @@
 A write may wait a long time: for the index's lock, which a loader process holds for
 its transaction (up to the index's TIMEOUT when that process hangs), or for a slow disk.
 Done in a serving worker, that wait would hold the worker, and the reads behind it. So
-a miss's put (waited for only briefly: ``ContentStore.put_soon``), a damaged entry's
-drop that cannot be made at once, and the hits' recency are handed to this thread; a
-put's bytes (checked already) are served from here until they are stored.
+a miss's put (waited for only briefly: ``ContentStore.put_soon``), the hits' recency,
+and a damaged entry's drop or a loader process's failed write that cannot be recorded
+at once are handed to this thread; a put's bytes (checked already) are served from here
+until they are stored.
 """
 from __future__ import annotations
 
