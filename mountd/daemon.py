@@ -304,8 +304,8 @@ class Mountd:
             if (self.services.recency.pending()
                     or trio.current_time() - recorded >= HIT_RECORD_INTERVAL):
                 recorded = trio.current_time()
-                await trio.to_thread.run_sync(self.services.recency.record,
-                                              limiter=self.limiter)
+                # not in a worker: it waits for the index's lock, which a hung writer holds
+                self.store.writes.submit(self.services.recency.record, key="recency")
 
     async def _on_signals(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED
                           ) -> None:

@@ -12,7 +12,7 @@ import sqlite3
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import diskcache
 import pytest
@@ -20,7 +20,7 @@ import pytest
 from mountd.control.metrics import MountdCollector
 from mountd.datasets.mount_table import MountTable
 from mountd.jobs.registry import JobRegistry
-from mountd.store import content_store, index
+from mountd.store import background_writes, content_store, index
 from mountd.store import health as store_health
 from mountd.store import value_files as known_files
 from mountd.store.content_store import VERIFY_ON_LOOP_MAX, ContentStore
@@ -592,6 +592,94 @@ def test_damage_found_while_serving_rebuilds_the_store(tmp_path, no_back_off):
     assert_consistent(directory)
 
 
+@contextlib.contextmanager
+def damaged_while_held(store: ContentStore, items: list[tuple[bytes, bytes]],
+                       then: Callable[[], None] = lambda: None) -> Iterator[None]:
+    """Damage the open index of ``store`` (and call ``then``) while a worker thread holds
+    a connection to it (as one mid-query does), until the block ends; a read finds the
+    damage."""
+    held = store.index.current
+    assert held is not None
+    served, done = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        held.reader.get(items[2][0])  # its connection lives as long as the thread
+        served.set()
+        done.wait()
+
+    other = threading.Thread(target=worker)
+    other.start()
+    try:
+        served.wait()
+        damage_pages(store.index.db_path, 0.0, 1.0)
+        then()
+        with pytest.raises(StoreError, match="malformed"):
+            store.get(items[4][0])
+        yield
+    finally:
+        done.set()
+        other.join()
+        del held
+
+
+def aside(directory: str) -> list[str]:
+    return [n for n in os.listdir(directory) if DAMAGED_SUFFIX in n and not n.endswith("-wal")]
+
+
+def test_a_damaged_index_replaced_by_another_file_is_not_moved_aside(tmp_path, no_back_off):
+    """The damaged index, still open here, is replaced at its path by another index
+    (root restoring one): that file is not the damaged one, so it is opened, not moved
+    aside. Before, the file at the path was moved aside once the damaged one closed."""
+    directory = str(tmp_path / "store")
+    items = filled_store(directory)
+    other_dir = str(tmp_path / "other")
+    other = filled_store(other_dir, 2)
+    store = ContentStore(directory, 64 << 20)
+    try:
+        with damaged_while_held(store, items):
+            assert store.get(items[4][0]) is None and aside(directory) == []  # held open
+            for suffix in ("-wal", "-shm"):  # the damaged index's, as its replacer does
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(store.index.db_path + suffix)
+            os.replace(os.path.join(other_dir, "cache.db"), store.index.db_path)
+        assert store.get(other[0][0]) == other[0][1]
+        assert aside(directory) == []
+        assert store.health().writable
+    finally:
+        store.close()
+
+
+def test_a_damaged_index_is_not_moved_aside_while_held_though_its_stat_fails(
+        tmp_path, monkeypatch, no_back_off):
+    """The disk fails the stat of the damaged index while a connection of this process
+    has it open: it stays where it is until that connection is gone (closing it after a
+    rebuild would delete the new index's WAL). Before, a failed stat skipped the check
+    and moved it aside at once."""
+    directory = str(tmp_path / "store")
+    items = filled_store(directory)
+    store = ContentStore(directory, 64 << 20)
+    try:
+        db_path, real_stat = store.index.db_path, os.stat
+        failing = threading.Event()
+
+        def stat(path: object, *args: object, **kwargs: object) -> os.stat_result:
+            if failing.is_set() and os.fspath(path) == db_path:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            return real_stat(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "stat", stat)
+        with damaged_while_held(store, items, failing.set):
+            assert store.get(items[4][0]) is None and aside(directory) == []
+            failing.clear()
+            assert store.get(items[4][0]) is None and aside(directory) == []  # held
+        assert store.get(items[4][0]) is None and len(aside(directory)) == 1
+        assert store.put(*items[4]) and store.get(items[4][0]) == items[4][1]
+        assert store.health().writable
+    finally:
+        store.close()
+    assert_consistent(directory)
+
+
 # -- what metrics show ----------------------------------------------------------------
 
 def test_metrics_show_a_store_that_cannot_write(store, monkeypatch, tmp_path):
@@ -875,3 +963,29 @@ def test_a_loader_process_stores_a_batch_in_one_transaction_or_none_of_it(
     finally:
         store.close()
     assert_consistent(directory)
+
+
+# -- writes no read waits for ----------------------------------------------------------
+
+def test_a_put_for_a_read_does_not_wait_for_a_hung_writer(store, monkeypatch):
+    """While another thread holds the store's write lock (a writer hung in SQLite), a
+    read's put returns within STUCK_AFTER, at once once the writer is stuck, and its
+    bytes are served from memory; puts beyond MAX_PENDING_BYTES are not made; all are
+    stored once the lock is let go."""
+    monkeypatch.setattr(background_writes, "MAX_PENDING_BYTES", 3 * 40_000)
+    items = [item(n) for n in range(4)]
+    with store.index.write_lock:
+        took = []
+        for digest, data in items:
+            started = time.monotonic()
+            store.put_soon(digest, data)
+            took.append(time.monotonic() - started)
+        assert took[0] < 2 * background_writes.STUCK_AFTER
+        assert max(took[1:]) < background_writes.STUCK_AFTER  # the writer is stuck
+        assert [store.get(d) for d, _ in items] == [data for _, data in items[:3]] + [None]
+        assert store.health().write_failures == 1
+    deadline = time.monotonic() + 10
+    while store.writes.pending:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert len(store) == 3 and [d in store for d, _ in items] == [True] * 3 + [False]

@@ -3,17 +3,23 @@ serve no wrong byte, and never stop the daemon (the fixture fails a test on a tr
 in mountd's log or an unclean exit)."""
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import sqlite3
 import subprocess
 import time
+from collections.abc import Iterator
 
 import pytest
 
+from mountd.fetch.loader_pool import MIN_SERVING_PROCESSES, THREADS_PER_PROCESS
 from mountd.store.index import DAMAGED_SUFFIX, DISK_MIN_FILE_SIZE
 from quiverfs.bench.processes import MountdProcess
+from quiverfs.bench.read import drop_page_cache
 from tests.mountd_helpers import (dataset_counters, make_digest, mount,  # noqa: F401
                                   mountd_factory, read_hashes, tree_hashes)
 from tests.test_content_store import damage_pages, fill, mounted_tmpfs, value_files
@@ -210,3 +216,112 @@ def test_corrupted_chunk_cycle_state_is_moved_aside(mountd_factory, dataset):
     assert os.path.exists(state + ".corrupted")
     log = m2.log_tail(50)
     assert "is corrupted" in log and "started the chunk cycles afresh" in log
+
+
+# -- a hung store writer --------------------------------------------------------------
+
+HUNG_READ_BOUND = 1.0  # seconds: the slowest read while the store's writer hangs
+HUNG_STOP_BOUND = 10.0  # seconds: mountd's exit at SIGTERM while the writer hangs
+# Seconds: the slowest of 40 misses from the emulator at once while the writer hangs
+# (without a hang, such a read takes up to 1.4 s here: the emulator's own delays)
+HUNG_COLD_READ_BOUND = 5.0
+
+
+@contextlib.contextmanager
+def index_write_locked(m: MountdProcess) -> Iterator[None]:
+    """Hold the SQLite write lock of mountd's index from this process (as a loader
+    process hung in its transaction would) until the block ends."""
+    con = sqlite3.connect(os.path.join(store_dir(m), "cache.db"), isolation_level=None)
+    try:
+        con.execute("BEGIN IMMEDIATE")
+        yield
+        con.execute("ROLLBACK")
+    finally:
+        con.close()
+
+
+def stored_within(m: MountdProcess, items: int) -> None:
+    """Wait until the store holds ``items`` items (puts are made after the reads)."""
+    deadline = time.monotonic() + RECOVERY_DEADLINE
+    while m.status()["cache"]["items"] < items:
+        assert time.monotonic() < deadline, m.status()["cache"]
+        time.sleep(POLL)
+    assert m.status()["cache"]["items"] == items
+
+
+def timed_reads(m: MountdProcess, paths: list[str], expected: dict[str, str],
+                threads: int) -> list[float]:
+    """Read ``paths`` of dataset "syn" through the mount, ``threads`` at once (pages
+    dropped first, so each reaches mountd); each one's seconds. Every read is right."""
+    def timed(path: str) -> float:
+        started = time.monotonic()
+        assert reread(m, "syn", path) == expected[path], path
+        return time.monotonic() - started
+
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(timed, paths))
+
+
+def test_a_hung_store_writer_holds_no_read(mountd_factory, dataset):
+    """Another process holds the index's write lock: every miss's store write waits on
+    it. Hits (their pages not cached: each takes a worker) and misses are served at
+    once all the same, with 2 workers and 8 readers; once the lock is let go the
+    misses are stored. Before, each miss's store write held a worker for up to 60 s,
+    and the hits waited for them."""
+    _, digest, expected = dataset
+    m = mountd_factory(extra_args=("--threads", "2"))
+    mount(m, digest, "syn")
+    paths = sorted(expected)
+    cached, missed = paths[::2], paths[1::2]
+    assert timed_reads(m, cached, expected, 4)
+    stored_within(m, len(cached))
+    drop_page_cache(value_files(store_dir(m)))  # each hit reads its file in a worker
+    with index_write_locked(m):
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            misses = pool.submit(timed_reads, m, missed, expected, 4)
+            hits = pool.submit(timed_reads, m, cached, expected, 4)
+            took = misses.result() + hits.result()
+        assert max(took) <= HUNG_READ_BOUND, sorted(took)[-5:]
+        assert m.status()["cache"]["items"] == len(cached)  # none stored meanwhile
+    stored_within(m, len(paths))
+    assert dataset_counters(m, "syn")["bucket_fetches"] == len(paths)
+
+
+def test_a_hung_store_writer_holds_no_loader_slot(mountd_factory, synthetic_tree, upload,
+                                                  gcs_emulator):
+    """The same for misses from a GCS bucket, which loader processes fetch and store:
+    more misses at once than the processes' slots are all served at once, and stored
+    once the lock is let go. Before, each held its slot until its store write ended (up
+    to 60 s), and the misses beyond the slots waited for them."""
+    expected = tree_hashes(synthetic_tree.root)
+    digest = make_digest(upload(synthetic_tree.root, "syn"), "syn", gcs_emulator.host)
+    m = mountd_factory(extra_args=("--loader-processes", "1"))  # 2 serving, 32 slots
+    mount(m, digest, "syn", gcs_emulator.host)
+    m.wait_for_loaders()
+    paths = sorted(expected)
+    assert len(paths) > MIN_SERVING_PROCESSES * THREADS_PER_PROCESS
+    with index_write_locked(m):
+        took = timed_reads(m, paths, expected, len(paths))
+        assert max(took) <= HUNG_COLD_READ_BOUND, sorted(took)[-5:]
+        assert m.status()["cache"]["items"] == 0
+    stored_within(m, len(paths))
+    assert dataset_counters(m, "syn")["bucket_fetches"] == len(paths)
+
+
+def test_mountd_stops_promptly_while_a_store_writer_hangs(mountd_factory, dataset):
+    """SIGTERM while the index's write lock is held and misses' puts wait for it:
+    mountd exits cleanly within HUNG_STOP_BOUND, leaving the hung write to its exit
+    (the puts are not stored; a read after a restart fetches them again). Before, its
+    close waited for the store's write lock behind the hung put, past the 30 s after
+    which the harness kills it."""
+    _, digest, expected = dataset
+    m = mountd_factory()
+    mount(m, digest, "syn")
+    with index_write_locked(m):
+        assert timed_reads(m, sorted(expected), expected, 4)
+        started = time.monotonic()
+        assert m.stop() == 0
+        assert time.monotonic() - started <= HUNG_STOP_BOUND
+    assert "writes not done at close" in m.log_tail(50)
+    m = mountd_factory(cache_dir=m.cache_dir)
+    assert read_hashes(os.path.join(m.root, "syn"), sorted(expected)) == expected

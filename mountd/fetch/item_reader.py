@@ -369,8 +369,8 @@ class ItemReader:
         try:
             keep = keep and ds.cache_mode is not CacheMode.NONE  # allotted no cache: keep none
             if keep and owner is None:
-                # checks the hash; a store that cannot write leaves the item uncached
-                self.store.put(digest, data)
+                # checks the hash, and stores it without the read waiting for the store
+                self.store.put_soon(digest, data)
             elif hashlib.sha256(data).digest() != digest:
                 raise IntegrityError(digest.hex())
             elif keep:

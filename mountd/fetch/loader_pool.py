@@ -233,23 +233,20 @@ class LoaderPool:
         """Fetch and check an item in a loader process for a reader waiting on it: its
         bytes as soon as they are checked, and whether the store's outcome is still to
         come. With ``store`` the process then stores them; where the outcome is to come,
-        ``stored()`` is called once it is known here (or the process has gone). Raises
-        LoadMismatch, LoadFailed, or LoaderUnavailable (the item is still to be
+        ``stored()`` is called once it is known here (or the process has gone). The
+        outcome is awaited without a slot: a store write that hangs holds no fetch.
+        Raises LoadMismatch, LoadFailed, or LoaderUnavailable (the item is still to be
         fetched)."""
         self._wanted.set()
-        await self._slots.acquire()
         pending = False
-        try:
+        async with self._slots:
             replies = await self._ask(LoadRequest(next(self._ids), source, key, offset,
                                                   length, digest, serve=True, store=store))
             with replies:
                 reply = _checked(await _next(replies))
                 if not reply.final and self._nursery is not None:
                     self._nursery.start_soon(self._outcome, replies.clone(), digest, stored)
-                    pending = True  # the outcome's task gives the slot back
-        finally:
-            if not pending:
-                self._slots.release()
+                    pending = True
         assert reply.data is not None  # FETCHED
         return reply.data, pending
 
@@ -266,7 +263,6 @@ class LoaderPool:
         except trio.EndOfChannel:
             pass  # the process exited: the item may not be stored, a read looks again
         finally:
-            self._slots.release()
             stored()
 
     async def _write_failed(self, reply: LoadReply) -> None:

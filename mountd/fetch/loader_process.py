@@ -45,6 +45,10 @@ log = logging.getLogger(__name__)
 FRAME_HEADER = struct.Struct("!Q")  # the length of the pickle that follows
 IDLE_RELEASE = 0.5  # seconds without a put after which the writer lets go of the index
 MAX_BATCH = 64  # items the writer stores in one transaction at most
+# Bytes of checked items waiting for the writer at once: beyond, an item is not stored
+# (mountd frees a miss's slot once its bytes are served, so a writer that hangs on the
+# index's lock would otherwise gather every miss meanwhile).
+MAX_QUEUED_BYTES = 64 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +168,8 @@ class Loader:
         self.out = out
         self._out_lock = threading.Lock()
         self._puts: queue.Queue[tuple[LoadRequest, bytes] | None] = queue.Queue()
+        self._queued_bytes = 0  # of the items in ``_puts``
+        self._queued_lock = threading.Lock()
         self._backends: dict[LoadSource, GCSBackend] = {}
         self._dropped: dict[LoadSource, int] = {}  # the last request id each Drop ends
         self._backends_lock = threading.Lock()
@@ -245,7 +251,15 @@ class Loader:
             self._reply(LoadReply(request.id, Outcome.FETCHED, len(data), data,
                                   final=not request.store))
         if request.store:
-            self._puts.put((request, data))
+            with self._queued_lock:
+                queued = self._queued_bytes + len(data) <= MAX_QUEUED_BYTES
+                if queued:
+                    self._queued_bytes += len(data)
+            if queued:
+                self._puts.put((request, data))
+            else:
+                self._reply(_stored_reply(request, data, StoreError(
+                    "the store's writer is behind (the index's lock held)")))
 
     def _write_loop(self) -> None:
         while True:
@@ -274,6 +288,8 @@ class Loader:
         except Exception as exc:  # noqa: BLE001 - the batch's requests still get answers
             log.exception("the store writer failed")
             outcomes = [StoreError(f"loader process: {exc}")] * len(batch)
+        with self._queued_lock:
+            self._queued_bytes -= sum(len(data) for _, data in batch)
         for (request, data), outcome in zip(batch, outcomes):
             self._reply(_stored_reply(request, data, outcome))
 

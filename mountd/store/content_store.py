@@ -27,6 +27,7 @@ from typing import NoReturn
 
 import google_crc32c
 
+from mountd.store.background_writes import STUCK_AFTER, BackgroundWrites
 from mountd.store.errors import (PROCESS_ERRNOS, STORE_ERRORS, IntegrityError, StoreError,
                                  describe, is_damage)
 from mountd.store.health import StoreHealth, WriteHealth
@@ -54,6 +55,7 @@ class ContentStore:
         self.index = StoreIndex(directory, size_limit, self.write_health, self.files,
                                 self.verified)
         self.recency = Recency(self.index)
+        self.writes = BackgroundWrites(directory)  # what no read waits for
 
     @property
     def size_limit(self) -> int:
@@ -63,6 +65,9 @@ class ContentStore:
     def get(self, digest: bytes) -> bytes | None:
         """The content for ``digest``, or None if absent (or found corrupted and dropped,
         or while the store cannot be opened). Raises StoreError if the store fails."""
+        pending = self.writes.pending.get(digest)
+        if pending is not None:  # checked when it was fetched; not stored yet
+            return pending
         known = self.files.locate(digest)
         if known is not None:
             path, tag = known
@@ -101,6 +106,9 @@ class ContentStore:
         The caller is an event loop, so this never waits for the disk or the index: the
         path is resolved only from the dentry cache (``open_cached``) and the pages
         come with RWF_NOWAIT. Nothing here writes."""
+        pending = self.writes.pending.get(digest)
+        if pending is not None:
+            return pending
         known = self.files.locate(digest)
         if known is None:
             return None
@@ -170,6 +178,8 @@ class ContentStore:
         file known in memory (what a loader process or a put here stored) whose path
         the kernel resolves from its dentry cache (``open_cached``). False where that
         cannot tell at once."""
+        if digest in self.writes.pending:
+            return True
         known = self.files.locate(digest)
         if known is None:
             return False
@@ -211,6 +221,26 @@ class ContentStore:
         the store cannot write (the caller serves it uncached)."""
         if hashlib.sha256(data).digest() != digest:
             raise IntegrityError(f"content does not hash to {digest.hex()}")
+        return self._put_checked(digest, data)
+
+    def put_soon(self, digest: bytes, data: bytes) -> None:
+        """Store ``data`` under ``digest`` after checking that it hashes to it, in the
+        background (``BackgroundWrites``), waiting for it at most STUCK_AFTER, and not
+        at all while the writer is stuck: the caller is a read, which does not wait for
+        a hung writer. Served from memory until stored; not stored where too many puts
+        wait."""
+        if hashlib.sha256(data).digest() != digest:
+            raise IntegrityError(f"content does not hash to {digest.hex()}")
+        done = self.writes.put(digest, data, self._put_checked)
+        if done is None:
+            self.write_health.failures += 1  # served uncached
+            log.debug("store %s: too many puts wait: %s not stored", self.directory,
+                      digest.hex())
+        elif not self.writes.stuck():
+            done.wait(STUCK_AFTER)
+
+    def _put_checked(self, digest: bytes, data: bytes) -> bool:
+        """``put``, of content the caller has hashed to ``digest``."""
         tag = google_crc32c.value(data)
         index = self.index.for_writes()
         with self.index.write_lock:
@@ -254,13 +284,24 @@ class ContentStore:
     def write_failed_elsewhere(self, reason: str, damaged: bool) -> None:
         """Record a put a loader process could not make, as if it were this store's own:
         a damaged index is rebuilt, anything else is tried again after
-        WRITE_RETRY_INTERVAL."""
-        with self.index.write_lock:
+        WRITE_RETRY_INTERVAL. Never waits for the write lock (a hung writer may hold
+        it): where another thread holds it, recorded in the background."""
+        if not self._write_failed_elsewhere(reason, damaged, blocking=False):
+            self.writes.submit(lambda: self._write_failed_elsewhere(reason, damaged))
+
+    def _write_failed_elsewhere(self, reason: str, damaged: bool,
+                                blocking: bool = True) -> bool:
+        if not self.index.write_lock.acquire(blocking=blocking):
+            return False
+        try:
             self.write_health.failures += 1
             if damaged and self.index.current is not None:
                 self.index.drop_damaged(self.index.current, reason)
-                return
-            self.write_health.failed(reason, "write", by="a loader process ")
+            else:
+                self.write_health.failed(reason, "write", by="a loader process ")
+        finally:
+            self.index.write_lock.release()
+        return True
 
     def writable(self) -> bool:
         """Whether a put would write now: the index is open and no write failure waits
@@ -271,11 +312,16 @@ class ContentStore:
         return self.write_health.report()
 
     def discard(self, digest: bytes) -> None:
-        """Drop ``digest``'s entry (left for LRU to evict while the store cannot write)."""
+        """Drop ``digest``'s entry (left for LRU to evict while the store cannot write):
+        from the index now, unless another thread writes it or a write hangs (the
+        caller may be a read, which does not wait for a writer), then in the
+        background. A read meanwhile that the index sends to its file finds it damaged
+        again."""
         self.files.forget(digest)
         self.verified.discard(digest)
-        self.index.write(lambda index, key: int(index.cache.delete(key)), digest,
-                         "drop an entry")
+        if self.writes.stuck() or self.index.write(_delete, digest, "drop an entry",
+                                                   blocking=False) is None:
+            self.writes.submit(lambda: self.index.write(_delete, digest, "drop an entry"))
 
     def clear(self) -> None:
         """Drop every entry (nothing while the store cannot write)."""
@@ -291,5 +337,18 @@ class ContentStore:
         return index.cache.check(fix=False)
 
     def close(self) -> None:
-        self.recency.record()
-        self.index.close()
+        """Make the writes still queued and record the last hits, for up to CLOSE_WAIT;
+        a write that hangs (and the index it holds) is left to the process's exit."""
+        self.writes.submit(self.recency.record, key="recency")
+        self.writes.submit(self._close_connections)  # the writer thread's own
+        if self.writes.close():
+            self.index.close()
+
+    def _close_connections(self) -> None:
+        index = self.index.current
+        if index is not None:
+            index.close()
+
+
+def _delete(index: Index, digest: bytes) -> int:
+    return int(index.cache.delete(digest))

@@ -123,6 +123,7 @@ class StoreIndex:
         self.current: Index | None = None
         self._damage: str | None = None  # why the index must be moved aside
         self._damaged_id: tuple[int, int] | None = None  # (st_dev, st_ino) of it
+        self._opened_id: tuple[int, int] | None = None  # of the index ``current`` opened
         self._aside: str | None = None  # where the last damaged index went
         with self.write_lock:
             self.open()
@@ -206,6 +207,7 @@ class StoreIndex:
             try:
                 opened = self._connect()
             except IndexDamaged as exc:
+                # the file this process just opened: it holds the directory's lock
                 self._damage, self._damaged_id = str(exc), _file_id(self.db_path)
         if opened is None:  # out of the except block, whose traceback holds the index
             if not self._move_aside():
@@ -213,15 +215,34 @@ class StoreIndex:
                 return None
             opened = self._connect()
         index, named, files = opened
+        self._opened_id = _file_id(self.db_path)
         _make_private(self.directory)
         return index, files, self._reclaim(index, named)
 
     def _move_aside(self) -> bool:
         """Rename the damaged index (and its WAL) to DBNAME.damaged-STAMP, keeping the
-        newest KEEP_DAMAGED. False while a connection of this process still has it
-        open: closing it later would delete the new index's WAL, which it knows by path."""
+        newest KEEP_DAMAGED; True where the index is to be opened afresh. False while a
+        connection of this process still has it open (closing it later would delete the
+        new index's WAL, which it knows by path), or while the file at its path cannot
+        be told to be the one this process found damaged (then it is another's: not
+        moved, and opened in its place when it is no longer the damaged one)."""
         gc.collect()  # connections of dropped handles wait in reference cycles
-        if self._damaged_id is not None and _open_in_process(self._damaged_id):
+        if self._damaged_id is None:
+            # never identified (the disk failed its stat): found damaged afresh, and
+            # identified then, by the next try
+            self._damage = None
+            return False
+        try:
+            at_path = _file_id(self.db_path, strict=True)
+        except OSError as exc:
+            log.debug("store %s: cannot stat the damaged index: %s", self.directory, exc)
+            return False
+        if at_path is not None and at_path != self._damaged_id:
+            log.warning("store %s: the damaged index was replaced by another file: "
+                        "opening that one, not moving it aside", self.directory)
+            self._damage = self._damaged_id = None
+            return True
+        if _open_in_process(self._damaged_id):
             log.debug("store %s: the damaged index is still open", self.directory)
             return False
         aside = f"{self.db_path}{DAMAGED_SUFFIX}{time.strftime('%Y%m%dT%H%M%S')}"
@@ -263,7 +284,8 @@ class StoreIndex:
         log.warning("store %s: the index is damaged (%s): rebuilding the store",
                     self.directory, reason)
         self.current = None
-        self._damage, self._damaged_id = reason, _file_id(self.db_path)
+        # the file it opened: the path may name another's by now
+        self._damage, self._damaged_id = reason, self._opened_id
         index.close()
         self.files.clear()
         self.verified.clear()
@@ -303,10 +325,14 @@ class StoreIndex:
                 return
         self.health.failed(describe(exc), doing)
 
-    def write(self, do: Callable[[Index, Any], int], arg: Any, doing: str) -> int:
-        """``do(index, arg)`` under the write lock; 0 if the store cannot write."""
+    def write(self, do: Callable[[Index, Any], int], arg: Any, doing: str,
+              blocking: bool = True) -> int | None:
+        """``do(index, arg)`` under the write lock; 0 if the store cannot write; None,
+        unless ``blocking``, where another thread holds the lock."""
         index = self.for_writes()
-        with self.write_lock:
+        if not self.write_lock.acquire(blocking=blocking):
+            return None
+        try:
             if index is None or index is not self.current:
                 return 0
             try:
@@ -314,6 +340,8 @@ class StoreIndex:
             except STORE_ERRORS as exc:
                 self.write_failed(index, exc, doing)
                 return 0
+        finally:
+            self.write_lock.release()
 
     def query(self, ask: Callable[[Index], int]) -> int:
         """``ask(index)``; 0 while the store cannot answer."""
@@ -378,12 +406,16 @@ def _make_private(directory: str) -> None:
             os.chmod(os.path.join(dirpath, name), 0o600)
 
 
-def _file_id(path: str) -> tuple[int, int] | None:
-    """``path``'s (st_dev, st_ino); None if it cannot be found, or the disk fails the
-    stat (a dying disk: the damaged index is then moved aside without this check)."""
+def _file_id(path: str, strict: bool = False) -> tuple[int, int] | None:
+    """``path``'s (st_dev, st_ino); None if there is no such file, or (unless
+    ``strict``: then it raises) the disk fails the stat."""
     try:
         st = os.stat(path)
+    except FileNotFoundError:
+        return None
     except OSError:
+        if strict:
+            raise
         return None
     return st.st_dev, st.st_ino
 

@@ -48,7 +48,7 @@ class Recency:
             spent |= hits & self._spent_marked
         if not hits and not spent:
             return 0
-        return self._index.write(_touch, (hits - spent, spent), "record hits")
+        return self._index.write(_touch, (hits - spent, spent), "record hits") or 0
 
     def spent(self, digests: Iterable[bytes]) -> None:
         """Mark entries no reader here is known to need again as the least recently
