@@ -12,6 +12,10 @@ RESTART_DELAY; the requests it had in flight end with LoaderUnavailable, and the
 callers fetch those items in mountd instead. The processes write into this node's store
 directory; what they stored, and what they could not, is recorded in the store here
 (``ContentStore.stored_elsewhere``, ``write_failed_elsewhere``).
+
+A pool's slots (requests in flight) are shared fairly by the uids whose datasets the
+items are of (``mountd.fetch.fair_share``): a uid whose fetches stall holds at most its
+share, and the others' requests go on in the rest.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from collections.abc import Callable
 
 import trio
 
+from mountd.fetch.fair_share import FairSlots
 from mountd.fetch.loader_process import (FRAME_HEADER, LoadReply, LoadRequest, LoadSource, Outcome,
                                          Ready)
 from mountd.store.content_store import ContentStore
@@ -140,7 +145,7 @@ class LoaderPool:
         self.threads = threads
         self.niceness = niceness
         self._live: list[_Process | None] = [None] * processes
-        self._slots = trio.Semaphore(processes * threads)
+        self._slots = FairSlots(processes * threads)
         self._wanted = trio.Event()
         self._started = trio.Event()  # set (and replaced) whenever a process starts
         self._ids = itertools.count()
@@ -206,13 +211,14 @@ class LoaderPool:
                         process.proc.pid, status)
             await trio.sleep(RESTART_DELAY)
 
-    async def load(self, source: LoadSource, key: str, offset: int, length: int,
+    async def load(self, uid: int, source: LoadSource, key: str, offset: int, length: int,
                    digest: bytes) -> int | bytes:
-        """Fetch an item, check and store it in a loader process: the number of bytes it
-        stored, or the bytes when the store could not take them. Raises LoadMismatch,
-        LoadFailed, or LoaderUnavailable (the item is still to be fetched)."""
+        """Fetch an item of ``uid``'s dataset, check and store it in a loader process:
+        the number of bytes it stored, or the bytes when the store could not take them.
+        Raises LoadMismatch, LoadFailed, or LoaderUnavailable (the item is still to be
+        fetched)."""
         self._wanted.set()
-        async with self._slots:
+        async with self._slots.hold(uid):
             replies = await self._ask(LoadRequest(next(self._ids), source, key, offset,
                                                   length, digest))
             with replies:
@@ -224,17 +230,17 @@ class LoaderPool:
         assert reply.data is not None  # an unstored reply to a request not served
         return reply.data
 
-    async def fetch(self, source: LoadSource, key: str, offset: int, length: int,
+    async def fetch(self, uid: int, source: LoadSource, key: str, offset: int, length: int,
                     digest: bytes, store: bool, stored: Callable[[], None]
                     ) -> tuple[bytes, bool]:
-        """Fetch and check an item in a loader process for a reader waiting on it: its
-        bytes as soon as they are checked, and whether the store's outcome is still to
-        come. With ``store`` the process then stores them; where the outcome is to come,
-        ``stored()`` is called once it is known here (or the process has gone). Raises
-        LoadMismatch, LoadFailed, or LoaderUnavailable (the item is still to be
-        fetched)."""
+        """Fetch and check an item of ``uid``'s dataset in a loader process for a reader
+        waiting on it: its bytes as soon as they are checked, and whether the store's
+        outcome is still to come. With ``store`` the process then stores them; where the
+        outcome is to come, ``stored()`` is called once it is known here (or the
+        process has gone). Raises LoadMismatch, LoadFailed, or LoaderUnavailable (the
+        item is still to be fetched)."""
         self._wanted.set()
-        await self._slots.acquire()
+        await self._slots.acquire(uid)
         pending = False
         try:
             replies = await self._ask(LoadRequest(next(self._ids), source, key, offset,
@@ -242,16 +248,17 @@ class LoaderPool:
             with replies:
                 reply = _checked(await _next(replies))
                 if not reply.final and self._nursery is not None:
-                    self._nursery.start_soon(self._outcome, replies.clone(), digest, stored)
+                    self._nursery.start_soon(self._outcome, uid, replies.clone(), digest,
+                                             stored)
                     pending = True  # the outcome's task gives the slot back
         finally:
             if not pending:
-                self._slots.release()
+                self._slots.release(uid)
         assert reply.data is not None  # FETCHED
         return reply.data, pending
 
-    async def _outcome(self, replies: trio.MemoryReceiveChannel[LoadReply], digest: bytes,
-                       stored: Callable[[], None]) -> None:
+    async def _outcome(self, uid: int, replies: trio.MemoryReceiveChannel[LoadReply],
+                       digest: bytes, stored: Callable[[], None]) -> None:
         """Record what the store made of a served item; then ``stored()``."""
         try:
             with replies:
@@ -263,7 +270,7 @@ class LoaderPool:
         except trio.EndOfChannel:
             pass  # the process exited: the item may not be stored, a read looks again
         finally:
-            self._slots.release()
+            self._slots.release(uid)
             stored()
 
     async def _write_failed(self, reply: LoadReply) -> None:
