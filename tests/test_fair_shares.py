@@ -282,6 +282,8 @@ def test_a_slow_source_never_stalls_another_users_cached_reads_or_status(
     assert reply["ok"], reply
     first = b_reads(m, expected)  # B's items are fetched and cached
     assert first["wrong"] == []
+    b_misses = dataset_counters(m, "b")["misses"]
+    assert b_misses == B_ITEMS
     listener = SlowListener()
     attackers = None
     try:
@@ -301,6 +303,7 @@ def test_a_slow_source_never_stalls_another_users_cached_reads_or_status(
         assert listener.open_requests >= 8  # the attack held throughout
         listener.close()
         after = b_reads(m, expected)
+        b_counters = dataset_counters(m, "b")
     finally:
         listener.close()
         if attackers is not None:
@@ -310,6 +313,9 @@ def test_a_slow_source_never_stalls_another_users_cached_reads_or_status(
             attackers.wait()
     check_b("during the attack", during)
     check_b("after the attack", after)
+    # every read of B's since reached mountd and was a hit
+    assert b_counters["misses"] == b_misses
+    assert b_counters["local_hits"] >= len(during["reads"]) + len(after["reads"])
 
 
 @pytest.mark.slow
