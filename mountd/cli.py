@@ -67,7 +67,8 @@ def add_parsers(sub: argparse._SubParsersAction,
     d.add_argument("--log-file", help="log file when in the background "
                    "(default: CACHE_DIR/mountd.log)")
     d.add_argument("--threads", type=IntAtLeast("--threads", 1), default=THREADS,
-                   help="blocking I/O workers (default %(default)s)")
+                   help="workers for short blocking I/O (the store, status), and as many "
+                   "for fetches in mountd (default %(default)s)")
     d.add_argument("--loader-processes", metavar="N",
                    type=IntAtLeast("--loader-processes", 0, MAX_LOADER_PROCESSES),
                    default=default_loader_processes(),

@@ -54,7 +54,16 @@ HIT_RECORD_INTERVAL = 1.0  # seconds between writes of LRU recency to the store
 # needed instead
 SPENT_RECORD_INTERVAL = 0.1
 READAHEAD_KB = 1024  # the kernel reads items up to this size in one FUSE READ
-MAX_BACKGROUND = 64  # readaheads the kernel keeps in flight to mountd
+# A uid's reads waiting for fetches, at most (mountd.fetch.fair_share.WaitingReads): a
+# source that stalls holds no more of the kernel's background requests than this.
+WAITING_READS_PER_UID = 256
+# Readaheads (background requests) the kernel keeps in flight to mountd: four uids'
+# reads waiting for fetches. Beyond it, every user's readaheads wait in the kernel's
+# queue, before mountd sees them, for whatever holds the requests in flight.
+MAX_BACKGROUND = 4 * WAITING_READS_PER_UID
+# FUSE requests handled at once: every background request, and room beside them for
+# the foreground ones (lookups, opens, reads without readahead). Idle tasks end.
+FUSE_TASKS = MAX_BACKGROUND + 256
 FUSECTL = "/sys/fs/fuse/connections"  # the FUSE control filesystem
 DEFAULT_LISTEN = ("127.0.0.1", 0)  # the peer server's address without --listen
 
@@ -68,7 +77,7 @@ class MountdConfig:
     cache_dir: str
     cache_size: int  # bytes
     control_socket: str
-    threads: int  # blocking workers: diskcache, storage reads, hashing
+    threads: int  # short blocking workers (the store, status), and as many fetch threads
     loader_processes: int  # processes that fetch and store chunk loads; 0: in mountd
     force_evict_after: float  # seconds a marked chunk may outlive its first release
     probe_batches: int  # for the embedded coordinator
@@ -83,7 +92,7 @@ class MountdConfig:
     memory_total: int | None = None  # and of all users'; None: a quarter of physical memory
     digest_bytes_per_uid: int = MAX_DIGEST_BYTES_PER_USER  # of digest files kept, per uid
     node_id: str = dataclasses.field(default_factory=socket.gethostname)
-    fuse_tasks: int = 64  # FUSE requests handled at once
+    fuse_tasks: int = FUSE_TASKS  # FUSE requests handled at once
     fuse_opens: bool = False  # dataset files opened with a handle even where no-open works
     prefetch_concurrency: int = 16  # items a prefetch fetches at once
     fetch_deadline: float = FETCH_DEADLINE  # seconds a bucket read may take, retries included
@@ -149,7 +158,7 @@ class Mountd:
         self.pools = [pool for pool in (serving, ahead) if pool is not None]
         no_open = not cfg.fuse_opens and no_open_available()
         self.services = read_services(self.store, self.limiter, self.cluster,
-                                      cfg.push_memory, serving, ahead)
+                                      cfg.push_memory, serving, ahead, WAITING_READS_PER_UID)
         # A lone node sizes chunks so that several fit its cache; in a cluster every node
         # must compute the same plan, so the default stays 10% (or --chunk-size).
         self.jobs = JobRegistry(self.table, self.limiter, cfg.chunk_bytes,
@@ -282,7 +291,8 @@ class Mountd:
         kernel read a whole item (up to READAHEAD_KB) in one FUSE READ, and keep up to
         MAX_BACKGROUND readaheads in flight. With the defaults (128 KiB, 12) many
         concurrent readers exceed the limit, and the kernel falls back to reading a
-        page per request."""
+        page per request; and a user whose reads wait for a slow source would hold
+        every slot."""
         await self.fs.initialized.wait()
         device = self.device
         settings = {f"/sys/class/bdi/{device}/read_ahead_kb": READAHEAD_KB}

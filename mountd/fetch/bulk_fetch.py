@@ -141,8 +141,8 @@ class BulkFetch:
 
         async def in_pool() -> int | bytes:
             try:
-                got = await pool.load(source, ds.digest.key(index), loc.offset, loc.length,
-                                      ds.digest.hash(index))
+                got = await pool.load(ds.reg.uid, source, ds.digest.key(index), loc.offset,
+                                      loc.length, ds.digest.hash(index))
             except LoadMismatch:
                 log.error("dataset %s: %s at %s (offset %d, %d bytes) does not match its "
                           "digest hash %s: the loader process did not store it", ds.name,

@@ -5,13 +5,17 @@ Misses are single-flight: concurrent readers of a missing item cause one fetch, 
 fetch's flight lasts until its bytes are stored, so a read meanwhile joins it. A miss
 from a GCS bucket is fetched and checked in a loader process (``mountd.fetch.loader_pool``),
 whose reply brings the bytes before the store has them; other misses, and those the
-processes cannot take, are fetched in mountd's workers. Each dataset has at most its
-``fetch_depth`` fetches in flight. What a read finds staged (``mountd.fetch.staging``), what
-it counts (``mountd.fetch.read_stats``) and the items it hands to their owners
-(``mountd.fetch.owner_puts``) are kept in their own modules.
+processes cannot take, are fetched in mountd's fetch threads. Each dataset has at most
+its ``fetch_depth`` fetches in flight; loader slots, fetch threads and the reads waiting
+for a fetch are shared fairly by uid (``mountd.fetch.fair_share``). What a read finds
+staged (``mountd.fetch.staging``), what it counts (``mountd.fetch.read_stats``) and the
+items it hands to their owners (``mountd.fetch.owner_puts``) are kept in their own
+modules.
 
-Runs on the trio loop; every blocking call (diskcache, backend, hashing) goes to a
-worker thread bounded by one CapacityLimiter.
+Runs on the trio loop; every blocking call goes to a worker thread: a storage read (and
+its hashing and storing) to a fetch thread, the rest (diskcache, the store's files) to
+mountd's workers, bounded by one CapacityLimiter that no fetch holds, so that a hit
+never waits for a miss.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import trio
 
 from mountd.cluster.membership import Cluster
 from mountd.datasets.dataset import MountedDataset
+from mountd.fetch.fair_share import FetchThreads, TooManyWaiting, WaitingReads
 from mountd.fetch.integrity_budget import IntegrityBudget
 from mountd.fetch.loader_pool import (LoaderPool, LoaderUnavailable, LoadFailed, LoadMismatch,
                                       load_source)
@@ -70,9 +75,14 @@ class ItemReader:
 
     def __init__(self, store: ContentStore, limiter: trio.CapacityLimiter, cluster: Cluster,
                  stats: ReadStats, staging: Staging, integrity: IntegrityBudget,
-                 puts: OwnerPuts, probed: ProbedReads, pool: LoaderPool | None = None) -> None:
+                 puts: OwnerPuts, probed: ProbedReads, pool: LoaderPool | None = None,
+                 threads: FetchThreads | None = None, waiting: WaitingReads | None = None
+                 ) -> None:
         self.store = store
-        self.limiter = limiter
+        self.limiter = limiter  # short blocking work: store reads
+        # storage reads in mountd (None: as many threads as ``limiter``'s, of their own)
+        self.threads = threads or FetchThreads(int(limiter.total_tokens))
+        self.waiting = waiting  # bounds each uid's reads waiting for a fetch; None: no bound
         self.cluster = cluster
         self.stats = stats
         self.staging = staging
@@ -91,10 +101,10 @@ class ItemReader:
     def fetch_depth(self, backend: Backend) -> int:
         """Fetches of one dataset from ``backend`` in flight at once: a GCS bucket's
         (tens of milliseconds to a first byte each) as many as the loader processes
-        serving misses hold; a local directory's few, in mountd's workers."""
+        serving misses hold; a local directory's few, in mountd's fetch threads."""
         if self.pool is not None and load_source(backend) is not None:
             return self.pool.capacity
-        workers = int(self.limiter.total_tokens)
+        workers = self.threads.total
         return min(LOCAL_FETCH_DEPTH, workers) if backend.uri.startswith("file://") else workers
 
     def in_hand(self, digest: bytes) -> bool:
@@ -136,14 +146,26 @@ class ItemReader:
             cause, keep = probed
             if cause is FetchCause.PROBE:
                 self.stats.count(ds, ReadCounter.PROBE_MISSES)
-                return await self.fetch(ds, index, cause, keep=keep)
+                return await self._waited_fetch(ds, index, cause, keep)
         data = await self._cached(ds, index, digest)
         if data is None:
             self.stats.count(ds, ReadCounter.MISSES)
-            return await self.fetch(ds, index, cause, keep=keep)
+            return await self._waited_fetch(ds, index, cause, keep)
         if probed is not None:  # a probe planned a miss that was none: it measures less
             self.stats.count(ds, ReadCounter.PROBE_HITS)
         return data
+
+    async def _waited_fetch(self, ds: MountedDataset, index: int, cause: FetchCause,
+                            keep: bool) -> bytes:
+        """A read's miss, fetched while the dataset's uid has room for one more read
+        waiting (ReadFailed at once where it has not)."""
+        if self.waiting is None:
+            return await self.fetch(ds, index, cause, keep=keep)
+        try:
+            with self.waiting.hold(ds.reg.uid):
+                return await self.fetch(ds, index, cause, keep=keep)
+        except TooManyWaiting as exc:
+            raise ReadFailed(str(exc)) from None
 
     async def _cached(self, ds: MountedDataset, index: int, digest: bytes) -> bytes | None:
         """Entry ``index`` (``digest``) staged, from the local store or from its owning
@@ -189,7 +211,7 @@ class ItemReader:
         ``cause``; concurrent callers share one fetch (counted once, for the first).
         ``recheck`` where the caller's look-up may be a while old (a chunk load's items
         wait for a slot; jobs plan misses side by side): the fetch looks in the store
-        once more, in its worker, and an item another fetch stored since is not read
+        once more, in its fetch thread, and an item another fetch stored since is not read
         again."""
         self._check_not_suspended(ds)
         digest = ds.digest.hash(index)
@@ -225,22 +247,22 @@ class ItemReader:
                        recheck: bool, flight: _Flight) -> tuple[bytes, bool]:
         """A miss's bytes, checked, and whether they were read from storage: in a
         loader process where it can, else (and once more where its process exited
-        mid-fetch) in a worker."""
+        mid-fetch) in a fetch thread."""
         source = None if kept is not None or self.pool is None else load_source(ds.backend)
         if source is not None:
             got = await self._fetched_in_pool(ds, index, keep, recheck, flight, source)
             if got is not None:
                 return got
-        return await trio.to_thread.run_sync(self._fetch_blocking, ds, index, keep, kept,
-                                             recheck, limiter=self.limiter)
+        return await self.threads.run(ds.reg.uid, self._fetch_blocking, ds, index, keep, kept,
+                                      recheck)
 
     async def _fetched_in_pool(self, ds: MountedDataset, index: int, keep: bool,
                                recheck: bool, flight: _Flight,
                                source: LoadSource) -> tuple[bytes, bool] | None:
         """Fetch and check entry ``index`` in a loader process, which stores it where
         this node keeps it (``flight`` is held until the store's outcome is in). None
-        where a worker is to fetch it: a process exited mid-fetch, or, with
-        ``recheck``, the store may hold it since (the worker reads it from there)."""
+        where a fetch thread is to fetch it: a process exited mid-fetch, or, with
+        ``recheck``, the store may hold it since (the thread reads it from there)."""
         assert self.pool is not None
         digest = ds.digest.hash(index)
         owner = self.cluster.other_owner(digest)
@@ -256,7 +278,8 @@ class ItemReader:
         loc = ds.digest.location(index)
         try:
             data, flight.storing = await self.pool.fetch(
-                source, ds.digest.key(index), loc.offset, loc.length, digest, store, stored)
+                ds.reg.uid, source, ds.digest.key(index), loc.offset, loc.length, digest,
+                store, stored)
         except LoaderUnavailable as exc:
             log.warning("dataset %s: %s: fetching %s in mountd", ds.name, exc,
                         ds.digest.path(index))

@@ -14,6 +14,10 @@ LoaderUnavailable, and their callers fetch those items in mountd instead. The pr
 write into this node's store directory; what they stored, and what they could not, is
 recorded in the store here (``ContentStore.stored_elsewhere``,
 ``write_failed_elsewhere``).
+
+A pool's slots (requests in flight) are shared fairly by the uids whose datasets the
+items are of (``mountd.fetch.fair_share``): a uid whose fetches stall holds at most its
+share, and the others' requests go on in the rest.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from collections.abc import Callable
 
 import trio
 
+from mountd.fetch.fair_share import FairSlots
 from mountd.fetch.loader_process import (FRAME_HEADER, Drop, LoadReply, LoadRequest, LoadSource,
                                          Outcome, Ready)
 from mountd.store.content_store import ContentStore
@@ -142,7 +147,7 @@ class LoaderPool:
         self.threads = threads
         self.niceness = niceness
         self._live: list[_Process | None] = [None] * processes
-        self._slots = trio.Semaphore(processes * threads)
+        self._slots = FairSlots(processes * threads)
         self._wanted = trio.Event()
         self._started = trio.Event()  # set (and replaced) whenever a process starts
         self._ids = itertools.count()
@@ -209,13 +214,14 @@ class LoaderPool:
                         process.proc.pid, status)
             await trio.sleep(RESTART_DELAY)
 
-    async def load(self, source: LoadSource, key: str, offset: int, length: int,
+    async def load(self, uid: int, source: LoadSource, key: str, offset: int, length: int,
                    digest: bytes) -> int | bytes:
-        """Fetch an item, check and store it in a loader process: the number of bytes it
-        stored, or the bytes when the store could not take them. Raises LoadMismatch,
-        LoadFailed, or LoaderUnavailable (the item is still to be fetched)."""
+        """Fetch an item of ``uid``'s dataset, check and store it in a loader process:
+        the number of bytes it stored, or the bytes when the store could not take them.
+        Raises LoadMismatch, LoadFailed, or LoaderUnavailable (the item is still to be
+        fetched)."""
         self._wanted.set()
-        async with self._slots:
+        async with self._slots.hold(uid):
             replies = await self._ask(LoadRequest(next(self._ids), source, key, offset,
                                                   length, digest))
             with replies:
@@ -227,19 +233,19 @@ class LoaderPool:
         assert reply.data is not None  # an unstored reply to a request not served
         return reply.data
 
-    async def fetch(self, source: LoadSource, key: str, offset: int, length: int,
+    async def fetch(self, uid: int, source: LoadSource, key: str, offset: int, length: int,
                     digest: bytes, store: bool, stored: Callable[[], None]
                     ) -> tuple[bytes, bool]:
-        """Fetch and check an item in a loader process for a reader waiting on it: its
-        bytes as soon as they are checked, and whether the store's outcome is still to
-        come. With ``store`` the process then stores them; where the outcome is to come,
-        ``stored()`` is called once it is known here (or the process has gone). The
-        outcome is awaited without a slot: a store write that hangs holds no fetch.
-        Raises LoadMismatch, LoadFailed, or LoaderUnavailable (the item is still to be
+        """Fetch and check an item of ``uid``'s dataset in a loader process for a reader
+        waiting on it: its bytes as soon as they are checked, and whether the store's
+        outcome is still to come. With ``store`` the process then stores them; where the
+        outcome is to come, ``stored()`` is called once it is known here (or the process
+        has gone). The outcome is awaited without a slot: a store write that hangs holds
+        no fetch. Raises LoadMismatch, LoadFailed, or LoaderUnavailable (the item is still to be
         fetched)."""
         self._wanted.set()
         pending = False
-        async with self._slots:
+        async with self._slots.hold(uid):
             replies = await self._ask(LoadRequest(next(self._ids), source, key, offset,
                                                   length, digest, serve=True, store=store))
             with replies:
@@ -250,8 +256,8 @@ class LoaderPool:
         assert reply.data is not None  # FETCHED
         return reply.data, pending
 
-    async def _outcome(self, replies: trio.MemoryReceiveChannel[LoadReply], digest: bytes,
-                       stored: Callable[[], None]) -> None:
+    async def _outcome(self, replies: trio.MemoryReceiveChannel[LoadReply],
+                       digest: bytes, stored: Callable[[], None]) -> None:
         """Record what the store made of a served item; then ``stored()``."""
         try:
             with replies:

@@ -12,6 +12,7 @@ import trio
 from mountd.cluster.membership import Cluster
 from mountd.datasets.dataset import MountedDataset
 from mountd.fetch.bulk_fetch import BulkFetch
+from mountd.fetch.fair_share import FetchThreads, WaitingReads
 from mountd.fetch.integrity_budget import IntegrityBudget
 from mountd.fetch.item_reader import ItemReader
 from mountd.fetch.loader_pool import LoaderPool
@@ -31,7 +32,7 @@ class ReadServices:
 
     store: ContentStore
     recency: Recency  # the store's: hits and spent marks
-    limiter: trio.CapacityLimiter  # the workers every blocking call runs in
+    limiter: trio.CapacityLimiter  # the workers of short blocking calls; no fetch holds one
     cluster: Cluster
     stats: ReadStats
     staging: Staging
@@ -45,9 +46,12 @@ class ReadServices:
 
 def read_services(store: ContentStore, limiter: trio.CapacityLimiter, cluster: Cluster,
                   push_budget: int = 0, serving: LoaderPool | None = None,
-                  ahead: LoaderPool | None = None) -> ReadServices:
+                  ahead: LoaderPool | None = None, waiting_per_uid: int | None = None
+                  ) -> ReadServices:
     """The services of one mountd: misses readers wait on go to ``serving``'s loader
-    processes, chunk loads to ``ahead``'s (None: fetched in mountd's workers)."""
+    processes, chunk loads to ``ahead``'s (None: fetched in fetch threads, as many as
+    ``limiter`` has workers); each uid has at most ``waiting_per_uid`` reads waiting
+    for a fetch (None: no bound)."""
     stats, staging, integrity, probed = ReadStats(), Staging(), IntegrityBudget(), ProbedReads()
 
     def left_to_its_read(ds: MountedDataset, digest: bytes) -> bool:
@@ -60,8 +64,9 @@ def read_services(store: ContentStore, limiter: trio.CapacityLimiter, cluster: C
 
     push = PagePush(store, limiter, stats, staging, push_budget, skip=left_to_its_read)
     puts = OwnerPuts(cluster, stats.counters)
+    waiting = None if waiting_per_uid is None else WaitingReads(waiting_per_uid)
     reader = ItemReader(store, limiter, cluster, stats, staging, integrity, puts, probed,
-                        serving)
+                        serving, FetchThreads(int(limiter.total_tokens)), waiting)
     bulk = BulkFetch(reader, store, limiter, cluster, stats, staging, probed, ahead)
     return ReadServices(store, store.recency, limiter, cluster, stats, staging, integrity,
                         puts, push, probed, reader, bulk)
