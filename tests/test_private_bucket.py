@@ -32,6 +32,13 @@ def write_key(path: str, info: dict) -> str:
     return path
 
 
+def write_digest(path: str, uri: str, emulator_host: str) -> str:
+    """The digest of ``uri`` (named syn), written to ``path``."""
+    with open(path, "wb") as f:
+        f.write(make_digest(uri, "syn", emulator_host))
+    return path
+
+
 def mount_cli(quiver, m, digest_file: str, key_file: str, name: str):
     return quiver("mount", digest_file, "--name", name, "--credentials", key_file,
                   "--root", m.root, "--control-socket", m.socket)
@@ -39,10 +46,8 @@ def mount_cli(quiver, m, digest_file: str, key_file: str, name: str):
 
 def test_a_private_bucket_is_read_with_the_keys_token_also_after_a_restart(
         mountd_factory, quiver, synthetic_tree, upload, gcs_emulator, tmp_path, monkeypatch):
-    uri = upload(synthetic_tree.root, "syn")
-    digest_file = str(tmp_path / "syn.qd")
-    with open(digest_file, "wb") as f:
-        f.write(make_digest(uri, "syn", gcs_emulator.host))
+    digest_file = write_digest(str(tmp_path / "syn.qd"),
+                               upload(synthetic_tree.root, "syn"), gcs_emulator.host)
     key = new_key(EMAIL)
     requests = RequestLog()
     with token_endpoint([key]) as tokens, \
@@ -83,10 +88,8 @@ def test_a_private_bucket_is_read_with_the_keys_token_also_after_a_restart(
 
 def test_a_key_its_token_endpoint_refuses_is_refused_and_nothing_is_saved(
         mountd_factory, quiver, synthetic_tree, upload, gcs_emulator, tmp_path, monkeypatch):
-    uri = upload(synthetic_tree.root, "syn")
-    digest_file = str(tmp_path / "syn.qd")
-    with open(digest_file, "wb") as f:
-        f.write(make_digest(uri, "syn", gcs_emulator.host))
+    digest_file = write_digest(str(tmp_path / "syn.qd"),
+                               upload(synthetic_tree.root, "syn"), gcs_emulator.host)
     key = new_key(REVOKED)
     requests = RequestLog()
     with token_endpoint([key], refused={REVOKED}) as tokens, \
@@ -136,10 +139,8 @@ def test_a_users_key_whose_token_endpoint_is_not_googles_is_refused_unposted(
 
 def test_a_registration_dropped_at_restart_leaves_no_key_behind(
         mountd_factory, quiver, synthetic_tree, upload, gcs_emulator, tmp_path, monkeypatch):
-    uri = upload(synthetic_tree.root, "syn")
-    digest_file = str(tmp_path / "syn.qd")
-    with open(digest_file, "wb") as f:
-        f.write(make_digest(uri, "syn", gcs_emulator.host))
+    digest_file = write_digest(str(tmp_path / "syn.qd"),
+                               upload(synthetic_tree.root, "syn"), gcs_emulator.host)
     key = new_key(EMAIL)
     with token_endpoint([key]) as tokens:
         key_file = write_key(str(tmp_path / "key.json"), key.info(tokens.url))
