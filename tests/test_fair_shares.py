@@ -12,12 +12,11 @@ import errno
 import hashlib
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import trio
@@ -30,6 +29,7 @@ from quiverfs import digest as digest_format
 from quiverfs.errors import QuietError
 from tests.mountd_helpers import (call_as, dataset_counters, make_digest,  # noqa: F401
                                   mountd_factory, tree_hashes)
+from tests.slow_listener import SlowListener, slow_listener
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"),
                                 reason="needs root and /dev/fuse")
@@ -117,59 +117,29 @@ print(json.dumps({"reads": reads, "statuses": statuses, "wrong": wrong}))
 """
 
 
-class SlowListener:
-    """An HTTP listener on loopback that answers every request 200 with a body it sends
-    one byte every DRIP_INTERVAL seconds, until it is closed."""
+@pytest.fixture
+def listener() -> Iterator[SlowListener]:
+    """A's source: 200, then a byte of a body of A_ITEM_BYTES every DRIP_INTERVAL s.
+    Started before mountd, which lets users name it only if root listed it."""
+    with slow_listener(DRIP_INTERVAL, body_size=A_ITEM_BYTES) as it:
+        yield it
 
-    def __init__(self) -> None:
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.host = "http://127.0.0.1:%d" % self.server.getsockname()[1]
-        self.closed = threading.Event()
-        self.lock = threading.Lock()
-        self.open_requests = 0
-        self.most_open = 0  # the most requests it held at once
-        self.threads: list[threading.Thread] = []
-        self.acceptor = threading.Thread(target=self._accept, daemon=True)
-        self.acceptor.start()
 
-    def _accept(self) -> None:
-        while not self.closed.is_set():
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return  # closed
-            t = threading.Thread(target=self._drip, args=(conn,), daemon=True)
-            self.threads.append(t)
-            t.start()
+def endpoints(*hosts: str) -> tuple[str, ...]:
+    """mountd's option listing the GCS endpoints users A and B may name."""
+    return ("--gcs-endpoint", ",".join(hosts))
 
-    def _drip(self, conn: socket.socket) -> None:
-        with conn:
-            request = b""
-            while b"\r\n\r\n" not in request:
-                chunk = conn.recv(4096)
-                if not chunk:
-                    return
-                request += chunk
-            with self.lock:
-                self.open_requests += 1
-                self.most_open = max(self.most_open, self.open_requests)
-            try:
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"
-                             b"Content-Length: %d\r\n\r\n" % A_ITEM_BYTES)
-                while not self.closed.wait(DRIP_INTERVAL):
-                    conn.sendall(b"x")
-            except OSError:
-                pass
-            finally:
-                with self.lock:
-                    self.open_requests -= 1
 
-    def close(self) -> None:
-        """Stop listening and cut every request short."""
-        self.closed.set()
-        self.server.close()
-        for t in self.threads:
-            t.join(10)
+def stop(m, attackers: subprocess.Popen | None) -> int:
+    """Kill A's readers and stop mountd with SIGTERM (before waiting for A: its reads
+    may wait for mountd to answer); mountd's exit status (-9 if it was still there
+    30 s (quiverfs.bench.processes.STOP_TIMEOUT) after the SIGTERM and was killed)."""
+    if attackers is not None:
+        attackers.kill()
+    rc = m.stop()
+    if attackers is not None:
+        attackers.wait()
+    return rc
 
 
 def as_user(uid: int) -> list[str]:
@@ -247,20 +217,6 @@ def reads(m) -> int:
     return reply["fuse_requests"].get("read", 0)
 
 
-def stop_at_once(m) -> None:
-    """Kill mountd and its loader processes. A's fetches retry for minutes once the
-    listener has gone, and mountd's SIGTERM waits for them (issue #53 makes that end
-    within seconds, in other work); this test is about B's reads meanwhile."""
-    with open(f"/proc/{m.proc.pid}/task/{m.proc.pid}/children", encoding="ascii") as f:
-        children = [int(pid) for pid in f.read().split()]
-    m.kill()
-    for pid in children:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def wait_for(condition, what: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -272,10 +228,10 @@ def wait_for(condition, what: str, timeout: float = 30.0) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("loader_processes", ["default", "0"])
 def test_a_slow_source_never_stalls_another_users_cached_reads_or_status(
-        shared_workdir, mountd_factory, loader_processes):
+        shared_workdir, mountd_factory, listener, loader_processes):
     extra = () if loader_processes == "default" else ("--loader-processes", "0")
     m = mountd_factory(workdir=shared_workdir, cache_dir=os.path.join(shared_workdir, "cache"),
-                       extra_args=extra)
+                       extra_args=(*extra, *endpoints(listener.url)))
     os.chmod(m.cache_dir, 0o755)  # the control socket lives there
     b_digest, expected = b_dataset(shared_workdir)
     reply = call_as(B, B, m.socket, {"op": "mount", "name": "b", "digest": b_digest})
@@ -284,11 +240,10 @@ def test_a_slow_source_never_stalls_another_users_cached_reads_or_status(
     assert first["wrong"] == []
     b_misses = dataset_counters(m, "b")["misses"]
     assert b_misses == B_ITEMS
-    listener = SlowListener()
     attackers = None
     try:
         reply = call_as(A, A, m.socket, {"op": "mount", "name": "a", "digest": a_dataset(),
-                                         "emulator_host": listener.host})
+                                         "emulator_host": listener.url})
         assert reply["ok"], reply
         reads_before = reads(m)
         paths = [os.path.join(m.root, "a", f"c{i % 10}", f"i{i:03d}.bin")
@@ -296,21 +251,18 @@ def test_a_slow_source_never_stalls_another_users_cached_reads_or_status(
         attackers = subprocess.Popen([*as_user(A), sys.executable, "-c", A_READERS_SCRIPT,
                                       *paths])
         # The attack holds: the listener keeps A's fetches, and A's reads wait in mountd.
-        wait_for(lambda: listener.open_requests >= 8, "the listener got no slow requests")
+        wait_for(lambda: listener.held_counts()[0] >= 8, "the listener got no slow requests")
         wait_for(lambda: reads(m) - reads_before >= 60,
                  "A's reads did not reach mountd")
         during = b_reads(m, expected)
-        assert listener.open_requests >= 8  # the attack held throughout
+        assert listener.held_counts()[0] >= 8  # the attack held throughout
         listener.close()
         after = b_reads(m, expected)
         b_counters = dataset_counters(m, "b")
     finally:
         listener.close()
-        if attackers is not None:
-            attackers.kill()
-        stop_at_once(m)  # before waiting for A: its reads may wait for mountd to answer
-        if attackers is not None:
-            attackers.wait()
+        stopped = stop(m, attackers)
+    assert stopped == 0, m.log_tail()  # a clean exit though A's fetches stalled
     check_b("during the attack", during)
     check_b("after the attack", after)
     # every read of B's since reached mountd and was a hit
@@ -320,11 +272,12 @@ def test_a_slow_source_never_stalls_another_users_cached_reads_or_status(
 
 @pytest.mark.slow
 def test_a_uid_holds_its_share_of_loader_slots_and_waiting_reads(
-        shared_workdir, mountd_factory, gcs_emulator, upload, synthetic_tree):
+        shared_workdir, mountd_factory, listener, gcs_emulator, upload, synthetic_tree):
     """A's 300 reads of its slow source: 256 wait (WAITING_READS_PER_UID), the rest fail
     at once; A's fetches hold three quarters of the serving loader slots, and B's misses
     from a bucket are fetched in the rest."""
-    m = mountd_factory(workdir=shared_workdir, cache_dir=os.path.join(shared_workdir, "cache"))
+    m = mountd_factory(workdir=shared_workdir, cache_dir=os.path.join(shared_workdir, "cache"),
+                       extra_args=endpoints(listener.url, gcs_emulator.host))
     os.chmod(m.cache_dir, 0o755)  # the control socket lives there
     uri = upload(synthetic_tree.root, "syn")
     reply = call_as(B, B, m.socket, {"op": "mount", "name": "b",
@@ -334,12 +287,11 @@ def test_a_uid_holds_its_share_of_loader_slots_and_waiting_reads(
     m.wait_for_loaders()
     serving = m.status()["loader_processes"]["serving"]
     slots = serving["processes"] * serving["threads"]
-    listener = SlowListener()
     attackers = None
     n = WAITING_READS_PER_UID + 44
     try:
         reply = call_as(A, A, m.socket, {"op": "mount", "name": "a", "digest": a_dataset(n),
-                                         "emulator_host": listener.host})
+                                         "emulator_host": listener.url})
         assert reply["ok"], reply
         paths = [os.path.join(m.root, "a", f"c{i % 10}", f"i{i:03d}.bin") for i in range(n)]
         attackers = subprocess.Popen([*as_user(A), sys.executable, "-c", A_COUNTED_SCRIPT,
@@ -350,7 +302,7 @@ def test_a_uid_holds_its_share_of_loader_slots_and_waiting_reads(
         wait_for(lambda: len(failed) >= n - WAITING_READS_PER_UID,
                  f"not {n - WAITING_READS_PER_UID} of A's reads failed at once")
         assert {int(errno_) for _, errno_ in failed} == {errno.EIO}
-        wait_for(lambda: listener.open_requests == share(slots),
+        wait_for(lambda: listener.held_counts()[0] == share(slots),
                  f"A's fetches did not hold {share(slots)} of {slots} loader slots")
         # B's misses, from the emulator, go on in the slots A may not take
         expected = tree_hashes(synthetic_tree.root)
@@ -361,16 +313,13 @@ def test_a_uid_holds_its_share_of_loader_slots_and_waiting_reads(
         except subprocess.TimeoutExpired:
             pytest.fail("B's misses waited for the loader slots A's fetches hold")
         assert json.loads(done.stdout) == expected, done.stderr
-        assert listener.most_open == share(slots)
+        assert listener.held_counts()[1] == share(slots)
         assert len(failed) == n - WAITING_READS_PER_UID  # the others still wait
         assert dataset_counters(m, "b")["loader_process_misses"] == len(expected)
     finally:
         listener.close()
-        if attackers is not None:
-            attackers.kill()
-        stop_at_once(m)
-        if attackers is not None:
-            attackers.wait()
+        stopped = stop(m, attackers)
+    assert stopped == 0, m.log_tail()
     with open(m.log_path, encoding="utf-8") as f:
         refusals = f.read().count(f"uid {A} has {WAITING_READS_PER_UID} reads waiting")
     assert refusals == 1  # logged once, not once a read
