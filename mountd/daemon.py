@@ -43,7 +43,7 @@ from quiverfs.heartbeat import NODE_ID
 from quiverfs.metrics_server import MetricsServer
 from quiverfs.mount_point import is_mounted, mount_device
 from quiverfs.peer_network import Networks, host_refusal
-from quiverfs.process_limits import raise_open_file_limit
+from quiverfs.process_limits import raise_open_file_limit, return_large_blocks
 from quiverfs.rpc import RpcClient, RpcServer, load_secret
 
 log = logging.getLogger(__name__)
@@ -361,4 +361,5 @@ def run_mountd(cfg: MountdConfig, embedded_coordinator: EmbeddedFactory) -> None
     os.umask(0o077)
     faulthandler.register(signal.SIGUSR1)
     raise_open_file_limit()
+    return_large_blocks()
     Mountd(cfg, embedded_coordinator).run()
