@@ -22,11 +22,13 @@ from mountd.control.server import ControlServer
 from mountd.datasets.memory_budget import MemoryBudget, MemoryLimits, default_total
 from mountd.datasets.mount_table import MountTable
 from mountd.datasets.registry import Registry
+from mountd.fetch.fair_share import WAITING_READS_PER_UID
 from mountd.fetch.loader_pool import AHEAD_NICENESS, MIN_SERVING_PROCESSES, LoaderPool
 from mountd.fetch.services import read_services
 from mountd.fs.control_fs import ControlFS
 from mountd.fs.control_mount import ControlMount
 from mountd.fs.datasets_fs import QuiverFS, no_open_available
+from mountd.fs.fuse_limits import FUSE_TASKS, READAHEAD_KB, tune_connection
 from mountd.fs.job_files import ControlFiles
 from mountd.jobs.chunk_loader import ChunkLoader
 from mountd.jobs.planner import BatchPlanner
@@ -53,18 +55,6 @@ HIT_RECORD_INTERVAL = 1.0  # seconds between writes of LRU recency to the store
 # at hundreds a second, and until they are written the store evicts items that are still
 # needed instead
 SPENT_RECORD_INTERVAL = 0.1
-READAHEAD_KB = 1024  # the kernel reads items up to this size in one FUSE READ
-# A uid's reads waiting for fetches, at most (mountd.fetch.fair_share.WaitingReads): a
-# source that stalls holds no more of the kernel's background requests than this.
-WAITING_READS_PER_UID = 256
-# Readaheads (background requests) the kernel keeps in flight to mountd: four uids'
-# reads waiting for fetches. Beyond it, every user's readaheads wait in the kernel's
-# queue, before mountd sees them, for whatever holds the requests in flight.
-MAX_BACKGROUND = 4 * WAITING_READS_PER_UID
-# FUSE requests handled at once: every background request, and room beside them for
-# the foreground ones (lookups, opens, reads without readahead). Idle tasks end.
-FUSE_TASKS = MAX_BACKGROUND + 256
-FUSECTL = "/sys/fs/fuse/connections"  # the FUSE control filesystem
 DEFAULT_LISTEN = ("127.0.0.1", 0)  # the peer server's address without --listen
 
 
@@ -287,25 +277,12 @@ class Mountd:
                        PeerSet(secret, self.limiter, cfg.peer_networks))
 
     async def _tune_kernel(self) -> None:
-        """Once INIT is answered (its reply can only lower these), as root: let the
-        kernel read a whole item (up to READAHEAD_KB) in one FUSE READ, and keep up to
-        MAX_BACKGROUND readaheads in flight. With the defaults (128 KiB, 12) many
-        concurrent readers exceed the limit, and the kernel falls back to reading a
-        page per request; and a user whose reads wait for a slow source would hold
-        every slot."""
+        """Once INIT is answered, the datasets' connection's limits and readahead
+        (mountd.fs.fuse_limits)."""
         await self.fs.initialized.wait()
-        device = self.device
-        settings = {f"/sys/class/bdi/{device}/read_ahead_kb": READAHEAD_KB}
-        if device is not None:
-            await trio.to_thread.run_sync(_mount_fusectl, limiter=self.limiter)
-            connection = f"{FUSECTL}/{device.split(':')[1]}"
-            settings[f"{connection}/max_background"] = MAX_BACKGROUND
-            settings[f"{connection}/congestion_threshold"] = MAX_BACKGROUND * 3 // 4
-        for path, value in settings.items():
-            try:
-                await trio.to_thread.run_sync(_write_text, path, str(value))
-            except OSError as exc:
-                log.info("kept the kernel's %s (%s)", path, exc.strerror or exc)
+        if self.device is not None:
+            await trio.to_thread.run_sync(tune_connection, self.device, READAHEAD_KB,
+                                          limiter=self.limiter)
 
     async def _record_hits(self) -> None:
         recorded = trio.current_time()
@@ -333,26 +310,6 @@ class Mountd:
                     pool.stop_requests()
                 await self.control_mount.stop()  # its unmount looks ROOT/.quiver up here
                 pyfuse3.terminate()
-
-
-def _mount_fusectl() -> None:
-    """Mount the FUSE control filesystem, which holds each connection's settings, where
-    nothing has (systemd does at boot; a container or a minimal VM may not)."""
-    if os.path.ismount(FUSECTL) or not os.path.isdir(FUSECTL):
-        return
-    try:
-        done = subprocess.run(["mount", "-t", "fusectl", "fusectl", FUSECTL],
-                              capture_output=True, text=True, check=False)
-    except OSError as exc:  # no mount(8) on this system
-        log.info("cannot mount %s: %s", FUSECTL, exc.strerror or exc)
-        return
-    if done.returncode != 0:
-        log.info("cannot mount %s: %s", FUSECTL, done.stderr.strip() or done.returncode)
-
-
-def _write_text(path: str, text: str) -> None:
-    with open(path, "w", encoding="ascii") as f:
-        f.write(text)
 
 
 def run_mountd(cfg: MountdConfig, embedded_coordinator: EmbeddedFactory) -> None:

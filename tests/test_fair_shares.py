@@ -5,6 +5,8 @@ listener that answers 200 and then one byte every few seconds, and reads 100 dis
 files of it at once. Meanwhile user B re-reads files of B's own dataset that mountd has
 cached, and asks mountd for its status. B's reads and status stay fast while the
 listener holds A's fetches, and after it has gone (A's fetches then fail and retry).
+The same attack through ``ROOT/.quiver`` (A's substitutable view of its slow dataset,
+served by that mount's own FUSE connection) leaves B's reads of its own view as fast.
 """
 from __future__ import annotations
 
@@ -22,11 +24,13 @@ import pytest
 import trio
 import trio.testing
 
-from mountd.daemon import WAITING_READS_PER_UID
-from mountd.fetch.fair_share import FairSlots, share
+from mountd.fetch.fair_share import WAITING_READS_PER_UID, FairSlots, share
+from mountd.fs.fuse_limits import FUSECTL, MAX_BACKGROUND
 from quiverfs import control_client
 from quiverfs import digest as digest_format
 from quiverfs.errors import QuietError
+from quiverfs.job_protocol import CONTROL_NAME, VIEWS_NAME
+from quiverfs.mount_point import mount_device
 from tests.mountd_helpers import (call_as, dataset_counters, make_digest,  # noqa: F401
                                   mountd_factory, tree_hashes)
 from tests.slow_listener import SlowListener, slow_listener
@@ -116,6 +120,36 @@ while time.monotonic() < end:
 print(json.dumps({"reads": reads, "statuses": statuses, "wrong": wrong}))
 """
 
+# B_SCRIPT through B's substitutable view: each open serves some item of the path's
+# pool, so a read is timed from its open (which reaches mountd too), and its bytes must
+# be the item the open says it served, and one of B's.
+B_VIEW_SCRIPT = """
+import hashlib, json, os, sys, time
+from quiverfs import control_client
+phase, socket_path, root = float(sys.argv[1]), sys.argv[2], sys.argv[3]
+expected = json.loads(sys.argv[4])
+items = set(expected.values())
+reads, statuses, wrong = [], [], []
+end = time.monotonic() + phase
+next_status = 0.0
+while time.monotonic() < end:
+    for rel in expected:
+        started = time.perf_counter()
+        with open(os.path.join(root, rel), "rb", buffering=0) as f:
+            data = f.read()
+            reads.append(time.perf_counter() - started)
+            served = os.getxattr(f.fileno(), "user.quiver.served.sha256").decode()
+        sha = hashlib.sha256(data).hexdigest()
+        if sha != served or sha not in items:
+            wrong.append(rel)
+        if time.monotonic() >= next_status:
+            started = time.perf_counter()
+            control_client.call(socket_path, {"op": "status"}, root=root)
+            statuses.append(time.perf_counter() - started)
+            next_status = time.monotonic() + 0.2
+print(json.dumps({"reads": reads, "statuses": statuses, "wrong": wrong}))
+"""
+
 
 @pytest.fixture
 def listener() -> Iterator[SlowListener]:
@@ -174,13 +208,14 @@ def a_dataset(n: int = A_ITEMS) -> bytes:
     return digest_format.encode("a", "gs://slow-bucket/data", items)
 
 
-def b_reads(m, expected: dict[str, str]) -> dict:
-    """B's reads and status calls for PHASE seconds (a stall past a generous bound is a
-    failure in itself)."""
-    root = os.path.join(m.root, "b")
+def b_reads(m, expected: dict[str, str], root: str | None = None,
+            script: str = B_SCRIPT) -> dict:
+    """B's reads (of ROOT/b, or ``root``) and status calls for PHASE seconds (a stall
+    past a generous bound is a failure in itself)."""
+    root = root or os.path.join(m.root, "b")
     try:
         done = subprocess.run(
-            [*as_user(B), sys.executable, "-c", B_SCRIPT, str(PHASE), m.socket, root,
+            [*as_user(B), sys.executable, "-c", script, str(PHASE), m.socket, root,
              json.dumps(expected)], capture_output=True, text=True, timeout=PHASE + 30,
             env={**os.environ, "PYTHONPATH": REPO})
     except subprocess.TimeoutExpired:
@@ -207,14 +242,15 @@ def check_b(phase: str, got: dict) -> None:
         f"{phase}: B's status took up to {max(got['statuses']) * 1000:.0f} ms")
 
 
-def reads(m) -> int:
-    """The READs mountd has had (its status, which must answer within STATUS_WAIT)."""
+def reads(m, opcode: str = "read") -> int:
+    """The READs (or ``opcode``) mountd has had (its status, which must answer within
+    STATUS_WAIT)."""
     try:
         reply = control_client.call(m.socket, {"op": "status"}, root=m.root,
                                     timeout=STATUS_WAIT)
     except (OSError, QuietError) as exc:
         pytest.fail(f"mountd's status did not answer within {STATUS_WAIT:g} s: {exc}")
-    return reply["fuse_requests"].get("read", 0)
+    return reply["fuse_requests"].get(opcode, 0)
 
 
 def wait_for(condition, what: str, timeout: float = 30.0) -> None:
@@ -268,6 +304,69 @@ def test_a_slow_source_never_stalls_another_users_cached_reads_or_status(
     # every read of B's since reached mountd and was a hit
     assert b_counters["misses"] == b_misses
     assert b_counters["local_hits"] >= len(during["reads"]) + len(after["reads"])
+
+
+@pytest.mark.slow
+def test_a_slow_view_never_stalls_another_users_view_reads_or_status(
+        shared_workdir, mountd_factory, listener):
+    """The attack through ROOT/.quiver, whose connection a child of mountd serves: A's
+    substitutable view of its slow dataset, read by A_READERS at once (every open a
+    miss), holds no more of that connection than its reads waiting for fetches, and
+    B's reads of its own view, whose items are all cached, and its status stay fast."""
+    m = mountd_factory(workdir=shared_workdir, cache_dir=os.path.join(shared_workdir, "cache"),
+                       extra_args=endpoints(listener.url))
+    os.chmod(m.cache_dir, 0o755)  # the control socket lives there
+    views = os.path.join(m.root, CONTROL_NAME, VIEWS_NAME)
+    b_digest, expected = b_dataset(shared_workdir)
+    reply = call_as(B, B, m.socket, {"op": "mount", "name": "b", "digest": b_digest,
+                                     "view": "substitutable", "prefetch": True})
+    assert reply["ok"], reply
+
+    def prefetched() -> int:
+        entry = next(ds for ds in m.status()["datasets"] if ds["name"] == "b")
+        return entry.get("prefetch", {}).get("done_items", 0)
+
+    wait_for(lambda: prefetched() == B_ITEMS, f"B's prefetch did not cache its {B_ITEMS} items")
+    first = b_reads(m, expected, os.path.join(views, "b"), B_VIEW_SCRIPT)
+    assert first["wrong"] == []
+    b_counters = dataset_counters(m, "b")
+    # every read of B's view was a hit: only the prefetch fetched
+    assert b_counters.get("misses", 0) == 0 and b_counters["bucket_fetches"] == B_ITEMS
+    attackers = None
+    try:
+        reply = call_as(A, A, m.socket, {"op": "mount", "name": "a", "digest": a_dataset(),
+                                         "emulator_host": listener.url,
+                                         "view": "substitutable"})
+        assert reply["ok"], reply
+        reads_before = reads(m, "control.read")
+        paths = [os.path.join(views, "a", f"c{i % 10}", f"i{i:03d}.bin")
+                 for i in range(A_READERS)]
+        attackers = subprocess.Popen([*as_user(A), sys.executable, "-c", A_READERS_SCRIPT,
+                                      *paths])
+        # The attack holds: the listener keeps A's fetches, and A's view reads wait in
+        # mountd.
+        wait_for(lambda: listener.held_counts()[0] >= 8, "the listener got no slow requests")
+        wait_for(lambda: reads(m, "control.read") - reads_before >= 60,
+                 "A's view reads did not reach mountd")
+        during = b_reads(m, expected, os.path.join(views, "b"), B_VIEW_SCRIPT)
+        assert listener.held_counts()[0] >= 8  # the attack held throughout
+        listener.close()
+        after = b_reads(m, expected, os.path.join(views, "b"), B_VIEW_SCRIPT)
+        b_after = dataset_counters(m, "b")
+        device = mount_device(os.path.join(m.root, CONTROL_NAME))
+        with open(f"{FUSECTL}/{device.split(':')[1]}/max_background", encoding="ascii") as f:
+            max_background = int(f.read())
+    finally:
+        listener.close()
+        stopped = stop(m, attackers)
+    assert stopped == 0, m.log_tail()  # a clean exit though A's fetches stalled
+    check_b("during the attack, B's view", during)
+    check_b("after the attack, B's view", after)
+    # every read of B's since reached mountd and was a hit
+    assert b_after.get("misses", 0) == 0 and b_after["bucket_fetches"] == B_ITEMS
+    assert b_after["local_hits"] >= b_counters["local_hits"] + len(during["reads"]) + len(
+        after["reads"])
+    assert max_background == MAX_BACKGROUND  # the connection's, raised like the datasets'
 
 
 @pytest.mark.slow

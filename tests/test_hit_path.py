@@ -14,8 +14,8 @@ import time
 import google_crc32c
 import pytest
 
-from mountd.daemon import FUSECTL, MAX_BACKGROUND, READAHEAD_KB
 from mountd.fs.datasets_fs import ROOT_ENTRY_TIMEOUT
+from mountd.fs.fuse_limits import FUSECTL, MAX_BACKGROUND, READAHEAD_KB
 from mountd.store.content_store import VERIFY_ON_LOOP_MAX
 from quiverfs.mount_point import mount_device
 from tests.mountd_helpers import make_digest, mount, mountd_factory, tree_hashes  # noqa: F401

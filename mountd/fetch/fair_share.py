@@ -27,6 +27,11 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# A uid's reads waiting for fetches, at most (WaitingReads): what a source that stalls
+# holds of each FUSE connection's request tasks and background requests
+# (mountd.fs.fuse_limits sizes them from it).
+WAITING_READS_PER_UID = 256
+
 
 def share(total: int) -> int:
     """The slots of ``total`` one uid may hold at once: three quarters, so that a uid
@@ -135,10 +140,11 @@ class TooManyWaiting(Exception):
 
 
 class WaitingReads:
-    """FUSE reads waiting for a fetch, per uid, at most ``per_uid`` each: each holds one
-    of pyfuse3's request tasks and, for a readahead, one of the kernel's background
-    requests (daemon.MAX_BACKGROUND). One more is refused at once rather than held, so
-    that no uid fills what every user's reads pass through."""
+    """FUSE reads waiting for a fetch, per uid, at most ``per_uid`` each, on both FUSE
+    connections (the datasets' and ``ROOT/.quiver``'s): each holds one of pyfuse3's
+    request tasks and, for a readahead, one of the kernel's background requests
+    (mountd.fs.fuse_limits). One more is refused at once rather than held, so that no
+    uid fills what every user's reads pass through."""
 
     def __init__(self, per_uid: int) -> None:
         self.per_uid = per_uid

@@ -26,6 +26,9 @@ import msgpack
 import pyfuse3
 import trio
 
+from mountd.fs.fuse_limits import FUSE_TASKS, tune_connection
+from quiverfs.mount_point import mount_device
+
 log = logging.getLogger(__name__)
 
 ATTR_FIELDS = ("st_ino", "generation", "entry_timeout", "attr_timeout", "st_mode",
@@ -101,6 +104,13 @@ class ForwardingOperations(pyfuse3.Operations):
 
     link: _Link  # set once trio runs
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.initialized = trio.Event()  # the kernel's INIT answered: its settings are made
+
+    def init(self) -> None:
+        self.initialized.set()
+
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
                      ) -> pyfuse3.EntryAttributes:
         return attr_from_wire(await self.link.call("lookup", parent_inode, name, ctx=ctx))
@@ -170,14 +180,27 @@ class ForwardingOperations(pyfuse3.Operations):
     create = mknod = unlink = rename = symlink = link = _read_only
 
 
-async def _serve(ops: ForwardingOperations, sock: socket.socket) -> None:
+async def _serve(ops: ForwardingOperations, sock: socket.socket, mountpoint: str) -> None:
     link = ops.link = _Link(trio.SocketStream(trio.socket.from_stdlib_socket(sock)))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_until_closed, link)
         nursery.start_soon(_on_signals)
+        nursery.start_soon(_tune_kernel, ops, mountpoint)
         await link.say("mounted")
-        await pyfuse3.main(min_tasks=1, max_tasks=64)
+        # as many request tasks as the datasets' connection: a uid's reads waiting for
+        # fetches (a view file's miss) hold at most WAITING_READS_PER_UID of them
+        await pyfuse3.main(min_tasks=1, max_tasks=FUSE_TASKS)
         nursery.cancel_scope.cancel()
+
+
+async def _tune_kernel(ops: ForwardingOperations, mountpoint: str) -> None:
+    """Once INIT is answered, this connection's limits (mountd.fs.fuse_limits), like
+    the datasets'. Its files are read with direct I/O: only what the kernel sends in the
+    background (releases, asynchronous direct reads) counts against max_background."""
+    await ops.initialized.wait()
+    device = await trio.to_thread.run_sync(mount_device, mountpoint)
+    if device is not None:
+        await trio.to_thread.run_sync(tune_connection, device)
 
 
 async def _until_closed(link: _Link) -> None:
@@ -204,7 +227,7 @@ def main(argv: list[str]) -> int:
     ops = ForwardingOperations()
     pyfuse3.init(ops, mountpoint, options)
     try:
-        trio.run(_serve, ops, sock)
+        trio.run(_serve, ops, sock, mountpoint)
     finally:
         pyfuse3.close(unmount=True)
     return 0
