@@ -40,10 +40,10 @@ from quiverfs.backends.base import FETCH_DEADLINE
 from quiverfs.chunk_plan import CACHE_CHUNKS
 from quiverfs.errors import ExitCode, QuietError
 from quiverfs.fs_identity import (NOBODY, IdentityUnavailable, UserIdentity, acting_as,
-                                  refuse_device)
+                                  refuse_mount)
 from quiverfs.heartbeat import NODE_ID
 from quiverfs.metrics_server import MetricsServer
-from quiverfs.mount_point import is_mounted, mount_device
+from quiverfs.mount_point import is_mounted
 from quiverfs.peer_network import Networks, host_refusal
 from quiverfs.process_limits import raise_open_file_limit, return_large_blocks
 from quiverfs.rpc import RpcClient, RpcServer, load_secret
@@ -194,7 +194,8 @@ class Mountd:
         # (no GETATTR at the next open). ROOT/.quiver, which takes writes, is another mount.
         options |= {"fsname=quiver", "subtype=quiver", "allow_other", "ro"}
         pyfuse3.init(self.fs, self.root, options)
-        self.device = self._refuse_own(self.root)
+        # a dataset's files there would be read by the workers that serve them
+        self.device = refuse_mount(self.root)
         log.info("mounted %s (cache %s, %d bytes)", self.root, self.cfg.cache_dir,
                  self.cfg.cache_size)
         try:
@@ -224,8 +225,7 @@ class Mountd:
             nursery.start_soon(self._tune_kernel)
             nursery.start_soon(self._serve_fuse, nursery.cancel_scope)
             # ROOT/.quiver's mount looks it up here: it starts once requests are served
-            await nursery.start(self.control_mount.run)
-            self._refuse_own(self.control_mount.mountpoint)
+            await nursery.start(self.control_mount.run)  # refuses its mount's files
             await nursery.start(self.control.serve)  # a client sees ROOT/.quiver mounted
             await nursery.start(self._on_signals)  # before READY=1: systemd may stop us next
             sd_notify.notify("READY=1")
@@ -236,15 +236,6 @@ class Mountd:
     async def _serve_fuse(self, done: trio.CancelScope) -> None:
         await pyfuse3.main(min_tasks=1, max_tasks=self.cfg.fuse_tasks)
         done.cancel()
-
-    @staticmethod
-    def _refuse_own(mountpoint: str) -> str | None:
-        """The ``MAJOR:MINOR`` of the mount at ``mountpoint``, one of mountd's own: a
-        dataset's files there would be read by the workers that serve them."""
-        device = mount_device(mountpoint)
-        if device is not None:
-            refuse_device(os.makedev(*map(int, device.split(":"))))
-        return device
 
     def _peer_loaded(self, identity: str) -> None:
         """A peer stored more of a loading chunk of dataset ``identity``: the jobs here

@@ -33,6 +33,8 @@ import threading
 import time
 from collections.abc import Iterator
 
+from quiverfs.mount_point import mount_device
+
 NOBODY = 65534  # the overflow uid and gid: an identity to test acting as another user
 # Seconds a user's current group list (from NSS) is reused before it is looked up again.
 GROUPS_TTL = 60.0
@@ -147,6 +149,15 @@ def refuse_device(device: int) -> None:
     """Refuse files on ``device`` from now on: a file system this process serves (its
     own mount), whose reads would wait for the workers reading them."""
     _served_devices.add(device)
+
+
+def refuse_mount(mountpoint: str) -> str | None:
+    """Refuse the files of the mount at ``mountpoint``, one this process serves (as
+    ``refuse_device``); its ``MAJOR:MINOR``, or None where nothing is mounted there."""
+    device = mount_device(mountpoint)
+    if device is not None:
+        refuse_device(os.makedev(*map(int, device.split(":"))))
+    return device
 
 
 def open_regular(path: str) -> int:

@@ -22,6 +22,7 @@ from mountd.fetch.integrity_budget import MAX_INTEGRITY_FAILURES_PER_USER
 from mountd.fs.datasets_fs import FAILED_HOLD
 from quiverfs import control_client
 from quiverfs import digest as digest_format
+from quiverfs.mount_point import mount_device
 from tests.mountd_helpers import (call_as, dataset_counters, make_digest,  # noqa: F401
                                   mountd_factory, run_as)
 
@@ -521,3 +522,57 @@ def test_users_datasets_under_the_units_capabilities(shared_workdir, mountd_fact
     assert reply["ok"], reply
     path = os.path.join(m.root, "mine", "a.bin")
     assert read_as_attacker([path]) == {path: (b"a" * 1000).hex()}
+
+
+def test_a_restarted_control_mount_is_refused_as_a_datasets_source(shared_workdir,
+                                                                   mountd_factory):
+    """ROOT/.quiver is mountd's own too, and its child's mount may be a new device each
+    time the child is started again: files there named by a digest are refused after a
+    restart as before (before, only the first child's device was)."""
+    mine = attacker_dir(shared_workdir)
+    src = os.path.join(mine, "src")
+    os.makedirs(os.path.join(src, "c0"))
+    os.chown(src, ATTACKER, ATTACKER)
+    os.chown(os.path.join(src, "c0"), ATTACKER, ATTACKER)
+    data = {f"c0/f{i}.bin": os.urandom(5000) for i in range(8)}
+    for name, content in data.items():
+        attacker_file(src, name, content)
+    m = mountd_factory(workdir=shared_workdir, cache_dir=os.path.join(shared_workdir, "cache"))
+    os.chmod(m.cache_dir, 0o755)
+    assert call_as(ATTACKER, ATTACKER, m.socket, {"op": "mount", "name": "base",
+                                                  "digest": make_digest(src, "base"),
+                                                  "view": "substitutable"})["ok"]
+    control = os.path.join(m.root, ".quiver")
+    items = [digest_format.NewItem(path=f"g{name}", digest=hashlib.sha256(c).digest(),
+                                   size=len(c), key=name) for name, c in data.items()]
+    looped = digest_format.encode("looped", f"file://{control}/views/base", items)
+
+    def refused_as_own() -> None:
+        refused = call_as(ATTACKER, ATTACKER, m.socket, {"op": "mount", "name": "looped",
+                                                         "digest": looped})
+        assert not refused["ok"] and refused["code"] == 6, refused
+        assert "mountd's own mount" in refused["error"], refused
+
+    refused_as_own()
+    device = mount_device(control)
+    holder = os.path.join(shared_workdir, "holder")
+    os.mkdir(holder)
+    found = subprocess.run(["pgrep", "-f", "mountd.fs.control_mount_process"],
+                           capture_output=True, text=True, check=True)
+    for pid in found.stdout.split():
+        os.kill(int(pid), 9)
+    try:
+        # the kernel gives a new mount the lowest free device number: a tmpfs mounted
+        # while ROOT/.quiver is detached takes the old one
+        deadline = time.monotonic() + 30
+        while mount_device(control) is not None:
+            assert time.monotonic() < deadline, "ROOT/.quiver was not detached"
+            time.sleep(0.01)
+        subprocess.run(["mount", "-t", "tmpfs", "tmpfs", holder], check=True)
+        while "is mounted again" not in m.log_tail(50):
+            assert time.monotonic() < deadline, "ROOT/.quiver was not mounted again"
+            time.sleep(0.05)
+        assert mount_device(control) not in (None, device)
+        refused_as_own()
+    finally:
+        subprocess.run(["umount", holder], check=False)

@@ -27,6 +27,7 @@ from mountd.fs.control_mount_process import MAX_MESSAGE, attr_to_wire
 from mountd.fs.job_files import CONTROL_INODE
 from quiverfs.errors import ExitCode, QuietError
 from quiverfs.failure_runs import FailureRuns
+from quiverfs.fs_identity import refuse_mount
 from quiverfs.job_protocol import CONTROL_NAME
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,9 @@ class ControlMount:
 
         def mounted() -> None:
             nonlocal started
+            # each child's mount is a new device: a dataset's files there would be read
+            # by the workers that serve them
+            refuse_mount(self.mountpoint)
             if started:
                 log.info("%s is mounted again", self.mountpoint)
             else:
