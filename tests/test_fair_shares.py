@@ -94,53 +94,32 @@ print(json.dumps(out))
 
 # B, for PHASE seconds: reads its cached files over and over (each one's pages dropped
 # first, so that every read reaches mountd) and asks for status every 0.2 s; prints the
-# latencies, and the reads whose bytes were not the expected ones.
+# latencies, and the reads whose bytes were not the expected ones. With "view", the
+# paths are B's substitutable view's: each open serves some item of the path's pool, so
+# a read is timed from its open (which reaches mountd too), and its bytes must be the
+# item the open says it served, and one of B's.
 B_SCRIPT = """
 import hashlib, json, os, sys, time
 from quiverfs import control_client
 phase, socket_path, root = float(sys.argv[1]), sys.argv[2], sys.argv[3]
-expected = json.loads(sys.argv[4])
-reads, statuses, wrong = [], [], []
-end = time.monotonic() + phase
-next_status = 0.0
-while time.monotonic() < end:
-    for rel, sha in expected.items():
-        with open(os.path.join(root, rel), "rb", buffering=0) as f:
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-            started = time.perf_counter()
-            data = f.read()
-            reads.append(time.perf_counter() - started)
-        if hashlib.sha256(data).hexdigest() != sha:
-            wrong.append(rel)
-        if time.monotonic() >= next_status:
-            started = time.perf_counter()
-            control_client.call(socket_path, {"op": "status"}, root=root)
-            statuses.append(time.perf_counter() - started)
-            next_status = time.monotonic() + 0.2
-print(json.dumps({"reads": reads, "statuses": statuses, "wrong": wrong}))
-"""
-
-# B_SCRIPT through B's substitutable view: each open serves some item of the path's
-# pool, so a read is timed from its open (which reaches mountd too), and its bytes must
-# be the item the open says it served, and one of B's.
-B_VIEW_SCRIPT = """
-import hashlib, json, os, sys, time
-from quiverfs import control_client
-phase, socket_path, root = float(sys.argv[1]), sys.argv[2], sys.argv[3]
-expected = json.loads(sys.argv[4])
+expected, view = json.loads(sys.argv[4]), sys.argv[5] == "view"
 items = set(expected.values())
 reads, statuses, wrong = [], [], []
 end = time.monotonic() + phase
 next_status = 0.0
 while time.monotonic() < end:
-    for rel in expected:
+    for rel, sha in expected.items():
         started = time.perf_counter()
         with open(os.path.join(root, rel), "rb", buffering=0) as f:
+            if not view:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                started = time.perf_counter()
             data = f.read()
             reads.append(time.perf_counter() - started)
-            served = os.getxattr(f.fileno(), "user.quiver.served.sha256").decode()
-        sha = hashlib.sha256(data).hexdigest()
-        if sha != served or sha not in items:
+            if view:
+                sha = os.getxattr(f.fileno(), "user.quiver.served.sha256").decode()
+        got = hashlib.sha256(data).hexdigest()
+        if got != sha or got not in items:
             wrong.append(rel)
         if time.monotonic() >= next_status:
             started = time.perf_counter()
@@ -209,14 +188,14 @@ def a_dataset(n: int = A_ITEMS) -> bytes:
 
 
 def b_reads(m, expected: dict[str, str], root: str | None = None,
-            script: str = B_SCRIPT) -> dict:
+            view: bool = False) -> dict:
     """B's reads (of ROOT/b, or ``root``) and status calls for PHASE seconds (a stall
     past a generous bound is a failure in itself)."""
     root = root or os.path.join(m.root, "b")
     try:
         done = subprocess.run(
-            [*as_user(B), sys.executable, "-c", script, str(PHASE), m.socket, root,
-             json.dumps(expected)], capture_output=True, text=True, timeout=PHASE + 30,
+            [*as_user(B), sys.executable, "-c", B_SCRIPT, str(PHASE), m.socket, root,
+             json.dumps(expected), "view" if view else "file"], capture_output=True, text=True, timeout=PHASE + 30,
             env={**os.environ, "PYTHONPATH": REPO})
     except subprocess.TimeoutExpired:
         pytest.fail(f"B's cached reads or status stalled for over {PHASE + 30:g} s")
@@ -327,7 +306,7 @@ def test_a_slow_view_never_stalls_another_users_view_reads_or_status(
         return entry.get("prefetch", {}).get("done_items", 0)
 
     wait_for(lambda: prefetched() == B_ITEMS, f"B's prefetch did not cache its {B_ITEMS} items")
-    first = b_reads(m, expected, os.path.join(views, "b"), B_VIEW_SCRIPT)
+    first = b_reads(m, expected, os.path.join(views, "b"), view=True)
     assert first["wrong"] == []
     b_counters = dataset_counters(m, "b")
     # every read of B's view was a hit: only the prefetch fetched
@@ -348,10 +327,10 @@ def test_a_slow_view_never_stalls_another_users_view_reads_or_status(
         wait_for(lambda: listener.held_counts()[0] >= 8, "the listener got no slow requests")
         wait_for(lambda: reads(m, "control.read") - reads_before >= 60,
                  "A's view reads did not reach mountd")
-        during = b_reads(m, expected, os.path.join(views, "b"), B_VIEW_SCRIPT)
+        during = b_reads(m, expected, os.path.join(views, "b"), view=True)
         assert listener.held_counts()[0] >= 8  # the attack held throughout
         listener.close()
-        after = b_reads(m, expected, os.path.join(views, "b"), B_VIEW_SCRIPT)
+        after = b_reads(m, expected, os.path.join(views, "b"), view=True)
         b_after = dataset_counters(m, "b")
         device = mount_device(os.path.join(m.root, CONTROL_NAME))
         with open(f"{FUSECTL}/{device.split(':')[1]}/max_background", encoding="ascii") as f:
