@@ -7,11 +7,11 @@ STAMP := $(VENV)/.installed
 APT_PACKAGES := fuse3 libfuse3-dev pkg-config gcc patch rclone systemd
 PYTEST_ARGS ?=
 
-.PHONY: all deps apt demo test bench clean
+.PHONY: all deps apt native sanitize demo test bench clean
 
 all: test
 
-deps: apt $(STAMP)
+deps: apt $(STAMP) native
 
 apt:
 	@missing=""; for p in $(APT_PACKAGES); do \
@@ -24,7 +24,7 @@ apt:
 
 # pyfuse3 is built from its pinned sdist with mountd's patch (mountd/patches/README.md),
 # by the Cython, setuptools and setuptools-scm pinned in requirements.lock.
-PYFUSE3_PATCH := mountd/patches/pyfuse3-read-with-inode.patch
+PYFUSE3_PATCH := mountd/patches/pyfuse3-mountd.patch
 PYFUSE3_BUILD := $(VENV)/build-pyfuse3
 
 $(STAMP): requirements.lock pyproject.toml mountd/patches/pyfuse3.txt $(PYFUSE3_PATCH)
@@ -39,14 +39,40 @@ $(STAMP): requirements.lock pyproject.toml mountd/patches/pyfuse3.txt $(PYFUSE3_
 	$(VENV)/bin/pip install -q --no-deps -e .
 	touch $@
 
+# The native data plane (mountd/native/README.md): a CPython extension built here with
+# Debian's gcc, against libfuse3 and the venv's Python headers. mountd serves through
+# Python where it cannot load it.
+NATIVE := mountd/native/_dataplane.so
+NATIVE_SRC := mountd/native/plane.c mountd/native/module.c mountd/native/plane.h
+NATIVE_CFLAGS ?= -O2
+SANITIZE_CFLAGS := -O1 -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
+
+native: $(NATIVE)
+
+$(NATIVE): $(NATIVE_SRC) $(STAMP)
+	gcc -shared -fPIC -std=gnu11 -pthread -g -Wall -Wextra -Werror $(NATIVE_CFLAGS) \
+	  -I"$$($(VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+	  $$(pkg-config --cflags fuse3) mountd/native/plane.c mountd/native/module.c \
+	  -o $@ $$(pkg-config --libs fuse3)
+
+# The native module's tests under AddressSanitizer and UndefinedBehaviorSanitizer: the
+# module is rebuilt with them (and rebuilt as usual after), and the runtime preloaded
+# into Python (leaks are not checked: Python's own allocations would drown them).
+sanitize: deps
+	$(MAKE) -B NATIVE_CFLAGS="$(SANITIZE_CFLAGS)" native
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	  ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	  QUIVER_EXPECT_NATIVE=1 $(VENV)/bin/python -m pytest -ra -p no:cacheprovider \
+	  tests/test_native_plane.py; status=$$?; $(MAKE) -B native; exit $$status
+
 demo: deps
 	$(VENV)/bin/python -m quiverfs.bench.demo
 
 test: deps
-	$(VENV)/bin/python -m pytest -ra $(PYTEST_ARGS)
+	QUIVER_EXPECT_NATIVE=1 $(VENV)/bin/python -m pytest -ra $(PYTEST_ARGS)
 
 bench: deps
 	$(VENV)/bin/quiver bench all --json bench-results.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache $(NATIVE)

@@ -92,6 +92,16 @@ def add_parsers(sub: argparse._SubParsersAction,
                    help="serve dataset files with FUSE OPEN and RELEASE requests, as with a "
                    "pyfuse3 without mountd's patch (by default mountd runs without them "
                    "where its pyfuse3 allows: fewer requests per file)")
+    d.add_argument("--data-path", choices=("native", "python"), default="native",
+                   help="how cached dataset files are served: 'native', by mountd's C "
+                   "threads (READ, LOOKUP and GETATTR of stored, verified items), Python "
+                   "for the rest; 'python', every request through Python. Where the "
+                   "native module cannot start, mountd serves through Python and says so "
+                   "(default %(default)s)")
+    d.add_argument("--fuse-threads", metavar="N", type=IntAtLeast("--fuse-threads", 1, 256),
+                   default=os.cpu_count() or 1,
+                   help="the native data plane's threads reading the datasets' FUSE "
+                   "connection (default: one per core, %(default)s here)")
     d.add_argument("--memory-per-user", metavar="BYTES", type=ByteSize("--memory-per-user"),
                    default=MEMORY_PER_USER,
                    help="memory the registrations of one user (root excepted) may take: "
@@ -177,6 +187,7 @@ def _call(args: argparse.Namespace, request: dict) -> dict:
 
 def cmd_mountd(args: argparse.Namespace, embedded_coordinator: EmbeddedFactory) -> int:
     from mountd.daemon import MountdConfig, check_cluster_config, prepare_root, run_mountd
+    from mountd.fs.native_plane import DataPath
 
     root = os.path.abspath(args.root)
     cfg = MountdConfig(root=root, cache_dir=os.path.abspath(args.cache_dir),
@@ -185,6 +196,7 @@ def cmd_mountd(args: argparse.Namespace, embedded_coordinator: EmbeddedFactory) 
                        threads=args.threads, loader_processes=args.loader_processes,
                        fetch_deadline=args.fetch_deadline,
                        push_memory=args.push_memory, fuse_opens=args.fuse_opens,
+                       data_path=DataPath(args.data_path), fuse_threads=args.fuse_threads,
                        memory_per_uid=args.memory_per_user, memory_total=args.memory_total,
                        digest_bytes_per_uid=args.digest_bytes_per_user,
                        chunk_bytes=args.chunk_size, metrics=args.metrics,

@@ -27,9 +27,10 @@ from mountd.fetch.loader_pool import AHEAD_NICENESS, MIN_SERVING_PROCESSES, Load
 from mountd.fetch.services import read_services
 from mountd.fs.control_fs import ControlFS
 from mountd.fs.control_mount import ControlMount
-from mountd.fs.datasets_fs import QuiverFS, no_open_available
+from mountd.fs.datasets_fs import DATASET_TIMEOUT, ROOT_ENTRY_TIMEOUT, QuiverFS, no_open_available
 from mountd.fs.fuse_limits import FUSE_TASKS, READAHEAD_KB, tune_connection
 from mountd.fs.job_files import ControlFiles
+from mountd.fs.native_plane import DataPath, NativePlane
 from mountd.jobs.chunk_loader import ChunkLoader
 from mountd.jobs.planner import BatchPlanner
 from mountd.jobs.registry import JobRegistry
@@ -84,6 +85,8 @@ class MountdConfig:
     node_id: str = dataclasses.field(default_factory=socket.gethostname)
     fuse_tasks: int = FUSE_TASKS  # FUSE requests handled at once
     fuse_opens: bool = False  # dataset files opened with a handle even where no-open works
+    data_path: DataPath = DataPath.NATIVE  # how cached dataset files are served
+    fuse_threads: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
     prefetch_concurrency: int = 16  # items a prefetch fetches at once
     fetch_deadline: float = FETCH_DEADLINE  # seconds a bucket read may take, retries included
     gcs_endpoints: tuple[str, ...] = ()  # endpoints users other than root may name
@@ -168,6 +171,7 @@ class Mountd:
             log.warning("this pyfuse3 does not pass the inode to read (mountd/patches): "
                         "dataset files are served with OPEN and RELEASE")
         self.fs = QuiverFS(self.table, self.services, no_open)
+        self.native = self._native_plane(no_open)
         self.control_mount = ControlMount(
             self.root, ControlFS(self.table, self.services.reader,
                                  ControlFiles(self.jobs, self.planner), self.views),
@@ -194,6 +198,10 @@ class Mountd:
         # (no GETATTR at the next open). ROOT/.quiver, which takes writes, is another mount.
         options |= {"fsname=quiver", "subtype=quiver", "allow_other", "ro"}
         pyfuse3.init(self.fs, self.root, options)
+        if self.native is not None and not self.native.attach():
+            self.native = None
+        self.services.stats.data_path = (DataPath.NATIVE if self.native is not None
+                                         else DataPath.PYTHON)
         # a dataset's files there would be read by the workers that serve them
         self.device = refuse_mount(self.root)
         log.info("mounted %s (cache %s, %d bytes)", self.root, self.cfg.cache_dir,
@@ -201,6 +209,8 @@ class Mountd:
         try:
             trio.run(self._serve)
         finally:
+            if self.native is not None:  # its threads end, and it closes /dev/fuse
+                self.native.stop()
             pyfuse3.close(unmount=True)
             self.store.close()
             log.info("unmounted %s", self.root)
@@ -275,10 +285,29 @@ class Mountd:
             await trio.to_thread.run_sync(tune_connection, self.device, READAHEAD_KB,
                                           limiter=self.limiter)
 
+    def _native_plane(self, no_open: bool) -> NativePlane | None:
+        """The native data plane where --data-path asks for it and it can be loaded
+        (it answers READs by inode: no-open mode only)."""
+        if self.cfg.data_path is not DataPath.NATIVE:
+            return None
+        if not no_open:
+            log.warning("the native data plane serves files without OPEN requests "
+                        "(not with --fuse-opens, nor without mountd's pyfuse3 patch): "
+                        "dataset files are served through Python")
+            return None
+        native = NativePlane.create(self.cfg.fuse_threads, ROOT_ENTRY_TIMEOUT,
+                                    DATASET_TIMEOUT, self.table, self.store,
+                                    self.services.stats, self.services.integrity)
+        if native is not None:
+            self.services.probed.withdraw = native.withdrawn
+        return native
+
     async def _record_hits(self) -> None:
         recorded = trio.current_time()
         while True:
             await trio.sleep(SPENT_RECORD_INTERVAL)
+            if self.native is not None:  # its hits reach the recency written below
+                self.native.drain()
             if (self.services.recency.pending()
                     or trio.current_time() - recorded >= HIT_RECORD_INTERVAL):
                 recorded = trio.current_time()

@@ -110,7 +110,9 @@ def test_requests_per_file_are_counted_and_each_item_is_one_read(mountd_factory,
 
 def test_a_hit_corrupted_on_disk_after_it_was_served_is_refetched(mountd_factory,
                                                                   synthetic_tree):
-    m = mountd_factory()
+    """Through Python, every hit checks its CRC32C. (The native data plane serves a
+    verified file without a check; the scrubber finds it: tests/test_scrubber.py.)"""
+    m = mountd_factory(extra_args=("--data-path", "python"))
     data = make_digest(synthetic_tree.root, "syn")
     expected = tree_hashes(synthetic_tree.root)
     rels = sorted(expected)

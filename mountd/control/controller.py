@@ -304,6 +304,7 @@ class Controller:
 
     async def status(self, peer: Peer, req: dict[str, Any]) -> dict[str, Any]:
         store = self.store
+        self.stats.gather()
         volume, items = await trio.to_thread.run_sync(
             lambda: (store.volume(), len(store)), limiter=self.limiter)
         datasets = []
@@ -328,6 +329,8 @@ class Controller:
                 "counters": dict(self.stats.counters),
                 "bucket_fetch_causes": ReadStats.by_cause(self.stats.counters),
                 "fuse_mode": self.fuse_mode,
+                "data_path": self.stats.data_path,
+                "native": dict(self.stats.native),
                 "loader_processes": {name: pool.status()
                                      for name, pool in self.loader_pools.items()},
                 "fuse_requests": dict(self.stats.fuse_requests),

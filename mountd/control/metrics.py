@@ -62,6 +62,7 @@ class MountdCollector:
 
     def _loop_families(self) -> list[Metric]:
         """Every family of the loop's state, built at one moment (runs on the loop)."""
+        self.stats.gather()
         return [*self._reads(), *self.stats.latency.collect(), *self._datasets(),
                 *self._chunks(), *self._jobs()]
 

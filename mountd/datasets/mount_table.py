@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import bisect
+from typing import Protocol
 
 import pyfuse3
 
@@ -10,10 +11,19 @@ from mountd.datasets.dataset import MountedDataset
 FIRST_DATASET_INODE = 1000  # inodes below are the root and mountd's own files
 
 
+class TableWatcher(Protocol):
+    """Who keeps a copy of the mounted datasets' trees (mountd's native data plane)."""
+
+    def mounted(self, ds: MountedDataset) -> None: ...
+
+    def unmounted(self, ds: MountedDataset) -> None: ...
+
+
 class MountTable:
     """Datasets by name and by inode range; ranges are never reused while running."""
 
     def __init__(self) -> None:
+        self.watchers: list[TableWatcher] = []
         self.by_name: dict[str, MountedDataset] = {}
         self._bases: list[int] = []
         self._by_base: list[MountedDataset] = []
@@ -29,12 +39,16 @@ class MountTable:
         pos = bisect.bisect(self._bases, ds.inode_base)
         self._bases.insert(pos, ds.inode_base)
         self._by_base.insert(pos, ds)
+        for watcher in self.watchers:
+            watcher.mounted(ds)
 
     def remove(self, name: str) -> MountedDataset:
         ds = self.by_name.pop(name)
         pos = self._bases.index(ds.inode_base)
         del self._bases[pos]
         del self._by_base[pos]
+        for watcher in self.watchers:
+            watcher.unmounted(ds)
         return ds
 
     def resolve(self, inode: int) -> tuple[MountedDataset, int] | None:

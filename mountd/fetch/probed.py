@@ -6,6 +6,8 @@ instead of serving what is cached; the kernel's pages of them are dropped first,
 no push puts them back (``pending``)."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pyfuse3
 import trio
 
@@ -24,6 +26,8 @@ class ProbedReads:
         # Dropping an inode's pages can wait in the kernel for a read of that inode,
         # whose handler needs a worker of mountd's limiter: so it never holds one.
         self._invalidations = trio.CapacityLimiter(1)
+        # the native data plane's: a marked item's READs must reach the Python handlers
+        self.withdraw: Callable[[bytes], None] | None = None
 
     async def mark(self, ds: MountedDataset, forced: list[int], uncached: list[int],
                    keep: list[bool], push: PagePush) -> None:
@@ -37,6 +41,8 @@ class ProbedReads:
             # a miss that is not kept is read again when its chunk loads: the probe's cost
             cause = FetchCause.PROBE if i in must or not k else FetchCause.COOP_MISS
             self._marked[ds.digest.hash(i)] = (cause, k)
+            if self.withdraw is not None:
+                self.withdraw(ds.digest.hash(i))
         inodes = [ds.entry_inode(i) for i in forced + uncached]
         push.forget(inodes)
         await trio.to_thread.run_sync(_invalidate, inodes, limiter=self._invalidations)

@@ -34,6 +34,15 @@ class ReadStats:
                                  "tier that served it", ["tier"], buckets=LATENCY_BUCKETS,
                                  registry=None)
         self.bucket = BucketMeter()
+        self.data_path = "python"  # how cached dataset files are served (--data-path)
+        self.native: dict[str, int] = {}  # the native data plane's counters
+        # what counts reads elsewhere (the native data plane), brought in by ``gather``
+        self.sources: list[Callable[[], None]] = []
+
+    def gather(self) -> None:
+        """Bring in the reads counted elsewhere: before the counters are read."""
+        for source in self.sources:
+            source()
 
     def count(self, ds: MountedDataset, key: ReadCounter, n: int = 1) -> None:
         """Add ``n`` to ``key`` for the node and for ``ds``; a bare string is refused

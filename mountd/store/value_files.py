@@ -12,6 +12,7 @@ import errno
 import logging
 import os
 import time
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,13 @@ class ValueFiles:
         return (b"%s%s/%s/%s.val" % (self._prefix, name[:2], name[2:4], name[4:]),
                 entry & _TAG_MASK)
 
+    def name(self, digest: bytes) -> bytes | None:
+        """The 32 hex digits that name ``digest``'s value file, if known."""
+        entry = self._new.get(digest)
+        if entry is None:
+            entry = self._old.get(digest)
+        return None if entry is None else b"%032x" % (entry >> 32)
+
     def learn(self, digest: bytes, name: str, tag: object) -> None:
         """Remember that ``digest``'s value is the file ``name`` (relative to the store)
         tagged ``tag``; a name or tag not of diskcache's making is forgotten instead."""
@@ -126,13 +134,27 @@ class ValueFiles:
         self._seen_new, self._seen_old = set(), set()
 
 
+class VerifiedWatcher(Protocol):
+    """Who serves verified entries by their value files (mountd's native data plane)."""
+
+    def verified(self, digest: bytes) -> None:
+        """``digest`` is stored and was hashed in full in this run; its value file, if
+        it has one, is known (``ValueFiles.name``)."""
+
+    def withdrawn(self, digest: bytes) -> None:
+        """``digest``'s entry is dropped: serve it no more."""
+
+
 class VerifiedDigests:
     """The digests whose content was hashed in full in this run (put, or served once):
-    their reads check only the CRC32C tag. Bounded by MAX_VERIFIED: when full it starts
-    again, which costs a hash per entry, never a wrong byte."""
+    their reads check only the CRC32C tag, and the native data plane (``watcher``)
+    serves them from their files. Bounded by MAX_VERIFIED: when full it starts again,
+    which costs a hash per entry, never a wrong byte (what the plane serves stays
+    verified: only a drop withdraws it)."""
 
     def __init__(self) -> None:
         self._digests: set[bytes] = set()
+        self.watcher: VerifiedWatcher | None = None
 
     def __contains__(self, digest: bytes) -> bool:
         return digest in self._digests
@@ -141,9 +163,13 @@ class VerifiedDigests:
         if len(self._digests) >= MAX_VERIFIED:
             self._digests.clear()
         self._digests.add(digest)
+        if self.watcher is not None:
+            self.watcher.verified(digest)
 
     def discard(self, digest: bytes) -> None:
         self._digests.discard(digest)
+        if self.watcher is not None:
+            self.watcher.withdrawn(digest)
 
     def clear(self) -> None:
         self._digests.clear()

@@ -1,0 +1,178 @@
+"""mountd's side of the native data plane (mountd/native): the threads that answer the
+datasets' connection's READ, LOOKUP and GETATTR in C, and what Python keeps for them.
+
+Python keeps the policy. It registers each mounted dataset's tree with the plane (a view
+has none: its name is a link, served here), tells it which items are stored and
+verified (the store's ``VerifiedDigests`` reports each, with its value file), and
+withdraws an item when the store drops it, the scrubber finds it changed, or a probe
+needs its next read to miss. Every request the plane does not answer (misses, the root,
+listings, extended attributes, INIT) reaches the Python handlers as before, through the
+patched pyfuse3's session loop. ``drain`` brings the plane's hits to the store's recency
+and the read counters, and its request counts to ``fuse_requests``.
+
+Where the module is missing (not built, another Python) or cannot attach, mountd serves
+through Python and says so once in its log; ``quiver status`` names the data path.
+"""
+from __future__ import annotations
+
+import array
+import enum
+import logging
+import os
+from collections import Counter
+
+import pyfuse3
+
+from mountd.datasets.dataset import MountedDataset
+from mountd.datasets.mount_table import MountTable
+from mountd.fetch.integrity_budget import IntegrityBudget
+from mountd.fetch.read_stats import ReadStats
+from mountd.store.content_store import ContentStore
+from quiverfs.counters import ReadCounter
+
+log = logging.getLogger(__name__)
+
+# The plane's request counts, by the opcode names of pyfuse3's handlers
+# (ReadStats.fuse_requests), which they are added to.
+_REQUESTS = {"lookups": "lookup", "getattrs": "getattr", "reads": "read"}
+
+
+class DataPath(enum.StrEnum):
+    """How cached dataset files are served (``--data-path``)."""
+
+    NATIVE = "native"  # the plane's threads, Python for the rest
+    PYTHON = "python"  # every request through pyfuse3's handlers
+
+
+class NativePlane:
+    """The plane of one mountd, and the store's and mount table's news for it."""
+
+    def __init__(self, plane: object, threads: int, table: MountTable, store: ContentStore,
+                 stats: ReadStats, integrity: IntegrityBudget) -> None:
+        self.plane = plane
+        self.threads = threads
+        self.table = table
+        self.store = store
+        self.stats = stats
+        self.integrity = integrity
+        self._registered: dict[int, MountedDataset] = {}  # inode base -> dataset
+        self._suspended: set[int] = set()
+        self._counted: Counter[str] = Counter()  # the plane's counters, as last drained
+
+    @classmethod
+    def create(cls, threads: int, root_timeout: float, timeout: float, table: MountTable,
+               store: ContentStore, stats: ReadStats, integrity: IntegrityBudget
+               ) -> NativePlane | None:
+        """The plane, or None (logged) where the native module cannot be loaded."""
+        try:
+            from mountd.native import _dataplane  # noqa: PLC0415 (built by make; optional)
+        except ImportError as exc:
+            log.warning("the native data plane is not available (%s; 'make native' builds "
+                        "it): dataset files are served through Python", exc)
+            return None
+        plane = _dataplane.Plane(store.directory, threads, root_timeout, timeout)
+        return cls(plane, threads, table, store, stats, integrity)
+
+    def attach(self) -> bool:
+        """Start the plane's threads on the mounted session (after ``pyfuse3.init``,
+        before ``pyfuse3.main``). False (logged) where it cannot."""
+        try:
+            self.plane.attach(pyfuse3.session_address())
+        except (OSError, RuntimeError, AttributeError) as exc:
+            log.warning("the native data plane cannot attach to the FUSE session (%s): "
+                        "dataset files are served through Python", exc)
+            return False
+        self.table.watchers.append(self)
+        self.stats.sources.append(self.drain)
+        self.store.verified.watcher = self
+        for ds in self.table.by_name.values():  # restored before the mount
+            self.mounted(ds)
+        log.info("native data plane: %d threads serve cached dataset files", self.threads)
+        return True
+
+    def stop(self) -> None:
+        """Join the threads and close the session's /dev/fuse descriptor (before the
+        unmount). Blocking, briefly."""
+        self.plane.stop()
+
+    # -- the mount table's news (MountTable.watchers) ---------------------------------
+    def mounted(self, ds: MountedDataset) -> None:
+        if ds.pools is not None:
+            return  # a view: one link, served by Python
+        tree, digest = ds.tree, ds.digest
+        n_files = len(digest)
+        parents = array.array("I", tree.parents)
+        parents.extend(tree.file_parent)
+        names = bytearray()
+        ends = array.array("I", [0])
+        dir_names = [b""] * tree.n_dirs
+        for children in tree.children:
+            for name, child in children.items():
+                if child < tree.n_dirs:
+                    dir_names[child] = os.fsencode(name)
+        for name in dir_names[1:]:
+            names += name
+            ends.append(len(names))
+        for i in range(n_files):
+            names += os.fsencode(digest.path(i).rpartition("/")[2])
+            ends.append(len(names))
+        sizes = array.array("Q", (digest.sizes[i] for i in range(n_files)))
+        hashes = b"".join(digest.hash(i) for i in range(n_files))
+        self.plane.add_dataset(ds.inode_base, tree.n_dirs, n_files, ds.reg.uid, ds.reg.gid,
+                               int(ds.reg.registered_at * 1e9), parents, names, ends,
+                               sizes, hashes)
+        self._registered[ds.inode_base] = ds
+        for i in range(n_files):  # what this run has verified is served at once
+            h = digest.hash(i)
+            if h in self.store.verified:
+                self.verified(h)
+
+    def unmounted(self, ds: MountedDataset) -> None:
+        if self._registered.pop(ds.inode_base, None) is not None:
+            self.plane.remove_dataset(ds.inode_base)
+            self._suspended.discard(ds.inode_base)
+
+    # -- the store's news (VerifiedDigests.watcher) ----------------------------------
+    def verified(self, digest: bytes) -> None:
+        """``digest`` is stored and verified: served natively where its value file is
+        known (an item kept in the index itself stays Python's)."""
+        name = self.store.files.name(digest)
+        if name is not None:
+            self.plane.serve(digest, name)
+
+    def withdrawn(self, digest: bytes) -> None:
+        """``digest`` is no longer verified (dropped): its next READ goes to Python.
+        Does not wait for READs in flight (its file's name is its own)."""
+        self.plane.withdraw(digest, False)
+
+    def withdraw_now(self, digest: bytes) -> list[int]:
+        """Withdraw ``digest`` and wait for its READs in flight (blocking: a worker
+        thread's call): no reply with its bytes is sent after. The inodes naming it."""
+        return self.plane.withdraw(digest, True)
+
+    # -- what the plane did -----------------------------------------------------------
+    def drain(self) -> None:
+        """The plane's hits since the last call to the store's recency and each
+        dataset's counters, its request counts to ``fuse_requests``, and suspensions
+        to the plane (a suspended dataset's READs go to Python, which refuses them)."""
+        for inode in self.plane.drain_hits():
+            found = self.table.resolve(inode)
+            if found is None:
+                continue  # unmounted since
+            ds, node = found
+            index = ds.tree.entry_index(node)
+            h = ds.digest.hash(index)
+            self.store.recency.hit(h)
+            self.store.files.seen(h)
+            self.stats.count(ds, ReadCounter.LOCAL_HITS)
+            self.stats.count(ds, ReadCounter.LOCAL_BYTES, ds.digest.sizes[index])
+        counters = self.plane.counters()
+        for key, opcode in _REQUESTS.items():
+            self.stats.fuse_requests[opcode] += counters[key] - self._counted[key]
+        self._counted = Counter(counters)
+        self.stats.native = counters
+        for base, ds in self._registered.items():
+            suspended = self.integrity.suspended(ds)
+            if suspended != (base in self._suspended):
+                self.plane.suspend(base, suspended)
+                (self._suspended.add if suspended else self._suspended.discard)(base)

@@ -1,0 +1,944 @@
+/* The native data plane (plane.h): request threads, the tables they answer from, and
+ * the queue of requests they hand to Python. Protocol structures are the kernel's own
+ * (<linux/fuse.h>); nothing here calls into Python or libfuse. */
+#define _GNU_SOURCE
+#include "plane.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/fuse.h>
+#include <limits.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+/* A request: at most max_write (libfuse 3.14: 1 MiB) plus its headers. The kernel
+ * refuses a read into less. */
+#define REQUEST_BUF ((1 << 20) + (64 << 10))
+#define DATA_BUF (1 << 20) /* a READ's reply: at most max_pages (256) pages */
+#define SLOT_BLOCK 4096     /* slots are allocated in blocks that never move */
+#define HIT_RING 65536
+#define STOP_SIGNAL SIGUSR2 /* interrupts a thread's blocking read when stopping */
+#define BLKSIZE (1 << 17)
+
+struct slot {
+	uint8_t digest[PLANE_DIGEST];
+	char name[PLANE_NAME];
+	uint32_t refs;  /* dataset entries naming it */
+	uint8_t served; /* stored, verified, and its name known */
+	atomic_uint inflight; /* READs serving its file now */
+};
+
+struct dataset {
+	uint64_t base;
+	uint32_t n_dirs, n_files, uid, gid;
+	int64_t time_ns;
+	int suspended;
+	uint32_t *parents, *name_ends, *slots; /* slots[i]: entry i's slot */
+	char *names;
+	uint64_t *sizes;
+	uint32_t *names_ht; /* (parent, name) -> node + 1, open addressing */
+	uint64_t ht_mask;
+};
+
+struct request {
+	struct request *next;
+	size_t len;
+	char data[];
+};
+
+struct plane {
+	char *store_dir;
+	size_t store_dir_len;
+	int n_threads, started, dev_fd, event_fd;
+	double root_timeout, timeout;
+	pthread_t *threads;
+	atomic_int stopping;
+	uint64_t hash_key[2];
+
+	pthread_rwlock_t lock; /* the tables below */
+	struct dataset **datasets; /* sorted by base */
+	size_t n_datasets, cap_datasets;
+	struct slot **blocks;
+	size_t n_blocks;
+	uint32_t n_slots;
+	uint32_t *free_slots;
+	size_t n_free, cap_free;
+	uint32_t *items; /* digest -> slot + 1, open addressing */
+	uint64_t items_mask, n_items;
+
+	pthread_mutex_t queue_lock; /* the requests for Python, and whether reading ended */
+	struct request *head, *tail;
+	int ended;
+
+	pthread_mutex_t hit_lock;
+	uint64_t hits[HIT_RING];
+	size_t hit_start, hit_count;
+
+	atomic_uint_fast64_t lookups, getattrs, reads, read_bytes, served_files, forwarded,
+		fallbacks, hits_dropped;
+};
+
+/* ---- SipHash-2-4: names and digests come from users' digests, so the tables'
+ * hashes are keyed (a chosen set of colliding names would slow every user). ---- */
+#define ROTL(x, b) (uint64_t)(((x) << (b)) | ((x) >> (64 - (b))))
+#define SIPROUND                                                                    \
+	do {                                                                        \
+		v0 += v1; v1 = ROTL(v1, 13); v1 ^= v0; v0 = ROTL(v0, 32);           \
+		v2 += v3; v3 = ROTL(v3, 16); v3 ^= v2;                              \
+		v0 += v3; v3 = ROTL(v3, 21); v3 ^= v0;                              \
+		v2 += v1; v1 = ROTL(v1, 17); v1 ^= v2; v2 = ROTL(v2, 32);           \
+	} while (0)
+
+static uint64_t siphash(const uint64_t key[2], uint64_t seed, const void *data, size_t len)
+{
+	const uint8_t *in = data;
+	uint64_t v0 = 0x736f6d6570736575ULL ^ key[0], v1 = 0x646f72616e646f6dULL ^ key[1];
+	uint64_t v2 = 0x6c7967656e657261ULL ^ key[0], v3 = 0x7465646279746573ULL ^ key[1];
+	uint64_t m, b = ((uint64_t)len) << 56;
+	v3 ^= seed; SIPROUND; SIPROUND; v0 ^= seed; /* the parent node, as a first word */
+	size_t i;
+	for (i = 0; i + 8 <= len; i += 8) {
+		memcpy(&m, in + i, 8);
+		v3 ^= m; SIPROUND; SIPROUND; v0 ^= m;
+	}
+	for (size_t j = 0; i + j < len; j++)
+		b |= ((uint64_t)in[i + j]) << (8 * j);
+	v3 ^= b; SIPROUND; SIPROUND; v0 ^= b;
+	v2 ^= 0xff; SIPROUND; SIPROUND; SIPROUND; SIPROUND;
+	return v0 ^ v1 ^ v2 ^ v3;
+}
+
+static uint64_t table_size(uint64_t n) /* a power of two at least twice n */
+{
+	uint64_t size = 16;
+	while (size < 2 * n)
+		size <<= 1;
+	return size;
+}
+
+/* ---- slots and the digest table (under the write lock, or the read lock to look) ---- */
+static struct slot *slot_at(const struct plane *p, uint32_t i)
+{
+	return &p->blocks[i / SLOT_BLOCK][i % SLOT_BLOCK];
+}
+
+static uint64_t item_hash(const struct plane *p, const uint8_t *digest)
+{
+	return siphash(p->hash_key, 0, digest, PLANE_DIGEST);
+}
+
+/* The table position holding digest, or of the empty place where it would go. */
+static uint64_t item_pos(const struct plane *p, const uint8_t *digest)
+{
+	uint64_t pos = item_hash(p, digest) & p->items_mask;
+	while (p->items[pos] &&
+	       memcmp(slot_at(p, p->items[pos] - 1)->digest, digest, PLANE_DIGEST))
+		pos = (pos + 1) & p->items_mask;
+	return pos;
+}
+
+static struct slot *item_find(const struct plane *p, const uint8_t *digest)
+{
+	if (!p->items)
+		return NULL;
+	uint32_t entry = p->items[item_pos(p, digest)];
+	return entry ? slot_at(p, entry - 1) : NULL;
+}
+
+static int items_resize(struct plane *p, uint64_t size)
+{
+	uint32_t *old = p->items;
+	uint64_t old_size = old ? p->items_mask + 1 : 0;
+	uint32_t *items = calloc(size, sizeof *items);
+	if (!items)
+		return -ENOMEM;
+	p->items = items;
+	p->items_mask = size - 1;
+	for (uint64_t i = 0; i < old_size; i++)
+		if (old[i])
+			p->items[item_pos(p, slot_at(p, old[i] - 1)->digest)] = old[i];
+	free(old);
+	return 0;
+}
+
+/* The slot of digest, made if new; UINT32_MAX where memory ran out. */
+static uint32_t item_ref(struct plane *p, const uint8_t *digest)
+{
+	if (!p->items || 2 * (p->n_items + 1) > p->items_mask + 1)
+		if (items_resize(p, table_size(p->n_items + 1)))
+			return UINT32_MAX;
+	uint64_t pos = item_pos(p, digest);
+	if (p->items[pos]) {
+		slot_at(p, p->items[pos] - 1)->refs++;
+		return p->items[pos] - 1;
+	}
+	uint32_t i;
+	if (p->n_free) {
+		i = p->free_slots[--p->n_free];
+	} else {
+		if (p->n_slots == p->n_blocks * SLOT_BLOCK) {
+			struct slot **blocks = realloc(p->blocks, (p->n_blocks + 1) * sizeof *blocks);
+			if (!blocks)
+				return UINT32_MAX;
+			p->blocks = blocks;
+			if (!(blocks[p->n_blocks] = calloc(SLOT_BLOCK, sizeof(struct slot))))
+				return UINT32_MAX;
+			p->n_blocks++;
+		}
+		i = p->n_slots++;
+	}
+	struct slot *s = slot_at(p, i);
+	memcpy(s->digest, digest, PLANE_DIGEST);
+	s->refs = 1;
+	s->served = 0;
+	p->items[pos] = i + 1;
+	p->n_items++;
+	return i;
+}
+
+/* One reference to slot i fewer; a slot no entry names is forgotten (a READ still in
+ * flight on it only counts itself off its inflight). */
+static void item_unref(struct plane *p, uint32_t i)
+{
+	struct slot *s = slot_at(p, i);
+	if (--s->refs)
+		return;
+	uint64_t pos = item_pos(p, s->digest), next = pos;
+	p->items[pos] = 0; /* backward-shift deletion keeps every probe sequence whole */
+	for (;;) {
+		next = (next + 1) & p->items_mask;
+		if (!p->items[next])
+			break;
+		uint64_t home = item_hash(p, slot_at(p, p->items[next] - 1)->digest) & p->items_mask;
+		if (((next - home) & p->items_mask) >= ((next - pos) & p->items_mask)) {
+			p->items[pos] = p->items[next];
+			p->items[next] = 0;
+			pos = next;
+		}
+	}
+	p->n_items--;
+	s->served = 0;
+	if (p->n_free == p->cap_free) {
+		size_t cap = p->cap_free ? 2 * p->cap_free : 1024;
+		uint32_t *free_slots = realloc(p->free_slots, cap * sizeof *free_slots);
+		if (!free_slots)
+			return; /* the slot is lost to reuse, not to correctness */
+		p->free_slots = free_slots;
+		p->cap_free = cap;
+	}
+	p->free_slots[p->n_free++] = i;
+}
+
+/* ---- datasets ---- */
+static size_t dataset_pos(const struct plane *p, uint64_t inode) /* first base > inode */
+{
+	size_t lo = 0, hi = p->n_datasets;
+	while (lo < hi) {
+		size_t mid = (lo + hi) / 2;
+		if (p->datasets[mid]->base <= inode)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	return lo;
+}
+
+static struct dataset *dataset_of(const struct plane *p, uint64_t inode, uint32_t *node)
+{
+	size_t pos = dataset_pos(p, inode);
+	if (!pos)
+		return NULL;
+	struct dataset *ds = p->datasets[pos - 1];
+	uint64_t local = inode - ds->base;
+	if (local >= (uint64_t)ds->n_dirs + ds->n_files)
+		return NULL;
+	*node = (uint32_t)local;
+	return ds;
+}
+
+static const char *node_name(const struct dataset *ds, uint32_t node, size_t *len)
+{
+	uint32_t start = node ? ds->name_ends[node - 1] : 0;
+	*len = ds->name_ends[node] - start;
+	return ds->names + start;
+}
+
+static uint32_t node_parent(const struct dataset *ds, uint32_t node)
+{
+	return ds->parents[node];
+}
+
+static uint64_t name_hash(const struct plane *p, uint32_t parent, const char *name, size_t len)
+{
+	return siphash(p->hash_key, parent, name, len);
+}
+
+static uint32_t dataset_lookup(const struct plane *p, const struct dataset *ds,
+			       uint32_t parent, const char *name, size_t len)
+{
+	uint64_t pos = name_hash(p, parent, name, len) & ds->ht_mask;
+	for (uint32_t entry; (entry = ds->names_ht[pos]); pos = (pos + 1) & ds->ht_mask) {
+		size_t found_len;
+		const char *found = node_name(ds, entry - 1, &found_len);
+		if (node_parent(ds, entry - 1) == parent && found_len == len &&
+		    !memcmp(found, name, len))
+			return entry - 1;
+	}
+	return 0; /* node 0 is no one's child */
+}
+
+static void dataset_free(struct dataset *ds)
+{
+	if (!ds)
+		return;
+	free(ds->parents);
+	free(ds->name_ends);
+	free(ds->slots);
+	free(ds->names);
+	free(ds->sizes);
+	free(ds->names_ht);
+	free(ds);
+}
+
+/* ---- replies ---- */
+static void reply(struct plane *p, uint64_t unique, int error, const void *arg, size_t len)
+{
+	struct fuse_out_header out = {
+		.len = (uint32_t)(sizeof out + (error ? 0 : len)), .error = -error, .unique = unique};
+	struct iovec iov[2] = {{&out, sizeof out}, {(void *)arg, len}};
+	/* ENOENT: the request was interrupted meanwhile; nothing else is ours to mend */
+	(void)!writev(p->dev_fd, iov, error || !len ? 1 : 2);
+}
+
+static uint64_t timeout_sec(double t) /* as libfuse's calc_timeout_sec */
+{
+	return t > (double)ULONG_MAX ? ULONG_MAX : t < 0.0 ? 0 : (uint64_t)t;
+}
+
+static uint32_t timeout_nsec(double t)
+{
+	double f = t - (double)timeout_sec(t);
+	return f < 0.0 ? 0 : f >= 0.999999999 ? 999999999 : (uint32_t)(f * 1.0e9);
+}
+
+/* The attributes mountd's Python handlers give a dataset node (datasets_fs._node_attr). */
+static double fill_attr(const struct plane *p, const struct dataset *ds, uint32_t node,
+			struct fuse_attr *a)
+{
+	memset(a, 0, sizeof *a);
+	a->ino = ds->base + node;
+	a->uid = ds->uid;
+	a->gid = ds->gid;
+	int64_t sec = ds->time_ns / 1000000000, nsec = ds->time_ns % 1000000000;
+	if (nsec < 0) {
+		sec--;
+		nsec += 1000000000;
+	}
+	a->atime = a->mtime = a->ctime = (uint64_t)sec;
+	a->atimensec = a->mtimensec = a->ctimensec = (uint32_t)nsec;
+	a->blksize = BLKSIZE;
+	if (node < ds->n_dirs) {
+		a->mode = S_IFDIR | (node == 0 ? 0700 : 0555);
+		a->nlink = 2;
+	} else {
+		uint64_t size = ds->sizes[node - ds->n_dirs];
+		a->mode = S_IFREG | 0444;
+		a->nlink = 1;
+		a->size = size;
+		a->blocks = (size + 511) / 512;
+	}
+	return node == 0 ? p->root_timeout : p->timeout;
+}
+
+/* ---- requests answered here (1), or left to Python (0) ---- */
+static int do_lookup(struct plane *p, const struct fuse_in_header *in, const char *name,
+		     size_t len)
+{
+	if (!len || (len == 1 && name[0] == '.') || (len == 2 && !memcmp(name, "..", 2)))
+		return 0;
+	struct fuse_entry_out out;
+	uint32_t node;
+	int error = 0;
+	pthread_rwlock_rdlock(&p->lock);
+	struct dataset *ds = dataset_of(p, in->nodeid, &node);
+	if (!ds || node >= ds->n_dirs) {
+		pthread_rwlock_unlock(&p->lock);
+		return 0;
+	}
+	uint32_t child = dataset_lookup(p, ds, node, name, len);
+	if (child) {
+		memset(&out, 0, sizeof out);
+		double timeout = fill_attr(p, ds, child, &out.attr);
+		out.nodeid = ds->base + child;
+		out.entry_valid = out.attr_valid = timeout_sec(timeout);
+		out.entry_valid_nsec = out.attr_valid_nsec = timeout_nsec(timeout);
+	} else {
+		error = ENOENT;
+	}
+	pthread_rwlock_unlock(&p->lock);
+	atomic_fetch_add_explicit(&p->lookups, 1, memory_order_relaxed);
+	reply(p, in->unique, error, &out, sizeof out);
+	return 1;
+}
+
+static int do_getattr(struct plane *p, const struct fuse_in_header *in)
+{
+	struct fuse_attr_out out;
+	uint32_t node;
+	pthread_rwlock_rdlock(&p->lock);
+	struct dataset *ds = dataset_of(p, in->nodeid, &node);
+	if (!ds) {
+		pthread_rwlock_unlock(&p->lock);
+		return 0;
+	}
+	memset(&out, 0, sizeof out);
+	double timeout = fill_attr(p, ds, node, &out.attr);
+	pthread_rwlock_unlock(&p->lock);
+	out.attr_valid = timeout_sec(timeout);
+	out.attr_valid_nsec = timeout_nsec(timeout);
+	atomic_fetch_add_explicit(&p->getattrs, 1, memory_order_relaxed);
+	reply(p, in->unique, 0, &out, sizeof out);
+	return 1;
+}
+
+static void record_hit(struct plane *p, uint64_t inode)
+{
+	pthread_mutex_lock(&p->hit_lock);
+	if (p->hit_count < HIT_RING) {
+		p->hits[(p->hit_start + p->hit_count++) % HIT_RING] = inode;
+	} else {
+		atomic_fetch_add_explicit(&p->hits_dropped, 1, memory_order_relaxed);
+	}
+	pthread_mutex_unlock(&p->hit_lock);
+}
+
+static int do_read(struct plane *p, const struct fuse_in_header *in,
+		   const struct fuse_read_in *arg, char *data)
+{
+	uint32_t node;
+	char path[PATH_MAX];
+	pthread_rwlock_rdlock(&p->lock);
+	struct dataset *ds = dataset_of(p, in->nodeid, &node);
+	if (!ds || ds->suspended || node < ds->n_dirs) {
+		pthread_rwlock_unlock(&p->lock);
+		return 0;
+	}
+	struct slot *s = slot_at(p, ds->slots[node - ds->n_dirs]);
+	if (!s->served) {
+		pthread_rwlock_unlock(&p->lock);
+		return 0;
+	}
+	atomic_fetch_add(&s->inflight, 1); /* a withdrawal waits for this READ's reply */
+	uint64_t size = ds->sizes[node - ds->n_dirs];
+	char name[PLANE_NAME];
+	memcpy(name, s->name, PLANE_NAME);
+	pthread_rwlock_unlock(&p->lock);
+	/* STORE/ab/cd/<28 more>.val, as diskcache names its value files */
+	char *at = mempcpy(path, p->store_dir, p->store_dir_len);
+	*at++ = '/';
+	at = mempcpy(at, name, 2);
+	*at++ = '/';
+	at = mempcpy(at, name + 2, 2);
+	*at++ = '/';
+	at = mempcpy(at, name + 4, PLANE_NAME - 4);
+	memcpy(at, ".val", 5);
+
+	uint64_t off = arg->offset, want = arg->size > DATA_BUF ? DATA_BUF : arg->size;
+	uint64_t n = off >= size ? 0 : size - off < want ? size - off : want;
+	int fd = open(path, O_RDONLY | O_NOATIME | O_CLOEXEC);
+	if (fd < 0)
+		goto fallback; /* culled by another process, or unreadable: Python decides */
+	struct stat st;
+	if (fstat(fd, &st) || (uint64_t)st.st_size != size) {
+		close(fd); /* not the entry's size: Python refuses it, and counts why */
+		goto fallback;
+	}
+	for (uint64_t done = 0; done < n;) {
+		ssize_t got = pread(fd, data + done, n - done, (off_t)(off + done));
+		if (got < 0 && errno == EINTR)
+			continue;
+		if (got <= 0) { /* shorter than its entry: not the verified file */
+			close(fd);
+			goto fallback;
+		}
+		done += (uint64_t)got;
+	}
+	/* counted before the reply: a reader that asks for the counters next sees it */
+	atomic_fetch_add_explicit(&p->reads, 1, memory_order_relaxed);
+	atomic_fetch_add_explicit(&p->read_bytes, n, memory_order_relaxed);
+	if (off == 0) {
+		atomic_fetch_add_explicit(&p->served_files, 1, memory_order_relaxed);
+		record_hit(p, in->nodeid);
+	}
+	reply(p, in->unique, 0, data, n);
+	atomic_fetch_sub(&s->inflight, 1);
+	/* The kernel now holds these bytes in the FUSE inode's pages: the store file's
+	 * copy would cache them twice. */
+	if (off + n >= size)
+		posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+	close(fd);
+	return 1;
+fallback:
+	atomic_fetch_sub(&s->inflight, 1);
+	atomic_fetch_add_explicit(&p->fallbacks, 1, memory_order_relaxed);
+	return 0;
+}
+
+/* ---- the queue of requests for Python ---- */
+static void end_session(struct plane *p)
+{
+	pthread_mutex_lock(&p->queue_lock);
+	if (!p->ended) {
+		p->ended = 1;
+		uint64_t one = 1; /* stays readable: every take says ENODEV from now on */
+		(void)!write(p->event_fd, &one, sizeof one);
+	}
+	pthread_mutex_unlock(&p->queue_lock);
+}
+
+static void forward(struct plane *p, const char *buf, size_t len)
+{
+	struct request *r = malloc(sizeof *r + len);
+	if (!r) {
+		const struct fuse_in_header *in = (const void *)buf;
+		if (in->opcode != FUSE_FORGET && in->opcode != FUSE_BATCH_FORGET &&
+		    in->opcode != FUSE_INTERRUPT)
+			reply(p, in->unique, ENOMEM, NULL, 0);
+		return;
+	}
+	r->next = NULL;
+	r->len = len;
+	memcpy(r->data, buf, len);
+	pthread_mutex_lock(&p->queue_lock);
+	if (p->tail)
+		p->tail->next = r;
+	else
+		p->head = r;
+	p->tail = r;
+	uint64_t one = 1;
+	(void)!write(p->event_fd, &one, sizeof one);
+	pthread_mutex_unlock(&p->queue_lock);
+	atomic_fetch_add_explicit(&p->forwarded, 1, memory_order_relaxed);
+}
+
+ssize_t plane_take(struct plane *p, void *buf, size_t len)
+{
+	pthread_mutex_lock(&p->queue_lock);
+	struct request *r = p->head;
+	if (!r) {
+		errno = p->ended ? ENODEV : EAGAIN;
+		pthread_mutex_unlock(&p->queue_lock);
+		return -1;
+	}
+	if (r->len > len) {
+		pthread_mutex_unlock(&p->queue_lock);
+		errno = EINVAL;
+		return -1;
+	}
+	p->head = r->next;
+	if (!p->head)
+		p->tail = NULL;
+	uint64_t value;
+	(void)!read(p->event_fd, &value, sizeof value); /* one off the semaphore */
+	pthread_mutex_unlock(&p->queue_lock);
+	size_t n = r->len;
+	memcpy(buf, r->data, n);
+	free(r);
+	return (ssize_t)n;
+}
+
+ssize_t plane_write(struct plane *p, const struct iovec *iov, int count)
+{
+	return writev(p->dev_fd, iov, count);
+}
+
+int plane_event_fd(const struct plane *p) { return p->event_fd; }
+int plane_dev_fd(const struct plane *p) { return p->dev_fd; }
+
+/* ---- threads ---- */
+struct worker_args {
+	struct plane *p;
+};
+
+static void on_stop_signal(int signum) { (void)signum; }
+
+static void handle(struct plane *p, char *buf, size_t len, char *data)
+{
+	const struct fuse_in_header *in = (const void *)buf;
+	const char *arg = buf + sizeof *in;
+	size_t arg_len = len - sizeof *in;
+	switch (in->opcode) {
+	case FUSE_READ:
+		if (arg_len >= sizeof(struct fuse_read_in) &&
+		    do_read(p, in, (const struct fuse_read_in *)arg, data))
+			return;
+		break;
+	case FUSE_LOOKUP: {
+		const char *end = memchr(arg, '\0', arg_len);
+		if (end && do_lookup(p, in, arg, (size_t)(end - arg)))
+			return;
+		break;
+	}
+	case FUSE_GETATTR:
+		if (do_getattr(p, in))
+			return;
+		break;
+	}
+	forward(p, buf, len);
+}
+
+static void *worker_main(void *arg)
+{
+	struct plane *p = arg;
+	sigset_t only_stop;
+	sigemptyset(&only_stop);
+	sigaddset(&only_stop, STOP_SIGNAL);
+	pthread_sigmask(SIG_UNBLOCK, &only_stop, NULL);
+	char *buf = malloc(REQUEST_BUF), *data = malloc(DATA_BUF);
+	while (buf && data && !atomic_load(&p->stopping)) {
+		ssize_t n = read(p->dev_fd, buf, REQUEST_BUF);
+		if (n < 0) {
+			if (errno == EINTR || errno == ENOENT || errno == EAGAIN)
+				continue; /* stopping is checked above; ENOENT: interrupted */
+			end_session(p); /* ENODEV: unmounted, or the connection aborted */
+			break;
+		}
+		if ((size_t)n >= sizeof(struct fuse_in_header))
+			handle(p, buf, (size_t)n, data);
+	}
+	free(buf);
+	free(data);
+	return NULL;
+}
+
+/* ---- the plane ---- */
+struct plane *plane_new(const char *store_dir, int threads, double root_timeout,
+			double timeout)
+{
+	size_t len = strlen(store_dir);
+	if (threads < 1 || len + 8 + PLANE_NAME + 8 > PATH_MAX) {
+		errno = EINVAL;
+		return NULL;
+	}
+	struct plane *p = calloc(1, sizeof *p);
+	if (!p)
+		return NULL;
+	p->store_dir = strdup(store_dir);
+	p->store_dir_len = len;
+	p->n_threads = threads;
+	p->root_timeout = root_timeout;
+	p->timeout = timeout;
+	p->dev_fd = -1;
+	p->event_fd = eventfd(0, EFD_SEMAPHORE | EFD_NONBLOCK | EFD_CLOEXEC);
+	p->threads = calloc((size_t)threads, sizeof *p->threads);
+	if (!p->store_dir || p->event_fd < 0 || !p->threads ||
+	    getrandom(p->hash_key, sizeof p->hash_key, 0) != sizeof p->hash_key) {
+		int e = errno ? errno : ENOMEM;
+		if (p->event_fd >= 0)
+			close(p->event_fd);
+		free(p->threads);
+		free(p->store_dir);
+		free(p);
+		errno = e;
+		return NULL;
+	}
+	pthread_rwlock_init(&p->lock, NULL);
+	pthread_mutex_init(&p->queue_lock, NULL);
+	pthread_mutex_init(&p->hit_lock, NULL);
+	return p;
+}
+
+int plane_start(struct plane *p, int dev_fd)
+{
+	if (p->started)
+		return -EBUSY;
+	int flags = fcntl(dev_fd, F_GETFL);
+	if (flags < 0 || fcntl(dev_fd, F_SETFL, flags & ~O_NONBLOCK) < 0)
+		return -errno; /* a thread waits in read(2), never spins */
+	struct sigaction sa;
+	memset(&sa, 0, sizeof sa);
+	sa.sa_handler = on_stop_signal; /* no SA_RESTART: the read returns EINTR */
+	sigemptyset(&sa.sa_mask);
+	if (sigaction(STOP_SIGNAL, &sa, NULL) < 0)
+		return -errno;
+	p->dev_fd = dev_fd;
+	/* The threads start with every signal blocked (and unblock STOP_SIGNAL): the
+	 * process's signals stay the main thread's. */
+	sigset_t all, old;
+	sigfillset(&all);
+	pthread_sigmask(SIG_SETMASK, &all, &old);
+	int error = 0, n;
+	for (n = 0; n < p->n_threads; n++)
+		if ((error = pthread_create(&p->threads[n], NULL, worker_main, p)))
+			break;
+	pthread_sigmask(SIG_SETMASK, &old, NULL);
+	p->started = n;
+	if (error) {
+		plane_stop(p);
+		return -error;
+	}
+	return 0;
+}
+
+void plane_stop(struct plane *p)
+{
+	atomic_store(&p->stopping, 1);
+	for (int i = 0; i < p->started; i++) {
+		/* A signal just before the thread blocks in read(2) is lost: send it again
+		 * until the thread has ended. */
+		for (;;) {
+			pthread_kill(p->threads[i], STOP_SIGNAL);
+			struct timespec until;
+			clock_gettime(CLOCK_REALTIME, &until);
+			until.tv_nsec += 10 * 1000 * 1000;
+			if (until.tv_nsec >= 1000000000) {
+				until.tv_sec++;
+				until.tv_nsec -= 1000000000;
+			}
+			if (!pthread_timedjoin_np(p->threads[i], NULL, &until))
+				break;
+		}
+	}
+	p->started = 0;
+}
+
+void plane_free(struct plane *p)
+{
+	if (!p)
+		return;
+	plane_stop(p);
+	for (size_t i = 0; i < p->n_datasets; i++)
+		dataset_free(p->datasets[i]);
+	free(p->datasets);
+	for (size_t i = 0; i < p->n_blocks; i++)
+		free(p->blocks[i]);
+	free(p->blocks);
+	free(p->free_slots);
+	free(p->items);
+	for (struct request *r = p->head, *next; r; r = next) {
+		next = r->next;
+		free(r);
+	}
+	close(p->event_fd);
+	pthread_rwlock_destroy(&p->lock);
+	pthread_mutex_destroy(&p->queue_lock);
+	pthread_mutex_destroy(&p->hit_lock);
+	free(p->threads);
+	free(p->store_dir);
+	free(p);
+}
+
+/* Build a dataset's tables outside the lock; its entries' slots are taken in batches,
+ * so that readers wait for one batch at most. */
+#define REF_BATCH 4096
+
+int plane_add_dataset(struct plane *p, uint64_t base, uint32_t n_dirs, uint32_t n_files,
+		      uint32_t uid, uint32_t gid, int64_t time_ns, const uint32_t *parents,
+		      const char *names, const uint32_t *name_ends, const uint64_t *sizes,
+		      const uint8_t *digests)
+{
+	uint64_t n_nodes = (uint64_t)n_dirs + n_files;
+	if (!n_dirs || n_nodes > UINT32_MAX - 1 || base > UINT64_MAX - n_nodes)
+		return -EINVAL;
+	for (uint64_t node = 0; node < n_nodes; node++) {
+		uint32_t start = node ? name_ends[node - 1] : 0;
+		if (name_ends[node] < start || (node && parents[node] >= n_dirs) ||
+		    (node && name_ends[node] == start))
+			return -EINVAL; /* every node but the root named, in a directory */
+	}
+	if (name_ends[0] != 0)
+		return -EINVAL;
+	struct dataset *ds = calloc(1, sizeof *ds);
+	if (!ds)
+		return -ENOMEM;
+	size_t names_len = name_ends[n_nodes - 1];
+	ds->base = base;
+	ds->n_dirs = n_dirs;
+	ds->n_files = n_files;
+	ds->uid = uid;
+	ds->gid = gid;
+	ds->time_ns = time_ns;
+	ds->parents = malloc(n_nodes * sizeof *ds->parents);
+	ds->name_ends = malloc(n_nodes * sizeof *ds->name_ends);
+	ds->names = malloc(names_len + 1);
+	ds->sizes = malloc((n_files + 1) * sizeof *ds->sizes);
+	ds->slots = malloc((n_files + 1) * sizeof *ds->slots);
+	uint64_t ht_size = table_size(n_nodes);
+	ds->names_ht = calloc(ht_size, sizeof *ds->names_ht);
+	ds->ht_mask = ht_size - 1;
+	if (!ds->parents || !ds->name_ends || !ds->names || !ds->sizes || !ds->slots ||
+	    !ds->names_ht) {
+		dataset_free(ds);
+		return -ENOMEM;
+	}
+	memcpy(ds->parents, parents, n_nodes * sizeof *parents);
+	memcpy(ds->name_ends, name_ends, n_nodes * sizeof *name_ends);
+	memcpy(ds->names, names, names_len);
+	memcpy(ds->sizes, sizes, n_files * sizeof *sizes);
+	for (uint32_t node = 1; node < n_nodes; node++) {
+		size_t len;
+		const char *name = node_name(ds, node, &len);
+		if (dataset_lookup(p, ds, ds->parents[node], name, len)) {
+			dataset_free(ds); /* two entries of one name in a directory */
+			return -EINVAL;
+		}
+		uint64_t pos = name_hash(p, ds->parents[node], name, len) & ds->ht_mask;
+		while (ds->names_ht[pos])
+			pos = (pos + 1) & ds->ht_mask;
+		ds->names_ht[pos] = node + 1;
+	}
+	uint32_t done = 0;
+	int error = 0;
+	while (done < n_files && !error) {
+		pthread_rwlock_wrlock(&p->lock);
+		for (uint32_t end = done + REF_BATCH < n_files ? done + REF_BATCH : n_files;
+		     done < end; done++) {
+			if ((ds->slots[done] = item_ref(p, digests + (size_t)done * PLANE_DIGEST)) ==
+			    UINT32_MAX) {
+				error = -ENOMEM;
+				break;
+			}
+		}
+		pthread_rwlock_unlock(&p->lock);
+	}
+	pthread_rwlock_wrlock(&p->lock);
+	size_t pos = dataset_pos(p, base);
+	if (!error && ((pos && p->datasets[pos - 1]->base + p->datasets[pos - 1]->n_dirs +
+				       p->datasets[pos - 1]->n_files > base) ||
+		       (pos < p->n_datasets && p->datasets[pos]->base < base + n_nodes)))
+		error = -EEXIST;
+	if (!error && p->n_datasets == p->cap_datasets) {
+		size_t cap = p->cap_datasets ? 2 * p->cap_datasets : 16;
+		struct dataset **datasets = realloc(p->datasets, cap * sizeof *datasets);
+		if (datasets) {
+			p->datasets = datasets;
+			p->cap_datasets = cap;
+		} else {
+			error = -ENOMEM;
+		}
+	}
+	if (!error) {
+		memmove(p->datasets + pos + 1, p->datasets + pos,
+			(p->n_datasets - pos) * sizeof *p->datasets);
+		p->datasets[pos] = ds;
+		p->n_datasets++;
+	} else {
+		for (uint32_t i = 0; i < done; i++)
+			item_unref(p, ds->slots[i]);
+	}
+	pthread_rwlock_unlock(&p->lock);
+	if (error)
+		dataset_free(ds);
+	return error;
+}
+
+int plane_remove_dataset(struct plane *p, uint64_t base)
+{
+	pthread_rwlock_wrlock(&p->lock);
+	size_t pos = dataset_pos(p, base);
+	if (!pos || p->datasets[pos - 1]->base != base) {
+		pthread_rwlock_unlock(&p->lock);
+		return -ENOENT;
+	}
+	struct dataset *ds = p->datasets[pos - 1];
+	memmove(p->datasets + pos - 1, p->datasets + pos,
+		(p->n_datasets - pos) * sizeof *p->datasets);
+	p->n_datasets--;
+	pthread_rwlock_unlock(&p->lock);
+	for (uint32_t done = 0; done < ds->n_files;) {
+		pthread_rwlock_wrlock(&p->lock);
+		for (uint32_t end = done + REF_BATCH < ds->n_files ? done + REF_BATCH : ds->n_files;
+		     done < end; done++)
+			item_unref(p, ds->slots[done]);
+		pthread_rwlock_unlock(&p->lock);
+	}
+	dataset_free(ds);
+	return 0;
+}
+
+int plane_suspend_dataset(struct plane *p, uint64_t base, int suspended)
+{
+	pthread_rwlock_wrlock(&p->lock);
+	size_t pos = dataset_pos(p, base);
+	int found = pos && p->datasets[pos - 1]->base == base;
+	if (found)
+		p->datasets[pos - 1]->suspended = suspended;
+	pthread_rwlock_unlock(&p->lock);
+	return found ? 0 : -ENOENT;
+}
+
+int plane_serve(struct plane *p, const uint8_t *digest, const char *name)
+{
+	for (int i = 0; i < PLANE_NAME; i++)
+		if (!strchr("0123456789abcdef", name[i]) || !name[i])
+			return -EINVAL;
+	pthread_rwlock_wrlock(&p->lock);
+	struct slot *s = item_find(p, digest);
+	if (s) {
+		memcpy(s->name, name, PLANE_NAME);
+		s->served = 1;
+	}
+	pthread_rwlock_unlock(&p->lock);
+	return s != NULL;
+}
+
+size_t plane_withdraw(struct plane *p, const uint8_t *digest, int wait, uint64_t *inodes,
+		      size_t max)
+{
+	size_t count = 0;
+	pthread_rwlock_wrlock(&p->lock);
+	uint64_t pos = p->items ? item_pos(p, digest) : 0;
+	uint32_t entry = p->items ? p->items[pos] : 0;
+	struct slot *s = entry ? slot_at(p, entry - 1) : NULL;
+	if (s) {
+		s->served = 0;
+		for (size_t d = 0; d < p->n_datasets; d++) {
+			const struct dataset *ds = p->datasets[d];
+			for (uint32_t i = 0; i < ds->n_files; i++)
+				if (ds->slots[i] == entry - 1) {
+					if (count < max)
+						inodes[count] = ds->base + ds->n_dirs + i;
+					count++;
+				}
+		}
+	}
+	pthread_rwlock_unlock(&p->lock);
+	/* READs that found it served before are counted in inflight; none starts now. */
+	while (wait && s && atomic_load(&s->inflight)) {
+		struct timespec pause = {0, 50 * 1000};
+		nanosleep(&pause, NULL);
+	}
+	return count;
+}
+
+size_t plane_drain_hits(struct plane *p, uint64_t *inodes, size_t max)
+{
+	pthread_mutex_lock(&p->hit_lock);
+	size_t n = p->hit_count < max ? p->hit_count : max;
+	for (size_t i = 0; i < n; i++)
+		inodes[i] = p->hits[(p->hit_start + i) % HIT_RING];
+	p->hit_start = (p->hit_start + n) % HIT_RING;
+	p->hit_count -= n;
+	pthread_mutex_unlock(&p->hit_lock);
+	return n;
+}
+
+void plane_counters(struct plane *p, struct plane_counters *out)
+{
+	out->lookups = atomic_load(&p->lookups);
+	out->getattrs = atomic_load(&p->getattrs);
+	out->reads = atomic_load(&p->reads);
+	out->read_bytes = atomic_load(&p->read_bytes);
+	out->hits = atomic_load(&p->served_files);
+	out->forwarded = atomic_load(&p->forwarded);
+	out->fallbacks = atomic_load(&p->fallbacks);
+	out->hits_dropped = atomic_load(&p->hits_dropped);
+}

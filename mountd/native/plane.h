@@ -1,0 +1,86 @@
+/* The native data plane: threads that read the datasets' /dev/fuse descriptor, answer
+ * READ, LOOKUP and GETATTR of registered dataset inodes themselves, without Python, and
+ * hand every other request to mountd's trio thread (plane_take).
+ *
+ * Python keeps the policy: it registers dataset trees (plane_add_dataset), says which
+ * items are stored and verified and where (plane_serve), and withdraws them
+ * (plane_withdraw) before their files go. What the threads do is counted
+ * (plane_counters) and each first READ of a file is reported (plane_drain_hits), so the
+ * store's recency and the read counters see every hit. */
+#ifndef QUIVER_PLANE_H
+#define QUIVER_PLANE_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+
+#define PLANE_DIGEST 32 /* SHA-256 */
+#define PLANE_NAME 32   /* a value file's name: 128 bits in hex */
+
+struct plane;
+
+struct plane_counters {
+	uint64_t lookups;    /* LOOKUPs answered natively (found or ENOENT) */
+	uint64_t getattrs;   /* GETATTRs answered natively */
+	uint64_t reads;      /* READs answered natively */
+	uint64_t read_bytes; /* bytes those READs returned */
+	uint64_t hits;       /* READs at offset 0 answered natively: files served */
+	uint64_t forwarded;  /* requests handed to Python */
+	uint64_t fallbacks;  /* READs of served items handed to Python: file gone or short */
+	uint64_t hits_dropped; /* hits not reported: Python drained too slowly */
+};
+
+/* A plane for the value files under store_dir, served by `threads` threads once
+ * started. Timeouts are the attributes' and names' cache times the kernel is given: a
+ * dataset's root directory's, and every other node's. NULL with errno set on failure. */
+struct plane *plane_new(const char *store_dir, int threads, double root_timeout,
+			double timeout);
+/* Stops the threads if running, frees everything. The descriptor is not closed. */
+void plane_free(struct plane *p);
+
+/* Start the threads reading dev_fd (the session's /dev/fuse). 0 or -errno. */
+int plane_start(struct plane *p, int dev_fd);
+/* Stop and join the threads (each read is interrupted). Requests not yet taken stay
+ * queued. Idempotent. */
+void plane_stop(struct plane *p);
+
+/* Readable (an eventfd in semaphore mode) while a request waits for Python. */
+int plane_event_fd(const struct plane *p);
+/* The next request for Python, copied into buf: its length; -1 with errno EAGAIN when
+ * none waits, ENODEV once the session has ended (the kernel unmounted it), EINVAL for
+ * a buffer too small. */
+ssize_t plane_take(struct plane *p, void *buf, size_t len);
+/* A reply from Python, written to the session's descriptor. */
+ssize_t plane_write(struct plane *p, const struct iovec *iov, int count);
+int plane_dev_fd(const struct plane *p);
+
+/* A dataset's tree at inodes base .. base + n_dirs + n_files - 1: node 0 its root,
+ * nodes 1 .. n_dirs - 1 directories, node n_dirs + i entry i. parents[node] is a node's
+ * directory, its name names[name_ends[node - 1] .. name_ends[node]) (node 0's is empty),
+ * sizes[i] and digests[32 i ..] entry i's. Attributes are those of mountd's Python
+ * handlers: owned by uid:gid, times time_ns. 0, or -errno (EEXIST: the range overlaps). */
+int plane_add_dataset(struct plane *p, uint64_t base, uint32_t n_dirs, uint32_t n_files,
+		      uint32_t uid, uint32_t gid, int64_t time_ns, const uint32_t *parents,
+		      const char *names, const uint32_t *name_ends, const uint64_t *sizes,
+		      const uint8_t *digests);
+/* Forget the dataset at base; its reads in flight finish. 0 or -ENOENT. */
+int plane_remove_dataset(struct plane *p, uint64_t base);
+/* While suspended, a dataset's READs go to Python (which refuses them). */
+int plane_suspend_dataset(struct plane *p, uint64_t base, int suspended);
+
+/* The item `digest` is stored and verified in value file `name` (PLANE_NAME hex
+ * characters): serve its READs (of an entry whose size is the file's). 1 if a
+ * registered dataset names it, else 0 (nothing is kept); -EINVAL for a bad name. */
+int plane_serve(struct plane *p, const uint8_t *digest, const char *name);
+/* Serve `digest` no more. With `wait`, returns once no READ of it is in flight: no
+ * reply with its bytes is sent after. Writes up to `max` inodes that name it to
+ * `inodes`, and returns how many name it. */
+size_t plane_withdraw(struct plane *p, const uint8_t *digest, int wait, uint64_t *inodes,
+		      size_t max);
+
+/* Up to max inodes of the files served (first READ) since the last call. */
+size_t plane_drain_hits(struct plane *p, uint64_t *inodes, size_t max);
+void plane_counters(struct plane *p, struct plane_counters *out);
+
+#endif
