@@ -3,26 +3,32 @@ emulator and rclone."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
 from quiverfs.bench import read
 from quiverfs.bench.compare import rclone_available
 from quiverfs.bench.emulator import emulator_available
+from quiverfs.bench.processes import MountdProcess
+from quiverfs.errors import ExitCode
 from quiverfs.mount_point import is_mounted
+from tests.test_digest_errors import assert_error
 
 pytestmark = [
     pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse"),
     pytest.mark.skipif(not emulator_available(), reason="gcp-storage-emulator is not installed"),
 ]
 
-SUMMARY_KEYS = {"warm_ratio_1", "warm_ratio_4", "warm_ratio_16", "warm_ratio_64",
+SUMMARY_KEYS = {"data_path", "warm_p99_ratio_16", "warm_ratio_1", "warm_ratio_4", "warm_ratio_16", "warm_ratio_64",
                 "warm_ratio_small_16", "cold_ratio", "cpu_s_per_gb_hit", "store_ratio_16",
                 "hot_ratio_16", "hot_ratio_64", "fuse_requests_per_file",
                 "fuse_requests_per_file_store", "warm_mount_mb_s_16", "warm_direct_mb_s_16",
                 "cold_latency_ms"}
 RCLONE_KEYS = {"rclone_warm_ratio_16", "rclone_warm_ratio_64"}
 LATENCY_MS = 20.0  # the cold pass's bucket latency: the option reaches the proxy
+DATA_PATHS = {"native", "passthrough", "python"}  # what mountd's status may name
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +48,17 @@ def test_summary_has_every_key_and_each_is_positive(quick_report):
     expected = SUMMARY_KEYS | (RCLONE_KEYS if rclone_available() else set())
     assert set(summary) == expected
     # the hot pass may send mountd no request at all: pages kept, no OPEN
-    positive = set(summary) - {"fuse_requests_per_file"}
+    positive = set(summary) - {"fuse_requests_per_file", "data_path"}
     assert all(isinstance(summary[k], (int, float)) and summary[k] > 0 for k in positive), \
         summary
     assert summary["fuse_requests_per_file"] >= 0
+
+
+def test_the_data_path_is_mountds_own_when_none_is_chosen(quick_report):
+    report = quick_report[0]
+    assert report["data_path_option"] is None
+    assert report["warm"]["data_path"] == report["summary"]["data_path"]
+    assert report["summary"]["data_path"] in DATA_PATHS
 
 
 def test_every_warm_pass_read_the_whole_tree(quick_report):
@@ -59,6 +72,12 @@ def test_every_warm_pass_read_the_whole_tree(quick_report):
     for p in passes:
         assert p["files"] == read.QUICK_ITEMS
         assert p["direct_bytes"] == p["mount_bytes"] == total
+        for side in ("direct", "mount"):
+            assert 0 < p[f"{side}_p50_ms"] <= p[f"{side}_p99_ms"], p
+        # the ratio comes from the unrounded times: within the rounding of the two
+        assert p["p99_ratio"] == pytest.approx(p["mount_p99_ms"] / p["direct_p99_ms"],
+                                               rel=0.01, abs=0.002)
+    assert report["summary"]["warm_p99_ratio_16"] == warm["ssd"][16]["p99_ratio"]
 
 
 def test_the_cold_pass_read_the_subset_through_the_slow_bucket(quick_report):
@@ -110,3 +129,34 @@ def test_without_rclone_its_keys_are_left_out_with_a_note(quick_report, monkeypa
 def test_nothing_stays_mounted(quick_report):
     _, workdir = quick_report
     assert not any(is_mounted(os.path.join(workdir, d)) for d in os.listdir(workdir))
+
+
+def _mountd_argv(tmp_path, data_path: str | None) -> list[str]:
+    """The command line of a mountd started as the benchmark starts one (not run)."""
+    return MountdProcess(str(tmp_path / "mnt"), str(tmp_path / "cache"), "1G",
+                         str(tmp_path / "log"), read.mountd_args(data_path)).argv()
+
+
+def test_the_chosen_data_path_reaches_mountds_command_line(tmp_path):
+    for data_path in ("native", "python"):
+        argv = _mountd_argv(tmp_path, data_path)
+        assert argv[-2:] == ["--data-path", data_path] and argv.count("--data-path") == 1
+    assert "--data-path" not in _mountd_argv(tmp_path, None)  # mountd's own default
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "quiverfs.cli", "bench", *args],
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_data_path_belongs_to_read(tmp_path):
+    r = _bench("digest", "--data-path", "native", "--json", str(tmp_path / "o"))
+    assert_error(r, ExitCode.USAGE, "--data-path", "read")
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_unknown_data_path_is_refused(tmp_path):
+    r = _bench("read", "--data-path", "rust", "--json", str(tmp_path / "o"))
+    assert r.returncode == ExitCode.USAGE and "invalid choice: 'rust'" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    assert os.listdir(tmp_path) == []

@@ -17,8 +17,8 @@ from quiverfs.option_types import FloatAtLeast
 
 # name -> ("module:function", help). Each function takes (quick: bool, workdir: str),
 # plot: str | None if it draws a figure, latency_ms: float if its bucket can have a
-# first-byte latency, model: str and device: str if it trains a model, and returns a
-# dict holding at least "summary".
+# first-byte latency, model: str and device: str if it trains a model, data_path: str
+# if it chooses mountd's data path, and returns a dict holding at least "summary".
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "digest": ("quiverfs.bench.digest:run",
                "digest load time and memory at 1.3 M entries, hashing throughput"),
@@ -38,7 +38,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
               "a torchvision model trained through the mount vs from local files"),
 }
 # options that only some benchmarks take: passed to those that do
-OPTIONAL = ("plot", "model", "device")
+OPTIONAL = ("plot", "model", "device", "data_path")
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -62,6 +62,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    "classifier to train (default: resnet50; --quick: resnet18)")
     p.add_argument("--device", choices=("cuda", "cpu"), help="train: where the model "
                    "trains (default: cuda if torch sees one, else cpu)")
+    p.add_argument("--data-path", choices=("native", "python"), help="read: the data path "
+                   "that the mountds it starts serve cached files through, passed to them "
+                   "as --data-path (default: mountd's own)")
     p.set_defaults(func=cmd_bench)
 
 
@@ -105,7 +108,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                if getattr(args, k) is not None}
     for option in OPTIONAL:
         if option in options and not any(takes(n, option) for n in names):
-            raise QuietError(f"--{option}: the {args.name} benchmark takes no --{option} "
+            flag = "--" + option.replace("_", "-")
+            raise QuietError(f"{flag}: the {args.name} benchmark takes no {flag} "
                              f"(these do: "
                              f"{', '.join(n for n in sorted(BENCHMARKS) if takes(n, option))})",
                              ExitCode.USAGE)

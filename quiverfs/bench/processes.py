@@ -59,13 +59,16 @@ class MountdProcess:
         self.wrapper = wrapper  # a command mountd runs under, such as setpriv
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> None:
-        argv = [*self.wrapper, sys.executable, "-m", "quiverfs.cli", "mountd", "--foreground",
+    def argv(self) -> list[str]:
+        """The command line that ``start`` runs."""
+        return [*self.wrapper, sys.executable, "-m", "quiverfs.cli", "mountd", "--foreground",
                 "--root", self.root, "--cache-dir", self.cache_dir,
                 "--cache-size", self.cache_size, "--control-socket", self.socket,
                 *self.extra_args]
+
+    def start(self) -> None:
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+            self.proc = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=log, env=self.env)
         deadline = time.monotonic() + START_TIMEOUT
         while True:

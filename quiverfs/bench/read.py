@@ -33,6 +33,15 @@ Each warm pass also counts the FUSE requests mountd received per file, by opcode
 headline ``fuse_requests_per_file`` is the ``hot`` pass at 16 threads (the second pass
 over the same mounted files). Both report mountd's bucket fetches by cause
 (``bucket_fetch_causes``: its whole run).
+
+Each comparison also times every file's read (open, read, close) on both sides: the
+median and p99 in ms, and ``p99_ratio``, the mount's p99 over the local files' (the
+headline ``warm_p99_ratio_16`` is the ``ssd`` pass at 16 threads).
+
+``data_path`` (``native`` or ``python``) is passed to every mountd the benchmark starts as
+``--data-path``; without it mountd picks its own. The report records the option given
+(``data_path_option``) and the data path the warm mountd says it served with
+(``warm.data_path``, from its status; the summary's ``data_path``).
 """
 from __future__ import annotations
 
@@ -41,6 +50,7 @@ import logging
 import os
 import random
 import shutil
+import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -79,12 +89,31 @@ def _read_file(path: str) -> int:
         return len(f.read())
 
 
-def read_all(paths: list[str], threads: int, reader=_read_file) -> tuple[int, float]:
-    """Read every path with ``threads`` threads; return (bytes, seconds)."""
+def read_all(paths: list[str], threads: int, reader=_read_file,
+             times: list[float] | None = None) -> tuple[int, float]:
+    """Read every path with ``threads`` threads; return (bytes, seconds). Given
+    ``times``, each path's read time in seconds is appended to it."""
+    if times is not None:
+        reader = _timed(reader, times)
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         total = sum(pool.map(reader, paths, chunksize=16))
     return total, time.perf_counter() - start
+
+
+def _timed(reader: Callable[[str], int], times: list[float]) -> Callable[[str], int]:
+    """``reader``, appending each call's seconds to ``times``."""
+    def timed(path: str) -> int:
+        start = time.perf_counter()
+        n = reader(path)
+        times.append(time.perf_counter() - start)  # atomic under the GIL: no lock to wait on
+        return n
+    return timed
+
+
+def mountd_args(data_path: str | None) -> tuple[str, ...]:
+    """mountd's options for ``data_path``; none for mountd's default."""
+    return ("--data-path", data_path) if data_path else ()
 
 
 def remount(m: MountdProcess, data: bytes, name: str, host: str | None = None) -> str:
@@ -131,11 +160,14 @@ def _requests(m: MountdProcess) -> Counter[str]:
 def _compare(direct: list[str], mounted: list[str], threads: int, daemon_pid: int,
              requests: Callable[[], Counter[str]] | None = None) -> dict:
     """Read ``direct`` then ``mounted`` (the same files) with ``threads`` threads; rates,
-    the mount's daemon's CPU and, given ``requests``, its FUSE requests per file."""
-    direct_bytes, direct_s = read_all(direct, threads)
+    per-file latencies, the mount's daemon's CPU and, given ``requests``, its FUSE
+    requests per file."""
+    direct_times: list[float] = []
+    mount_times: list[float] = []
+    direct_bytes, direct_s = read_all(direct, threads, times=direct_times)
     requests0 = requests() if requests else Counter()
     cpu0 = process_cpu_seconds(daemon_pid)
-    mount_bytes, mount_s = read_all(mounted, threads)
+    mount_bytes, mount_s = read_all(mounted, threads, times=mount_times)
     cpu = process_cpu_seconds(daemon_pid) - cpu0
     if mount_bytes != direct_bytes:
         raise RuntimeError(f"the mount returned {mount_bytes} bytes, the local files "
@@ -147,6 +179,13 @@ def _compare(direct: list[str], mounted: list[str], threads: int, daemon_pid: in
            "mount_files_s": round(len(mounted) / mount_s),
            "ratio": round(direct_s / mount_s, 3), "daemon_cpu_s": round(cpu, 2),
            "cpu_s_per_gb": round(cpu / (mount_bytes / 1e9), 3)}
+    p99 = {}
+    for side, times in (("direct", direct_times), ("mount", mount_times)):
+        cuts = statistics.quantiles(times, n=100, method="inclusive")
+        out[f"{side}_p50_ms"] = round(cuts[49] * 1000, 3)
+        out[f"{side}_p99_ms"] = round(cuts[98] * 1000, 3)
+        p99[side] = cuts[98]
+    out["p99_ratio"] = round(p99["mount"] / p99["direct"], 3)
     if requests:
         time.sleep(0.2)  # the kernel sends RELEASE after close returns
         counted = requests() - requests0
@@ -176,10 +215,12 @@ def _cache_size(tree: Tree) -> str:
     return str(tree.bytes * 2 + (64 << 20))
 
 
-def _warm(src: str, rels: list[str], data: bytes, tree: Tree, workdir: str) -> dict:
+def _warm(src: str, rels: list[str], data: bytes, tree: Tree, workdir: str,
+          data_path: str | None) -> dict:
     direct = [os.path.join(src, r) for r in rels]
     out: dict = {"ssd": {}, "store": {}, "hot": {}}
-    with running_mountd(workdir, cache_size=_cache_size(tree), name="warm") as m:
+    with running_mountd(workdir, cache_size=_cache_size(tree), name="warm",
+                        extra_args=mountd_args(data_path)) as m:
         _fill(m, data, rels)
         for threads in SSD_THREADS:
             out["ssd"][threads], mounted = _ssd_pass(m, data, rels, direct, threads,
@@ -193,19 +234,23 @@ def _warm(src: str, rels: list[str], data: bytes, tree: Tree, workdir: str) -> d
                 # the ssd pass left that mount's pages in the kernel
                 out["hot"][threads] = _compare(direct, mounted, threads, m.proc.pid,
                                                lambda: _requests(m))
-        out["bucket_fetch_causes"] = m.status()["bucket_fetch_causes"]
+        status = m.status()
+    out["bucket_fetch_causes"] = status["bucket_fetch_causes"]
+    # a mountd from before the native data path has no such key: it serves in Python
+    out["data_path"] = status.get("data_path", "python")
     shutil.rmtree(m.cache_dir, ignore_errors=True)
     return out
 
 
-def _small(n_items: int, workdir: str) -> dict:
+def _small(n_items: int, workdir: str, data_path: str | None) -> dict:
     """The ``ssd`` pass over a tree of small files, in a mountd of its own."""
     src = os.path.join(workdir, "small-src")
     tree = write_synthetic_tree(src, n_items, n_classes=100, seed=12, mean_size=SMALL_MEAN,
                                 size_range=SMALL_RANGE)
     data = create_digest(src, "small", workers=os.cpu_count() or 1)
     rels = _shuffled_files(src)
-    with running_mountd(workdir, cache_size=_cache_size(tree), name="small") as m:
+    with running_mountd(workdir, cache_size=_cache_size(tree), name="small",
+                        extra_args=mountd_args(data_path)) as m:
         _fill(m, data, rels)
         ssd, _ = _ssd_pass(m, data, rels, [os.path.join(src, r) for r in rels],
                            SMALL_THREADS, f"ssd{SMALL_THREADS}")
@@ -215,18 +260,19 @@ def _small(n_items: int, workdir: str) -> dict:
 
 
 def _cold(emulator: str, src: str, rels: list[str], cache_size: str, workdir: str,
-          latency_ms: float) -> dict:
+          latency_ms: float, data_path: str | None) -> dict:
     """Items fetched through mountd from the emulator against the bucket read directly,
     each response's first byte ``latency_ms`` late."""
     subset = _copy_subset(src, rels, os.path.join(workdir, "cold-src"))
     upload_tree(emulator, BUCKET, "syn", subset)
     if not latency_ms:
-        return _cold_reads(emulator, rels, cache_size, workdir)
+        return _cold_reads(emulator, rels, cache_size, workdir, data_path)
     with throttled(emulator, UNCAPPED, latency=latency_ms / 1000) as proxy:
-        return _cold_reads(proxy.url, rels, cache_size, workdir)
+        return _cold_reads(proxy.url, rels, cache_size, workdir, data_path)
 
 
-def _cold_reads(host: str, rels: list[str], cache_size: str, workdir: str) -> dict:
+def _cold_reads(host: str, rels: list[str], cache_size: str, workdir: str,
+                data_path: str | None) -> dict:
     options = StorageOptions(emulator_host=host)
     cold_data = create_digest(f"gs://{BUCKET}/syn", "syn", workers=4, options=options)
     backend = GCSBackend(f"gs://{BUCKET}/syn", options)
@@ -238,7 +284,8 @@ def _cold_reads(host: str, rels: list[str], cache_size: str, workdir: str) -> di
     threads = 16
     direct_bytes, direct_s = read_all(rels, threads, download)
     backend.close()
-    with running_mountd(workdir, cache_size=cache_size, name="cold") as m:
+    with running_mountd(workdir, cache_size=cache_size, name="cold",
+                        extra_args=mountd_args(data_path)) as m:
         root = remount(m, cold_data, "cold", host)
         m.wait_for_loaders()
         mount_bytes, mount_s = read_all([os.path.join(root, r) for r in rels], threads)
@@ -279,21 +326,23 @@ def _rclone(host: str, src: str, rels: list[str], workdir: str) -> dict:
     return out
 
 
-def run(quick: bool, workdir: str, latency_ms: float = 0.0) -> dict:
+def run(quick: bool, workdir: str, latency_ms: float = 0.0,
+        data_path: str | None = None) -> dict:
     """The benchmark; ``latency_ms`` delays the first byte of the cold pass's bucket
-    responses."""
+    responses; ``data_path`` is mountd's ``--data-path`` (None: mountd's default)."""
     n_items = QUICK_ITEMS if quick else FULL_ITEMS
     src = os.path.join(workdir, "src")
     tree = write_synthetic_tree(src, n_items, n_classes=100, seed=11)
     data = create_digest(src, "syn", workers=os.cpu_count() or 1)
     rels = _shuffled_files(src)
     report: dict = {"dataset": {"items": tree.files, "bytes": tree.bytes},
-                    "warm": _warm(src, rels, data, tree, workdir),
-                    "small": _small(SMALL_QUICK if quick else SMALL_FULL, workdir)}
+                    "data_path_option": data_path,
+                    "warm": _warm(src, rels, data, tree, workdir, data_path),
+                    "small": _small(SMALL_QUICK if quick else SMALL_FULL, workdir, data_path)}
     with running_emulator(concurrent=True) as emu:
         emu.create_bucket(BUCKET)
         report["cold"] = _cold(emu.host, src, rels[:COLD_QUICK if quick else COLD_FULL],
-                               str(tree.bytes), workdir, latency_ms)
+                               str(tree.bytes), workdir, latency_ms, data_path)
         report["cold"]["latency_ms"] = latency_ms
         report["rclone"] = _rclone(emu.host, src,
                                    rels[:RCLONE_QUICK if quick else RCLONE_FULL], workdir)
@@ -304,8 +353,10 @@ def run(quick: bool, workdir: str, latency_ms: float = 0.0) -> dict:
 def summary(report: dict) -> dict:
     """The headline numbers of a report; the rclone keys only where rclone ran."""
     warm = report["warm"]
-    out = {f"warm_ratio_{n}": warm["ssd"][n]["ratio"] for n in SSD_THREADS}
+    out: dict = {"data_path": warm["data_path"]}
+    out.update({f"warm_ratio_{n}": warm["ssd"][n]["ratio"] for n in SSD_THREADS})
     out.update({
+        "warm_p99_ratio_16": warm["ssd"][16]["p99_ratio"],
         "warm_ratio_small_16": report["small"]["ssd"][SMALL_THREADS]["ratio"],
         "cold_ratio": round(report["cold"]["ratio"], 3),
         "cold_latency_ms": report["cold"]["latency_ms"],
