@@ -59,11 +59,12 @@ $(NATIVE): $(NATIVE_SRC) $(STAMP)
 # module is rebuilt with them (and rebuilt as usual after), and the runtime preloaded
 # into Python (leaks are not checked: Python's own allocations would drown them).
 sanitize: deps
-	$(MAKE) -B NATIVE_CFLAGS="$(SANITIZE_CFLAGS)" native
+	rm -f $(NATIVE) && $(MAKE) NATIVE_CFLAGS="$(SANITIZE_CFLAGS)" native
+	nm -D $(NATIVE) | grep -q __asan_init
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	  ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	  QUIVER_EXPECT_NATIVE=1 $(VENV)/bin/python -m pytest -ra -p no:cacheprovider \
-	  tests/test_native_plane.py; status=$$?; $(MAKE) -B native; exit $$status
+	  tests/test_native_plane.py; status=$$?; rm -f $(NATIVE) && $(MAKE) native; exit $$status
 
 demo: deps
 	$(VENV)/bin/python -m quiverfs.bench.demo

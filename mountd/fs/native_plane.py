@@ -118,9 +118,14 @@ class NativePlane:
             ends.append(len(names))
         sizes = array.array("Q", (digest.sizes[i] for i in range(n_files)))
         hashes = b"".join(digest.hash(i) for i in range(n_files))
-        self.plane.add_dataset(ds.inode_base, tree.n_dirs, n_files, ds.reg.uid, ds.reg.gid,
-                               int(ds.reg.registered_at * 1e9), parents, names, ends,
-                               sizes, hashes)
+        try:
+            self.plane.add_dataset(ds.inode_base, tree.n_dirs, n_files, ds.reg.uid,
+                                   ds.reg.gid, int(ds.reg.registered_at * 1e9), parents,
+                                   names, ends, sizes, hashes)
+        except (OSError, ValueError) as exc:  # out of memory: Python serves it all
+            log.warning("dataset %s is served through Python: the native data plane "
+                        "cannot take its tree (%s)", ds.name, exc)
+            return
         self._registered[ds.inode_base] = ds
         for i in range(n_files):  # what this run has verified is served at once
             h = digest.hash(i)
