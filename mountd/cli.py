@@ -31,6 +31,11 @@ if TYPE_CHECKING:
 
 STARTUP_TIMEOUT = 120.0  # seconds a backgrounded mountd may take to answer
 THREADS = 16  # mountd's blocking workers, by default
+# The native data plane's threads, by default. Each waits for the kernel's next request
+# or, serving a READ, for the disk: they are the store reads in flight, so even a
+# 2-core machine needs more than its cores (docs/benchmarks.md: warm_ratio_16 0.3 with
+# 2 threads, 0.85 with 16, in one quick run on 2 cores).
+FUSE_THREADS = max(16, os.cpu_count() or 1)
 PUSH_MEMORY = 256 << 20  # bytes, by default (mountd.fetch.page_push)
 MEMORY_PER_USER = 2 << 30  # bytes, by default (mountd.datasets.memory_budget)
 DIGEST_BYTES_PER_USER = 2 << 30  # bytes, by default (mountd.control.quotas)
@@ -99,9 +104,10 @@ def add_parsers(sub: argparse._SubParsersAction,
                    "native module cannot start, mountd serves through Python and says so "
                    "(default %(default)s)")
     d.add_argument("--fuse-threads", metavar="N", type=IntAtLeast("--fuse-threads", 1, 256),
-                   default=os.cpu_count() or 1,
-                   help="the native data plane's threads reading the datasets' FUSE "
-                   "connection (default: one per core, %(default)s here)")
+                   default=FUSE_THREADS,
+                   help="the native data plane's threads: they read the datasets' FUSE "
+                   "connection and serve cached files, as many store reads in flight "
+                   "(default: 16, or one per core where more: %(default)s here)")
     d.add_argument("--memory-per-user", metavar="BYTES", type=ByteSize("--memory-per-user"),
                    default=MEMORY_PER_USER,
                    help="memory the registrations of one user (root excepted) may take: "

@@ -86,7 +86,7 @@ class MountdConfig:
     fuse_tasks: int = FUSE_TASKS  # FUSE requests handled at once
     fuse_opens: bool = False  # dataset files opened with a handle even where no-open works
     data_path: DataPath = DataPath.NATIVE  # how cached dataset files are served
-    fuse_threads: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
+    fuse_threads: int = 16  # the native data plane's threads (mountd.cli.FUSE_THREADS)
     prefetch_concurrency: int = 16  # items a prefetch fetches at once
     fetch_deadline: float = FETCH_DEADLINE  # seconds a bucket read may take, retries included
     gcs_endpoints: tuple[str, ...] = ()  # endpoints users other than root may name

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 # The plane's request counts, by the opcode names of pyfuse3's handlers
 # (ReadStats.fuse_requests), which they are added to.
-_REQUESTS = {"lookups": "lookup", "getattrs": "getattr", "reads": "read"}
+_REQUESTS = {"lookups": "lookup", "getattrs": "getattr", "reads": "read", "forgets": "forget"}
 
 
 class DataPath(enum.StrEnum):

@@ -283,10 +283,10 @@ static PyObject *Plane_counters(PlaneObject *self, PyObject *unused)
 	(void)unused;
 	struct plane_counters c;
 	plane_counters(self->plane, &c);
-	return Py_BuildValue("{sKsKsKsKsKsKsKsK}", "lookups", c.lookups, "getattrs", c.getattrs,
-			     "reads", c.reads, "read_bytes", c.read_bytes, "hits", c.hits,
-			     "forwarded", c.forwarded, "fallbacks", c.fallbacks, "hits_dropped",
-			     c.hits_dropped);
+	return Py_BuildValue("{sKsKsKsKsKsKsKsKsK}", "lookups", c.lookups, "getattrs",
+			     c.getattrs, "reads", c.reads, "read_bytes", c.read_bytes, "hits",
+			     c.hits, "forwarded", c.forwarded, "fallbacks", c.fallbacks,
+			     "hits_dropped", c.hits_dropped, "forgets", c.forgets);
 }
 
 static PyMethodDef Plane_methods[] = {

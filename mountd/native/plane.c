@@ -83,7 +83,7 @@ struct plane {
 	size_t hit_start, hit_count;
 
 	atomic_uint_fast64_t lookups, getattrs, reads, read_bytes, served_files, forwarded,
-		fallbacks, hits_dropped;
+		fallbacks, hits_dropped, forgets;
 };
 
 /* ---- SipHash-2-4: names and digests come from users' digests, so the tables'
@@ -591,6 +591,12 @@ static void handle(struct plane *p, char *buf, size_t len, char *data)
 		if (do_getattr(p, in))
 			return;
 		break;
+	case FUSE_FORGET:
+	case FUSE_BATCH_FORGET:
+		/* mountd keeps no lookup counts (a dataset's inodes live as long as it is
+		 * mounted), and a FORGET has no reply */
+		atomic_fetch_add_explicit(&p->forgets, 1, memory_order_relaxed);
+		return;
 	}
 	forward(p, buf, len);
 }
@@ -941,4 +947,5 @@ void plane_counters(struct plane *p, struct plane_counters *out)
 	out->forwarded = atomic_load(&p->forwarded);
 	out->fallbacks = atomic_load(&p->fallbacks);
 	out->hits_dropped = atomic_load(&p->hits_dropped);
+	out->forgets = atomic_load(&p->forgets);
 }

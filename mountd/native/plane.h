@@ -29,6 +29,7 @@ struct plane_counters {
 	uint64_t forwarded;  /* requests handed to Python */
 	uint64_t fallbacks;  /* READs of served items handed to Python: file gone or short */
 	uint64_t hits_dropped; /* hits not reported: Python drained too slowly */
+	uint64_t forgets;    /* FORGETs and BATCH_FORGETs, dropped: mountd counts no lookups */
 };
 
 /* A plane for the value files under store_dir, served by `threads` threads once
