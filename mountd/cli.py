@@ -97,10 +97,13 @@ def add_parsers(sub: argparse._SubParsersAction,
                    help="serve dataset files with FUSE OPEN and RELEASE requests, as with a "
                    "pyfuse3 without mountd's patch (by default mountd runs without them "
                    "where its pyfuse3 allows: fewer requests per file)")
-    d.add_argument("--data-path", choices=("native", "python"), default="native",
+    d.add_argument("--data-path", choices=("native", "passthrough", "python"),
+                   default="native",
                    help="how cached dataset files are served: 'native', by mountd's C "
                    "threads (READ, LOOKUP and GETATTR of stored, verified items), Python "
-                   "for the rest; 'python', every request through Python. Where the "
+                   "for the rest; 'passthrough', the same threads answer OPEN with the "
+                   "store's file and the kernel reads it (FUSE passthrough: Linux 6.9, "
+                   "else as 'native'); 'python', every request through Python. Where the "
                    "native module cannot start, mountd serves through Python and says so "
                    "(default %(default)s)")
     d.add_argument("--fuse-threads", metavar="N", type=IntAtLeast("--fuse-threads", 1, 256),

@@ -172,6 +172,7 @@ class Mountd:
                         "dataset files are served with OPEN and RELEASE")
         self.fs = QuiverFS(self.table, self.services, no_open)
         self.native = self._native_plane(no_open)
+        self.fs.on_init = self._check_passthrough
         self.control_mount = ControlMount(
             self.root, ControlFS(self.table, self.services.reader,
                                  ControlFiles(self.jobs, self.planner), self.views),
@@ -200,8 +201,9 @@ class Mountd:
         pyfuse3.init(self.fs, self.root, options)
         if self.native is not None and not self.native.attach():
             self.native = None
-        self.services.stats.data_path = (DataPath.NATIVE if self.native is not None
-                                         else DataPath.PYTHON)
+        self.services.stats.data_path = (
+            DataPath.PYTHON if self.native is None
+            else DataPath.PASSTHROUGH if self.native.passthrough else DataPath.NATIVE)
         # a dataset's files there would be read by the workers that serve them
         self.device = refuse_mount(self.root)
         log.info("mounted %s (cache %s, %d bytes)", self.root, self.cfg.cache_dir,
@@ -288,7 +290,7 @@ class Mountd:
     def _native_plane(self, no_open: bool) -> NativePlane | None:
         """The native data plane where --data-path asks for it and it can be loaded
         (it answers READs by inode: no-open mode only)."""
-        if self.cfg.data_path is not DataPath.NATIVE:
+        if self.cfg.data_path is DataPath.PYTHON:
             return None
         if not no_open:
             log.warning("the native data plane serves files without OPEN requests "
@@ -298,9 +300,27 @@ class Mountd:
         native = NativePlane.create(self.cfg.fuse_threads, ROOT_ENTRY_TIMEOUT,
                                     DATASET_TIMEOUT, self.table, self.store,
                                     self.services.stats, self.services.integrity)
-        if native is not None:
-            self.services.probed.withdraw = native.withdrawn
+        if native is None:
+            return None
+        self.services.probed.withdraw = native.withdrawn
+        if self.cfg.data_path is DataPath.PASSTHROUGH:
+            native.use_passthrough(True)
+            self.fs.serve_opens(True)  # passthrough needs OPEN: the kernel reads the file
+            self.controller.fuse_mode = "open"
         return native
+
+    def _check_passthrough(self) -> None:
+        """At the kernel's INIT, before its reply: where it does not offer passthrough,
+        the plane reads the store's files itself, in no-open mode."""
+        native = self.native
+        if native is None or not native.passthrough or native.passthrough_offered():
+            return
+        log.warning("this kernel does not offer FUSE passthrough: the native data plane "
+                    "reads cached files itself (--data-path native)")
+        native.use_passthrough(False)
+        self.fs.serve_opens(False)
+        self.controller.fuse_mode = "no-open"
+        self.services.stats.data_path = DataPath.NATIVE
 
     async def _record_hits(self) -> None:
         recorded = trio.current_time()

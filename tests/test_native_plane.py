@@ -54,7 +54,7 @@ def _native(m) -> dict[str, int]:
     return m.status()["native"]
 
 
-@pytest.mark.parametrize("data_path", ["native", "python"])
+@pytest.mark.parametrize("data_path", ["native", "passthrough", "python"])
 def test_every_byte_is_the_sources_from_1_to_64_threads(mountd_factory, mixed_tree,
                                                          data_path):
     src, expected = mixed_tree
@@ -82,6 +82,8 @@ def test_every_byte_is_the_sources_from_1_to_64_threads(mountd_factory, mixed_tr
         assert after["hits"] - before["hits"] == in_files
         assert after["lookups"] - before["lookups"] >= len(rels)
         assert after["fallbacks"] == before["fallbacks"] == 0
+        if data_path == "passthrough":  # the kernel read the store's files itself
+            assert after["opens"] - before["opens"] == in_files and after["reads"] == 0
         counters = {d["name"]: d["counters"] for d in st["datasets"]}[f"t{threads}"]
         assert counters["local_hits"] == len(rels) and "bucket_fetches" not in counters
 

@@ -97,9 +97,19 @@ class QuiverFS(pyfuse3.Operations):
         self._failed: collections.OrderedDict[int, float] = collections.OrderedDict()
         self.started_ns = time.time_ns()
         self.initialized = trio.Event()  # the kernel's INIT answered: its settings are made
+        # called at the kernel's INIT, before its reply (the native data plane's choice)
+        self.on_init: Callable[[], None] | None = None
 
     def init(self) -> None:
+        if self.on_init is not None:
+            self.on_init()
         self.initialized.set()
+
+    def serve_opens(self, opens: bool) -> None:
+        """Answer OPEN with a handle (``opens``), or ENOSYS for no-open mode; before
+        the first OPEN."""
+        self.no_open = not opens
+        self.read_with_inode = not opens
 
     # -- attributes -------------------------------------------------------------------
     def _dir_attr(self, inode: int, timeout: float) -> pyfuse3.EntryAttributes:

@@ -34,13 +34,15 @@ log = logging.getLogger(__name__)
 
 # The plane's request counts, by the opcode names of pyfuse3's handlers
 # (ReadStats.fuse_requests), which they are added to.
-_REQUESTS = {"lookups": "lookup", "getattrs": "getattr", "reads": "read", "forgets": "forget"}
+_REQUESTS = {"lookups": "lookup", "getattrs": "getattr", "reads": "read", "forgets": "forget",
+             "opens": "open", "releases": "release"}
 
 
 class DataPath(enum.StrEnum):
     """How cached dataset files are served (``--data-path``)."""
 
-    NATIVE = "native"  # the plane's threads, Python for the rest
+    NATIVE = "native"  # the plane's threads read the store's files, Python the rest
+    PASSTHROUGH = "passthrough"  # the plane opens them, and the kernel reads them
     PYTHON = "python"  # every request through pyfuse3's handlers
 
 
@@ -58,6 +60,7 @@ class NativePlane:
         self._registered: dict[int, MountedDataset] = {}  # inode base -> dataset
         self._suspended: set[int] = set()
         self._counted: Counter[str] = Counter()  # the plane's counters, as last drained
+        self.passthrough = False  # OPENs answered with backing files (use_passthrough)
 
     @classmethod
     def create(cls, threads: int, root_timeout: float, timeout: float, table: MountTable,
@@ -72,6 +75,16 @@ class NativePlane:
             return None
         plane = _dataplane.Plane(store.directory, threads, root_timeout, timeout)
         return cls(plane, threads, table, store, stats, integrity)
+
+    def use_passthrough(self, on: bool) -> None:
+        """Answer OPENs of served items with their value files as FUSE passthrough
+        backing files (set before the kernel's INIT is answered)."""
+        self.passthrough = on
+        self.plane.set_passthrough(on)
+
+    def passthrough_offered(self) -> bool:
+        """Whether the kernel's INIT offered passthrough (once INIT was read)."""
+        return self.plane.passthrough_offered()
 
     def attach(self) -> bool:
         """Start the plane's threads on the mounted session (after ``pyfuse3.init``,

@@ -283,10 +283,27 @@ static PyObject *Plane_counters(PlaneObject *self, PyObject *unused)
 	(void)unused;
 	struct plane_counters c;
 	plane_counters(self->plane, &c);
-	return Py_BuildValue("{sKsKsKsKsKsKsKsKsK}", "lookups", c.lookups, "getattrs",
+	return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsK}", "lookups", c.lookups, "getattrs",
 			     c.getattrs, "reads", c.reads, "read_bytes", c.read_bytes, "hits",
 			     c.hits, "forwarded", c.forwarded, "fallbacks", c.fallbacks,
-			     "hits_dropped", c.hits_dropped, "forgets", c.forgets);
+			     "hits_dropped", c.hits_dropped, "forgets", c.forgets, "opens",
+			     c.opens, "releases", c.releases, "backing_failures",
+			     c.backing_failures);
+}
+
+static PyObject *Plane_set_passthrough(PlaneObject *self, PyObject *arg)
+{
+	int on = PyObject_IsTrue(arg);
+	if (on < 0)
+		return NULL;
+	plane_set_passthrough(self->plane, on);
+	Py_RETURN_NONE;
+}
+
+static PyObject *Plane_passthrough_offered(PlaneObject *self, PyObject *unused)
+{
+	(void)unused;
+	return PyBool_FromLong(plane_passthrough_offered(self->plane));
 }
 
 static PyMethodDef Plane_methods[] = {
@@ -310,6 +327,11 @@ static PyMethodDef Plane_methods[] = {
 	{"drain_hits", (PyCFunction)Plane_drain_hits, METH_NOARGS,
 	 "drain_hits() -> the inodes of the files served since the last call"},
 	{"counters", (PyCFunction)Plane_counters, METH_NOARGS, "counters() -> dict"},
+	{"set_passthrough", (PyCFunction)Plane_set_passthrough, METH_O,
+	 "set_passthrough(on): answer OPENs of served items with their value files as "
+	 "backing files (before INIT is answered: its reply then asks for passthrough)"},
+	{"passthrough_offered", (PyCFunction)Plane_passthrough_offered, METH_NOARGS,
+	 "passthrough_offered() -> whether the kernel's INIT offered passthrough"},
 	{NULL, NULL, 0, NULL},
 };
 

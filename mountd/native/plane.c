@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/ioctl.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -27,6 +28,23 @@
 #define HIT_RING 65536
 #define STOP_SIGNAL SIGUSR2 /* interrupts a thread's blocking read when stopping */
 #define BLKSIZE (1 << 17)
+
+/* FUSE passthrough (protocol 7.40, kernel 6.9), newer than <linux/fuse.h> here */
+#define INIT_PASSTHROUGH (1u << (37 - 32)) /* FUSE_PASSTHROUGH, in flags2 */
+#define FOPEN_PASSTHROUGH_ (1u << 7)
+#define FH_NATIVE (1ULL << 63) /* a file handle the plane gave: its backing id below */
+struct backing_map {
+	int32_t fd;
+	uint32_t flags;
+	uint64_t padding;
+};
+#define BACKING_OPEN _IOW(229, 1, struct backing_map)
+#define BACKING_CLOSE _IOW(229, 2, uint32_t)
+struct open_out { /* fuse_open_out with its backing id */
+	uint64_t fh;
+	uint32_t open_flags;
+	int32_t backing_id;
+};
 
 struct slot {
 	uint8_t digest[PLANE_DIGEST];
@@ -58,6 +76,9 @@ struct plane {
 	char *store_dir;
 	size_t store_dir_len;
 	int n_threads, started, dev_fd, event_fd;
+	atomic_int passthrough;         /* OPEN answered with a backing file (else no-open READs) */
+	atomic_int kernel_passthrough;  /* the kernel's INIT offered it */
+	atomic_uint_fast64_t init_unique; /* the INIT request, whose reply is patched */
 	double root_timeout, timeout;
 	pthread_t *threads;
 	atomic_int stopping;
@@ -83,7 +104,7 @@ struct plane {
 	size_t hit_start, hit_count;
 
 	atomic_uint_fast64_t lookups, getattrs, reads, read_bytes, served_files, forwarded,
-		fallbacks, hits_dropped, forgets;
+		fallbacks, hits_dropped, forgets, opens, releases, backing_failures;
 };
 
 /* ---- SipHash-2-4: names and digests come from users' digests, so the tables'
@@ -420,6 +441,19 @@ static void record_hit(struct plane *p, uint64_t inode)
 	pthread_mutex_unlock(&p->hit_lock);
 }
 
+/* STORE/ab/cd/<28 more>.val, as diskcache names its value files */
+static void value_path(const struct plane *p, const char *name, char *path)
+{
+	char *at = mempcpy(path, p->store_dir, p->store_dir_len);
+	*at++ = '/';
+	at = mempcpy(at, name, 2);
+	*at++ = '/';
+	at = mempcpy(at, name + 2, 2);
+	*at++ = '/';
+	at = mempcpy(at, name + 4, PLANE_NAME - 4);
+	memcpy(at, ".val", 5);
+}
+
 static int do_read(struct plane *p, const struct fuse_in_header *in,
 		   const struct fuse_read_in *arg, char *data)
 {
@@ -441,15 +475,7 @@ static int do_read(struct plane *p, const struct fuse_in_header *in,
 	char name[PLANE_NAME];
 	memcpy(name, s->name, PLANE_NAME);
 	pthread_rwlock_unlock(&p->lock);
-	/* STORE/ab/cd/<28 more>.val, as diskcache names its value files */
-	char *at = mempcpy(path, p->store_dir, p->store_dir_len);
-	*at++ = '/';
-	at = mempcpy(at, name, 2);
-	*at++ = '/';
-	at = mempcpy(at, name + 2, 2);
-	*at++ = '/';
-	at = mempcpy(at, name + 4, PLANE_NAME - 4);
-	memcpy(at, ".val", 5);
+	value_path(p, name, path);
 
 	uint64_t off = arg->offset, want = arg->size > DATA_BUF ? DATA_BUF : arg->size;
 	uint64_t n = off >= size ? 0 : size - off < want ? size - off : want;
@@ -490,6 +516,82 @@ fallback:
 	atomic_fetch_sub(&s->inflight, 1);
 	atomic_fetch_add_explicit(&p->fallbacks, 1, memory_order_relaxed);
 	return 0;
+}
+
+/* Passthrough: an OPEN of a served item is answered with a backing id for its value
+ * file, and the kernel reads that file itself; no READ reaches mountd. */
+static int do_open(struct plane *p, const struct fuse_in_header *in,
+		   const struct fuse_open_in *arg)
+{
+	uint32_t node;
+	char path[PATH_MAX];
+	if ((arg->flags & O_ACCMODE) != O_RDONLY)
+		return 0; /* Python refuses it (EROFS) */
+	pthread_rwlock_rdlock(&p->lock);
+	struct dataset *ds = dataset_of(p, in->nodeid, &node);
+	if (!ds || ds->suspended || node < ds->n_dirs) {
+		pthread_rwlock_unlock(&p->lock);
+		return 0;
+	}
+	struct slot *s = slot_at(p, ds->slots[node - ds->n_dirs]);
+	if (!s->served) {
+		pthread_rwlock_unlock(&p->lock);
+		return 0;
+	}
+	uint64_t size = ds->sizes[node - ds->n_dirs];
+	char name[PLANE_NAME];
+	memcpy(name, s->name, PLANE_NAME);
+	pthread_rwlock_unlock(&p->lock);
+	value_path(p, name, path);
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0) {
+		atomic_fetch_add_explicit(&p->fallbacks, 1, memory_order_relaxed);
+		return 0;
+	}
+	struct stat st;
+	struct backing_map map = {.fd = fd};
+	int sized = !fstat(fd, &st) && (uint64_t)st.st_size == size;
+	int id = sized ? ioctl(p->dev_fd, BACKING_OPEN, &map) : -1;
+	close(fd); /* the kernel holds the backing file now */
+	if (!sized) { /* not the entry's size: Python refuses it, and counts why */
+		atomic_fetch_add_explicit(&p->fallbacks, 1, memory_order_relaxed);
+		return 0;
+	}
+	if (id <= 0) { /* EPERM without CAP_SYS_ADMIN, ... */
+		atomic_fetch_add_explicit(&p->backing_failures, 1, memory_order_relaxed);
+		return 0;
+	}
+	struct open_out out = {
+		.fh = FH_NATIVE | (uint32_t)id, .open_flags = FOPEN_PASSTHROUGH_, .backing_id = id};
+	atomic_fetch_add_explicit(&p->opens, 1, memory_order_relaxed);
+	atomic_fetch_add_explicit(&p->served_files, 1, memory_order_relaxed);
+	record_hit(p, in->nodeid);
+	reply(p, in->unique, 0, &out, sizeof out);
+	return 1;
+}
+
+static int do_release(struct plane *p, const struct fuse_in_header *in,
+		      const struct fuse_release_in *arg)
+{
+	if (!(arg->fh & FH_NATIVE))
+		return 0; /* a handle Python gave */
+	uint32_t id = (uint32_t)arg->fh;
+	ioctl(p->dev_fd, BACKING_CLOSE, &id); /* the open file keeps its own reference */
+	atomic_fetch_add_explicit(&p->releases, 1, memory_order_relaxed);
+	reply(p, in->unique, 0, NULL, 0);
+	return 1;
+}
+
+/* The INIT request: whether the kernel offers passthrough, and which reply to patch. */
+static void saw_init(struct plane *p, const struct fuse_in_header *in, const char *arg,
+		     size_t len)
+{
+	struct fuse_init_in init;
+	memset(&init, 0, sizeof init);
+	memcpy(&init, arg, len < sizeof init ? len : sizeof init);
+	int offered = (init.flags & FUSE_INIT_EXT) && (init.flags2 & INIT_PASSTHROUGH);
+	atomic_store(&p->kernel_passthrough, offered);
+	atomic_store(&p->init_unique, in->unique);
 }
 
 /* ---- the queue of requests for Python ---- */
@@ -557,7 +659,29 @@ ssize_t plane_take(struct plane *p, void *buf, size_t len)
 
 ssize_t plane_write(struct plane *p, const struct iovec *iov, int count)
 {
+	/* libfuse 3.14 cannot ask for passthrough: its INIT reply is given the flag, and a
+	 * stack depth of 1 (the store's file system is the only one below) */
+	const struct fuse_out_header *out = iov[0].iov_base;
+	if (count >= 2 && iov[0].iov_len >= sizeof *out && out->error == 0 &&
+	    iov[1].iov_len >= sizeof(struct fuse_init_out) && atomic_load(&p->passthrough) &&
+	    atomic_load(&p->kernel_passthrough) && out->unique == atomic_load(&p->init_unique)) {
+		struct fuse_init_out *init = iov[1].iov_base;
+		init->flags |= FUSE_INIT_EXT;
+		init->flags2 |= INIT_PASSTHROUGH;
+		init->unused[0] = 1; /* max_stack_depth */
+		atomic_store(&p->init_unique, 0);
+	}
 	return writev(p->dev_fd, iov, count);
+}
+
+int plane_passthrough_offered(const struct plane *p)
+{
+	return atomic_load(&p->kernel_passthrough);
+}
+
+void plane_set_passthrough(struct plane *p, int on)
+{
+	atomic_store(&p->passthrough, on);
 }
 
 int plane_event_fd(const struct plane *p) { return p->event_fd; }
@@ -576,9 +700,22 @@ static void handle(struct plane *p, char *buf, size_t len, char *data)
 	const char *arg = buf + sizeof *in;
 	size_t arg_len = len - sizeof *in;
 	switch (in->opcode) {
-	case FUSE_READ:
-		if (arg_len >= sizeof(struct fuse_read_in) &&
+	case FUSE_INIT:
+		saw_init(p, in, arg, arg_len);
+		break;
+	case FUSE_READ: /* with passthrough, only files Python opened are read here */
+		if (!atomic_load(&p->passthrough) && arg_len >= sizeof(struct fuse_read_in) &&
 		    do_read(p, in, (const struct fuse_read_in *)arg, data))
+			return;
+		break;
+	case FUSE_OPEN:
+		if (atomic_load(&p->passthrough) && arg_len >= sizeof(struct fuse_open_in) &&
+		    do_open(p, in, (const struct fuse_open_in *)arg))
+			return;
+		break;
+	case FUSE_RELEASE:
+		if (arg_len >= sizeof(struct fuse_release_in) &&
+		    do_release(p, in, (const struct fuse_release_in *)arg))
 			return;
 		break;
 	case FUSE_LOOKUP: {
@@ -948,4 +1085,7 @@ void plane_counters(struct plane *p, struct plane_counters *out)
 	out->fallbacks = atomic_load(&p->fallbacks);
 	out->hits_dropped = atomic_load(&p->hits_dropped);
 	out->forgets = atomic_load(&p->forgets);
+	out->opens = atomic_load(&p->opens);
+	out->releases = atomic_load(&p->releases);
+	out->backing_failures = atomic_load(&p->backing_failures);
 }

@@ -30,6 +30,9 @@ struct plane_counters {
 	uint64_t fallbacks;  /* READs of served items handed to Python: file gone or short */
 	uint64_t hits_dropped; /* hits not reported: Python drained too slowly */
 	uint64_t forgets;    /* FORGETs and BATCH_FORGETs, dropped: mountd counts no lookups */
+	uint64_t opens;      /* passthrough: OPENs answered with a backing file */
+	uint64_t releases;   /* and their RELEASEs */
+	uint64_t backing_failures; /* OPENs of served items the kernel gave no backing id */
 };
 
 /* A plane for the value files under store_dir, served by `threads` threads once
@@ -55,6 +58,13 @@ ssize_t plane_take(struct plane *p, void *buf, size_t len);
 /* A reply from Python, written to the session's descriptor. */
 ssize_t plane_write(struct plane *p, const struct iovec *iov, int count);
 int plane_dev_fd(const struct plane *p);
+
+/* Passthrough (off by default): an OPEN of a served item is answered with the value
+ * file as its backing file, and READs go to Python (only files it opened are read).
+ * Set before the kernel's INIT is answered, whose reply then asks for it where the
+ * kernel offered it (plane_passthrough_offered, known once INIT was read). */
+void plane_set_passthrough(struct plane *p, int on);
+int plane_passthrough_offered(const struct plane *p);
 
 /* A dataset's tree at inodes base .. base + n_dirs + n_files - 1: node 0 its root,
  * nodes 1 .. n_dirs - 1 directories, node n_dirs + i entry i. parents[node] is a node's

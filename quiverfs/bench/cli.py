@@ -62,7 +62,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    "classifier to train (default: resnet50; --quick: resnet18)")
     p.add_argument("--device", choices=("cuda", "cpu"), help="train: where the model "
                    "trains (default: cuda if torch sees one, else cpu)")
-    p.add_argument("--data-path", choices=("native", "python"), help="read: the data path "
+    p.add_argument("--data-path", choices=("native", "passthrough", "python"), help="read: the data path "
                    "that the mountds it starts serve cached files through, passed to them "
                    "as --data-path (default: mountd's own)")
     p.set_defaults(func=cmd_bench)
