@@ -305,7 +305,7 @@ class Mountd:
         self.services.probed.withdraw = native.withdrawn
         if self.cfg.data_path is DataPath.PASSTHROUGH:
             native.use_passthrough(True)
-            self.fs.serve_opens(True)  # passthrough needs OPEN: the kernel reads the file
+            self.fs.serve_opens(True, direct=True)  # passthrough: the kernel reads the file
             self.controller.fuse_mode = "open"
         return native
 

@@ -88,8 +88,9 @@ def test_every_byte_is_the_sources_from_1_to_64_threads(mountd_factory, mixed_tr
         assert counters["local_hits"] == len(rels) and "bucket_fetches" not in counters
 
 
+@pytest.mark.parametrize("data_path", ["native", "passthrough"])
 def test_items_culled_while_16_threads_read_them_are_fetched_again(mountd_factory,
-                                                                     tmp_path):
+                                                                     tmp_path, data_path):
     """A store of a third of the dataset culls items while 16 threads read (the page
     cache dropped after each read, so every read reaches mountd): each read returns the
     item's own bytes, through the native path or a fetch."""
@@ -101,7 +102,8 @@ def test_items_culled_while_16_threads_read_them_are_fetched_again(mountd_factor
         (src / f"c{i % 3}").mkdir(parents=True, exist_ok=True)
         (src / f"c{i % 3}" / f"{i}.bin").write_bytes(data)
         expected[f"c{i % 3}/{i}.bin"] = hashlib.sha256(data).hexdigest()
-    m = mountd_factory(cache_size="10M", extra_args=("--fuse-threads", "4"))
+    m = mountd_factory(cache_size="10M",
+                       extra_args=("--fuse-threads", "4", "--data-path", data_path))
     mount(m, make_digest(str(src), "c"), "c")
     root = os.path.join(m.root, "c")
     rels = sorted(expected)
@@ -122,6 +124,7 @@ def test_items_culled_while_16_threads_read_them_are_fetched_again(mountd_factor
     assert wrong == []
     st = m.status()
     counters = st["datasets"][0]["counters"]
+    assert st["data_path"] == data_path
     assert st["native"]["hits"] > 0  # the native path served some, and
     assert counters["bucket_fetches"] > len(rels)  # culled items were fetched again
 

@@ -89,6 +89,7 @@ class QuiverFS(pyfuse3.Operations):
         self.limiter = services.limiter
         self.no_open = no_open
         self.read_with_inode = no_open  # pyfuse3 (patched) then passes READ's inode
+        self.direct_opens = False  # opens answered with direct I/O (serve_opens)
         self._fh = itertools.count(1)
         self._dir_handles: dict[int, list[tuple[bytes, int]]] = {}
         self._files: dict[int, _OpenFile] = {}
@@ -105,11 +106,14 @@ class QuiverFS(pyfuse3.Operations):
             self.on_init()
         self.initialized.set()
 
-    def serve_opens(self, opens: bool) -> None:
-        """Answer OPEN with a handle (``opens``), or ENOSYS for no-open mode; before
-        the first OPEN."""
+    def serve_opens(self, opens: bool, direct: bool = False) -> None:
+        """Answer OPEN with a handle (``opens``; ``direct``: for direct I/O), or ENOSYS
+        for no-open mode; before the first OPEN. With FUSE passthrough, the opens
+        mountd answers here must be direct: the kernel refuses an inode opened with
+        its page cache and through a backing file at once."""
         self.no_open = not opens
         self.read_with_inode = not opens
+        self.direct_opens = direct
 
     # -- attributes -------------------------------------------------------------------
     def _dir_attr(self, inode: int, timeout: float) -> pyfuse3.EntryAttributes:
@@ -251,6 +255,8 @@ class QuiverFS(pyfuse3.Operations):
                                     self.push.opened(inode))
         # Content per inode never changes, so the kernel may keep its pages; a re-read
         # it serves from its page cache costs mountd an open and a release, nothing more.
+        if self.direct_opens:
+            return pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=True)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)
 
     async def read(self, fh: int, off: int, size: int, inode: int | None = None

@@ -51,7 +51,17 @@ struct slot {
 	char name[PLANE_NAME];
 	uint32_t refs;  /* dataset entries naming it */
 	uint8_t served; /* stored, verified, and its name known */
-	atomic_uint inflight; /* READs serving its file now */
+	int32_t backing_id; /* passthrough: the value file's backing id, 0 if none */
+	atomic_uint inflight; /* READs serving its file now, OPENs answering with it */
+};
+
+/* A backing id's opens (passthrough), and whose it is. The kernel refuses an inode
+ * opened through two backing files at once, so an item keeps one id for as long as any
+ * open uses it, even after its file is replaced (the same content: its digest's), and
+ * none once none does (a backing file culled from the store would stay on disk). */
+struct backing {
+	uint32_t slot; /* slot + 1; 0: its slot was forgotten */
+	uint32_t opens;
 };
 
 struct dataset {
@@ -98,6 +108,10 @@ struct plane {
 	pthread_mutex_t queue_lock; /* the requests for Python, and whether reading ended */
 	struct request *head, *tail;
 	int ended;
+
+	pthread_mutex_t backing_lock; /* slots' backing ids, and backings */
+	struct backing *backings; /* by backing id */
+	size_t n_backings;
 
 	pthread_mutex_t hit_lock;
 	uint64_t hits[HIT_RING];
@@ -225,6 +239,25 @@ static uint32_t item_ref(struct plane *p, const uint8_t *digest)
 	return i;
 }
 
+/* Under backing_lock: close slot s's backing id where no open uses it (else its last
+ * RELEASE does). `forget`: the slot itself is going. */
+static void backing_drop(struct plane *p, struct slot *s, int forget)
+{
+	int32_t id = s->backing_id;
+	if (id <= 0)
+		return;
+	struct backing *b = &p->backings[id];
+	if (b->opens == 0) {
+		uint32_t closing = (uint32_t)id;
+		ioctl(p->dev_fd, BACKING_CLOSE, &closing);
+		b->slot = 0;
+		s->backing_id = 0;
+	} else if (forget) {
+		b->slot = 0; /* its last RELEASE closes it */
+		s->backing_id = 0;
+	}
+}
+
 /* One reference to slot i fewer; a slot no entry names is forgotten (a READ still in
  * flight on it only counts itself off its inflight). */
 static void item_unref(struct plane *p, uint32_t i)
@@ -247,6 +280,9 @@ static void item_unref(struct plane *p, uint32_t i)
 	}
 	p->n_items--;
 	s->served = 0;
+	pthread_mutex_lock(&p->backing_lock);
+	backing_drop(p, s, 1);
+	pthread_mutex_unlock(&p->backing_lock);
 	if (p->n_free == p->cap_free) {
 		size_t cap = p->cap_free ? 2 * p->cap_free : 1024;
 		uint32_t *free_slots = realloc(p->free_slots, cap * sizeof *free_slots);
@@ -520,6 +556,58 @@ fallback:
 
 /* Passthrough: an OPEN of a served item is answered with a backing id for its value
  * file, and the kernel reads that file itself; no READ reaches mountd. */
+static int32_t backing_use(struct plane *p, int32_t id)
+{
+	p->backings[id].opens++;
+	return id;
+}
+
+/* Under backing_lock: the item's backing id to answer an OPEN with, if opens use one
+ * now; else 0. */
+static int32_t backing_of(struct plane *p, struct slot *s)
+{
+	int32_t id = s->backing_id;
+	return id > 0 ? backing_use(p, id) : 0;
+}
+
+/* A new backing id for `path` if it is `size` bytes: the id, 0 where its size is not,
+ * -1 where the kernel refused it (counted). */
+static int32_t backing_open(struct plane *p, const char *path, uint64_t size)
+{
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return 0; /* culled by another process: Python decides */
+	struct stat st;
+	struct backing_map map = {.fd = fd};
+	int sized = !fstat(fd, &st) && (uint64_t)st.st_size == size;
+	int id = sized ? ioctl(p->dev_fd, BACKING_OPEN, &map) : 0;
+	close(fd); /* the kernel holds the backing file now */
+	if (sized && id <= 0) { /* EPERM without CAP_SYS_ADMIN, ... */
+		atomic_fetch_add_explicit(&p->backing_failures, 1, memory_order_relaxed);
+		return -1;
+	}
+	return id;
+}
+
+/* Under backing_lock: room for backing id `id`. */
+static int backings_grow(struct plane *p, int32_t id)
+{
+	if ((size_t)id < p->n_backings)
+		return 0;
+	size_t n = p->n_backings ? p->n_backings : 1024;
+	while (n <= (size_t)id)
+		n *= 2;
+	struct backing *b = realloc(p->backings, n * sizeof *b);
+	if (!b)
+		return -1;
+	memset(b + p->n_backings, 0, (n - p->n_backings) * sizeof *b);
+	p->backings = b;
+	p->n_backings = n;
+	return 0;
+}
+
+/* Passthrough: an OPEN of a served item is answered with a backing id for its value
+ * file, and the kernel reads that file itself; no READ reaches mountd. */
 static int do_open(struct plane *p, const struct fuse_in_header *in,
 		   const struct fuse_open_in *arg)
 {
@@ -533,33 +621,47 @@ static int do_open(struct plane *p, const struct fuse_in_header *in,
 		pthread_rwlock_unlock(&p->lock);
 		return 0;
 	}
-	struct slot *s = slot_at(p, ds->slots[node - ds->n_dirs]);
+	uint32_t si = ds->slots[node - ds->n_dirs];
+	struct slot *s = slot_at(p, si);
 	if (!s->served) {
 		pthread_rwlock_unlock(&p->lock);
 		return 0;
 	}
+	atomic_fetch_add(&s->inflight, 1); /* a withdrawal waits for this OPEN's reply */
 	uint64_t size = ds->sizes[node - ds->n_dirs];
 	char name[PLANE_NAME];
 	memcpy(name, s->name, PLANE_NAME);
 	pthread_rwlock_unlock(&p->lock);
-	value_path(p, name, path);
-	int fd = open(path, O_RDONLY | O_CLOEXEC);
-	if (fd < 0) {
-		atomic_fetch_add_explicit(&p->fallbacks, 1, memory_order_relaxed);
-		return 0;
-	}
-	struct stat st;
-	struct backing_map map = {.fd = fd};
-	int sized = !fstat(fd, &st) && (uint64_t)st.st_size == size;
-	int id = sized ? ioctl(p->dev_fd, BACKING_OPEN, &map) : -1;
-	close(fd); /* the kernel holds the backing file now */
-	if (!sized) { /* not the entry's size: Python refuses it, and counts why */
-		atomic_fetch_add_explicit(&p->fallbacks, 1, memory_order_relaxed);
-		return 0;
-	}
-	if (id <= 0) { /* EPERM without CAP_SYS_ADMIN, ... */
-		atomic_fetch_add_explicit(&p->backing_failures, 1, memory_order_relaxed);
-		return 0;
+
+	pthread_mutex_lock(&p->backing_lock);
+	int32_t id = backing_of(p, s);
+	pthread_mutex_unlock(&p->backing_lock);
+	if (!id) {
+		value_path(p, name, path);
+		int32_t made = backing_open(p, path, size);
+		if (made <= 0) {
+			if (!made)
+				atomic_fetch_add_explicit(&p->fallbacks, 1, memory_order_relaxed);
+			atomic_fetch_sub(&s->inflight, 1);
+			return 0;
+		}
+		pthread_mutex_lock(&p->backing_lock);
+		id = backing_of(p, s); /* another thread's, made meanwhile */
+		if (!id && !backings_grow(p, made)) {
+			s->backing_id = id = made;
+			p->backings[made] = (struct backing){.slot = si + 1, .opens = 0};
+			backing_use(p, made);
+			made = 0;
+		}
+		pthread_mutex_unlock(&p->backing_lock);
+		if (made) { /* not needed, or no memory to keep it */
+			uint32_t closing = (uint32_t)made;
+			ioctl(p->dev_fd, BACKING_CLOSE, &closing);
+		}
+		if (!id) {
+			atomic_fetch_sub(&s->inflight, 1);
+			return 0;
+		}
 	}
 	struct open_out out = {
 		.fh = FH_NATIVE | (uint32_t)id, .open_flags = FOPEN_PASSTHROUGH_, .backing_id = id};
@@ -567,6 +669,7 @@ static int do_open(struct plane *p, const struct fuse_in_header *in,
 	atomic_fetch_add_explicit(&p->served_files, 1, memory_order_relaxed);
 	record_hit(p, in->nodeid);
 	reply(p, in->unique, 0, &out, sizeof out);
+	atomic_fetch_sub(&s->inflight, 1);
 	return 1;
 }
 
@@ -576,7 +679,18 @@ static int do_release(struct plane *p, const struct fuse_in_header *in,
 	if (!(arg->fh & FH_NATIVE))
 		return 0; /* a handle Python gave */
 	uint32_t id = (uint32_t)arg->fh;
-	ioctl(p->dev_fd, BACKING_CLOSE, &id); /* the open file keeps its own reference */
+	pthread_mutex_lock(&p->backing_lock);
+	if (id < p->n_backings && p->backings[id].opens) {
+		struct backing *b = &p->backings[id];
+		struct slot *s = b->slot ? slot_at(p, b->slot - 1) : NULL;
+		if (!--b->opens) {
+			if (s)
+				backing_drop(p, s, 0);
+			else
+				ioctl(p->dev_fd, BACKING_CLOSE, &id); /* its slot was forgotten */
+		}
+	}
+	pthread_mutex_unlock(&p->backing_lock);
 	atomic_fetch_add_explicit(&p->releases, 1, memory_order_relaxed);
 	reply(p, in->unique, 0, NULL, 0);
 	return 1;
@@ -796,6 +910,7 @@ struct plane *plane_new(const char *store_dir, int threads, double root_timeout,
 	pthread_rwlock_init(&p->lock, NULL);
 	pthread_mutex_init(&p->queue_lock, NULL);
 	pthread_mutex_init(&p->hit_lock, NULL);
+	pthread_mutex_init(&p->backing_lock, NULL);
 	return p;
 }
 
@@ -874,6 +989,8 @@ void plane_free(struct plane *p)
 	pthread_rwlock_destroy(&p->lock);
 	pthread_mutex_destroy(&p->queue_lock);
 	pthread_mutex_destroy(&p->hit_lock);
+	pthread_mutex_destroy(&p->backing_lock);
+	free(p->backings);
 	free(p->threads);
 	free(p->store_dir);
 	free(p);
@@ -1026,6 +1143,11 @@ int plane_serve(struct plane *p, const uint8_t *digest, const char *name)
 	pthread_rwlock_wrlock(&p->lock);
 	struct slot *s = item_find(p, digest);
 	if (s) {
+		if (memcmp(s->name, name, PLANE_NAME)) { /* another file: new opens use it */
+			pthread_mutex_lock(&p->backing_lock);
+			backing_drop(p, s, 0);
+			pthread_mutex_unlock(&p->backing_lock);
+		}
 		memcpy(s->name, name, PLANE_NAME);
 		s->served = 1;
 	}
@@ -1043,6 +1165,9 @@ size_t plane_withdraw(struct plane *p, const uint8_t *digest, int wait, uint64_t
 	struct slot *s = entry ? slot_at(p, entry - 1) : NULL;
 	if (s) {
 		s->served = 0;
+		pthread_mutex_lock(&p->backing_lock);
+		backing_drop(p, s, 0);
+		pthread_mutex_unlock(&p->backing_lock);
 		for (size_t d = 0; d < p->n_datasets; d++) {
 			const struct dataset *ds = p->datasets[d];
 			for (uint32_t i = 0; i < ds->n_files; i++)
