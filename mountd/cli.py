@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 STARTUP_TIMEOUT = 120.0  # seconds a backgrounded mountd may take to answer
 THREADS = 16  # mountd's blocking workers, by default
 PUSH_MEMORY = 256 << 20  # bytes, by default (mountd.fetch.page_push)
+SCRUB_MB_S = 8.0  # MB a second, by default (mountd.store.scrubber)
 MEMORY_PER_USER = 2 << 30  # bytes, by default (mountd.datasets.memory_budget)
 DIGEST_BYTES_PER_USER = 2 << 30  # bytes, by default (mountd.control.quotas)
 MAX_LOADER_PROCESSES = 64
@@ -88,6 +89,12 @@ def add_parsers(sub: argparse._SubParsersAction,
                    "kernel's page cache ahead of their reads and not yet read, at most; "
                    "0 pushes nothing (default 256M). Without --fuse-opens a push counts "
                    "until its job asks for the manifest after the next one")
+    d.add_argument("--scrub-mb-s", metavar="MB", type=FloatAtLeast("--scrub-mb-s", 0),
+                   default=SCRUB_MB_S,
+                   help="megabytes (10^6 bytes) of the store hashed again each second, in "
+                   "the background, one pass over every entry after another: an entry "
+                   "whose bytes changed on disk is dropped and fetched again at its next "
+                   "read; 0 turns this off (default %(default)g)")
     d.add_argument("--fuse-opens", action="store_true",
                    help="serve dataset files with FUSE OPEN and RELEASE requests, as with a "
                    "pyfuse3 without mountd's patch (by default mountd runs without them "
@@ -185,6 +192,7 @@ def cmd_mountd(args: argparse.Namespace, embedded_coordinator: EmbeddedFactory) 
                        threads=args.threads, loader_processes=args.loader_processes,
                        fetch_deadline=args.fetch_deadline,
                        push_memory=args.push_memory, fuse_opens=args.fuse_opens,
+                       scrub_mb_s=args.scrub_mb_s,
                        memory_per_uid=args.memory_per_user, memory_total=args.memory_total,
                        digest_bytes_per_uid=args.digest_bytes_per_user,
                        chunk_bytes=args.chunk_size, metrics=args.metrics,

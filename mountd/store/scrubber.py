@@ -1,0 +1,287 @@
+"""The store's scrubber: every entry hashed again, one pass after another, at a bounded
+rate.
+
+An entry is hashed in full when it enters the store. Its file is root's alone, in a
+root-only directory, and never rewritten (a key names one content), so a read that
+trusts it need not hash it again; a disk can still rot, or a file be changed by hand.
+The scrubber walks the index in key order, from the value after the last one it
+checked, and hashes each entry's bytes (a value file, or a value kept in the index)
+with SHA-256: a file that does not hash to its key, that is shorter or longer than its
+row says, that is missing or that the disk cannot read is corrupt. mountd then
+withdraws it (``on_corrupt``: the kernel's pages of every inode naming it are
+dropped), the entry is discarded, and the next read of it misses and fetches it again.
+
+It is plain sync logic, driven by mountd (``Mountd._scrub``): ``step`` hashes at most
+STEP_BYTES in a worker of mountd's limiter, so that a hit never waits long for a
+worker; ``drop`` runs in a worker of its own; a ``ByteRate`` paces the steps to
+``--scrub-mb-s``. A file is read without evicting hot pages: what the page cache holds
+is read from it (RWF_NOWAIT) and left there, and only the pages the scrub itself read
+from the disk are dropped after (POSIX_FADV_DONTNEED).
+
+The index is read through a connection of its own, opened for each step and closed
+before it returns: it never holds a damaged index open (which could then not be moved
+aside), and follows a rebuilt one. Reading rows never updates an entry's recency.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import hashlib
+import logging
+import os
+import sqlite3
+from collections.abc import Callable
+from typing import Any
+
+from diskcache.core import DBNAME, MODE_RAW
+
+from mountd.store.content_store import ContentStore
+from mountd.store.errors import PROCESS_ERRNOS
+from mountd.store.index import TIMEOUT
+
+log = logging.getLogger(__name__)
+
+SCRUB_MB_S = 8.0  # the default rate: megabytes (10^6 bytes) hashed a second
+STEP_BYTES = 1 << 20  # bytes hashed in one worker call, at most
+STEP_ROWS = 64  # index rows read in one worker call, at most
+# Bytes of the rate that an entry costs at least: its row, and its file's open.
+ENTRY_COST = 4 << 10
+IDLE_WAIT = 1.0  # seconds between passes over an empty store
+DIGEST_LEN = 32  # a SHA-256: keys of any other length are none of the store's
+_READ_FLAGS = os.O_RDONLY | os.O_NOATIME | os.O_CLOEXEC
+_ROWS = ("SELECT key, filename, size, mode, value FROM Cache "
+         "WHERE raw = 1 AND key > ? ORDER BY key LIMIT ?")
+_FILENAME = "SELECT filename FROM Cache WHERE raw = 1 AND key = ?"
+
+OnCorrupt = Callable[[bytes], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Corrupt:
+    """An entry that failed its scrub: its digest, and why (for the log)."""
+
+    digest: bytes
+    why: str
+
+
+@dataclasses.dataclass
+class Step:
+    """What one ``step`` did: the bytes it cost of the rate, the corrupt entries it
+    found (for ``drop``), and whether it ended a pass that found nothing to hash."""
+
+    cost: int = 0
+    corrupt: list[Corrupt] = dataclasses.field(default_factory=list)
+    idle: bool = False
+
+
+@dataclasses.dataclass
+class _Partial:
+    """A value file hashed over several steps."""
+
+    digest: bytes
+    filename: str
+    fd: int
+    size: int
+    done: int = 0
+    hasher: Any = dataclasses.field(default_factory=hashlib.sha256)  # its SHA-256 so far
+
+
+class ByteRate:
+    """A token bucket over bytes: ``rate`` a second, of which at most ``burst`` may be
+    spent ahead of time."""
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate = rate
+        self.burst = burst
+        self._tokens = float(burst)
+        self._at: float | None = None
+
+    def wait(self, spent: int, now: float) -> float:
+        """Seconds to wait, from ``now``, once ``spent`` bytes were spent."""
+        if self._at is not None:
+            self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        self._tokens -= spent
+        return 0.0 if self._tokens >= 0 else -self._tokens / self.rate
+
+
+class Scrubber:
+    """Hashes ``store``'s entries again, one pass after another; ``on_corrupt(digest)``
+    withdraws an entry found corrupt before it is dropped. One step at a time."""
+
+    def __init__(self, store: ContentStore, on_corrupt: OnCorrupt) -> None:
+        self.store = store
+        self.on_corrupt = on_corrupt
+        self.counts = store.scrub
+        self._db = f"file:{os.path.join(store.directory, DBNAME)}?mode=ro"
+        self._after = b""  # the last key checked in this pass
+        self._pass_bytes = 0  # bytes hashed in this pass
+        self._partial: _Partial | None = None
+        self._nowait = True  # until the kernel or file system refuses RWF_NOWAIT
+
+    def step(self, budget: int = STEP_BYTES) -> Step:
+        """Hash the next entries, ``budget`` bytes at most (a worker thread's call)."""
+        step = Step()
+        if self.store.index.usable() is None:
+            step.idle = True  # rebuilt, or cannot open: tried again after IDLE_WAIT
+            return step
+        try:
+            with contextlib.closing(sqlite3.connect(self._db, uri=True,
+                                                    timeout=TIMEOUT)) as con:
+                self._walk(con, step, budget)
+        except sqlite3.Error as exc:  # the store's own reads find and handle damage
+            log.debug("store %s: the scrubber cannot read the index: %s",
+                      self.store.directory, exc)
+            step.idle = True
+        return step
+
+    def _walk(self, con: sqlite3.Connection, step: Step, budget: int) -> None:
+        if self._partial is not None:
+            self._hash_file(con, self._partial, step, budget)
+        while step.cost < budget and self._partial is None:
+            rows = con.execute(_ROWS, (self._after, STEP_ROWS)).fetchall()
+            if not rows:
+                self._end_pass(step)
+                return
+            for key, filename, size, mode, value in rows:
+                self._after = key
+                step.cost += ENTRY_COST
+                if len(key) != DIGEST_LEN:
+                    continue
+                if filename is None:
+                    if mode == MODE_RAW and isinstance(value, bytes):
+                        self._hash_value(key, value, step)
+                elif self._open(con, key, filename, size, step):
+                    self._hash_file(con, self._partial, step, budget)
+                if step.cost >= budget or self._partial is not None:
+                    break
+
+    def _end_pass(self, step: Step) -> None:
+        self.counts.scrub_passes += 1
+        step.idle = self._pass_bytes == 0
+        self._after, self._pass_bytes = b"", 0
+
+    def _hashed(self, n: int, step: Step) -> None:
+        step.cost += n
+        self._pass_bytes += n
+        self.counts.scrubbed_bytes += n
+
+    def _hash_value(self, digest: bytes, value: bytes, step: Step) -> None:
+        """An entry kept in the index itself."""
+        self._hashed(len(value), step)
+        if hashlib.sha256(value).digest() != digest:
+            step.corrupt.append(Corrupt(digest, "its value, kept in the index, does not "
+                                        "hash to its digest"))
+        else:
+            self.store.verified.add(digest)
+
+    def _open(self, con: sqlite3.Connection, digest: bytes, filename: str, size: int,
+              step: Step) -> bool:
+        """Start hashing ``digest``'s value file (``_partial``); False if it is not to be
+        hashed: culled since, found corrupt already, or not readable now."""
+        try:
+            fd = os.open(os.path.join(self.store.directory, filename), _READ_FLAGS)
+        except OSError as exc:
+            self._failed(con, digest, filename, exc, step)
+            return False
+        try:
+            actual = os.fstat(fd).st_size
+        except OSError as exc:
+            os.close(fd)
+            self._failed(con, digest, filename, exc, step)
+            return False
+        if actual != size:
+            os.close(fd)
+            self._found(con, digest, filename, f"is {actual} bytes, not {size}", step)
+            return False
+        self._partial = _Partial(digest, filename, fd, size)
+        return True
+
+    def _hash_file(self, con: sqlite3.Connection, part: _Partial, step: Step,
+                   budget: int) -> None:
+        """Hash ``part`` on, within ``budget``; at its end, close it and judge it."""
+        try:
+            while part.done < part.size and step.cost < budget:
+                n = min(part.size - part.done, max(budget - step.cost, 1 << 16))
+                buf = bytearray(n)
+                got = self._read(part.fd, memoryview(buf), part.done)
+                if got == 0:
+                    self._close_partial()
+                    self._found(con, part.digest, part.filename,
+                                f"ends at {part.done} bytes, not {part.size}", step)
+                    return
+                part.hasher.update(memoryview(buf)[:got])
+                part.done += got
+                self._hashed(got, step)
+        except OSError as exc:
+            self._close_partial()
+            self._failed(con, part.digest, part.filename, exc, step)
+            return
+        if part.done < part.size:
+            return  # the next step goes on
+        self._close_partial()
+        if part.hasher.digest() != part.digest:
+            self._found(con, part.digest, part.filename, "does not hash to its digest",
+                        step)
+        else:
+            self.store.verified.add(part.digest)
+
+    def _read(self, fd: int, buf: memoryview, offset: int) -> int:
+        """Fill ``buf`` from ``offset`` (less at the file's end): what the page cache
+        holds without waiting is read from it and kept; what comes from the disk is
+        dropped from the page cache after, as a cold entry's pages are nobody's."""
+        cached = 0
+        if self._nowait:
+            try:
+                cached = os.preadv(fd, [buf], offset, os.RWF_NOWAIT)
+            except BlockingIOError:
+                cached = 0
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                self._nowait = False  # every read then drops the pages it read
+        if cached == len(buf):
+            return cached
+        got = os.preadv(fd, [buf[cached:]], offset + cached)
+        if got:
+            os.posix_fadvise(fd, offset + cached, got, os.POSIX_FADV_DONTNEED)
+        return cached + got
+
+    def _failed(self, con: sqlite3.Connection, digest: bytes, filename: str,
+                exc: OSError, step: Step) -> None:
+        """A value file could not be opened or read: corrupt, unless the process is
+        short of something (tried again at the next pass)."""
+        if exc.errno in PROCESS_ERRNOS:
+            log.debug("store %s: the scrubber skipped %s: %s", self.store.directory,
+                      digest.hex(), exc.strerror)
+            return
+        why = ("is missing" if isinstance(exc, FileNotFoundError)
+               else f"cannot be read ({exc.strerror or exc})")
+        self._found(con, digest, filename, why, step)
+
+    def _found(self, con: sqlite3.Connection, digest: bytes, filename: str, why: str,
+               step: Step) -> None:
+        """``digest``'s value file ``filename`` is corrupt, if the index still names it
+        (a file culled or stored again since is none of this pass's business)."""
+        if con.execute(_FILENAME, (digest,)).fetchone() == (filename,):
+            step.corrupt.append(Corrupt(digest, f"its file {filename} {why}"))
+
+    def _close_partial(self) -> None:
+        if self._partial is not None:
+            os.close(self._partial.fd)
+            self._partial = None
+
+    def drop(self, bad: Corrupt) -> None:
+        """Withdraw a corrupt entry (``on_corrupt``, first), discard it and count it.
+        Runs in a worker that no read waits for: withdrawing it may wait in the kernel
+        for a read of its inode."""
+        self.on_corrupt(bad.digest)
+        self.store.discard(bad.digest)
+        self.counts.scrub_failures += 1
+        log.warning("store %s: entry %s failed its scrub (%s): dropped it (its next read "
+                    "fetches it again)", self.store.directory, bad.digest.hex(), bad.why)
+
+    def close(self) -> None:
+        """Close the file of a hash left halfway."""
+        self._close_partial()
