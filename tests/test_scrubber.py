@@ -10,6 +10,7 @@ import hashlib
 import os
 import random
 import sqlite3
+import subprocess
 import time
 
 import pytest
@@ -176,3 +177,41 @@ def test_scrub_mb_s_0_scrubs_nothing(mountd_factory, tmp_path, tree):
     cache = m.status()["cache"]
     assert (cache["scrubbed_bytes"], cache["scrub_passes"], cache["scrub_failures"]) == (0, 0, 0)
     assert cache["corrupt_dropped"] == 1
+
+
+def _cached_bytes(path: str) -> int:
+    """Bytes of ``path`` in the page cache (util-linux's fincore)."""
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", path],
+                         check=True, capture_output=True, text=True).stdout
+    return int(out)
+
+
+def test_a_pass_keeps_hot_pages_and_leaves_cold_ones_uncached(mountd_factory, tmp_path,
+                                                              tree):
+    """Two passes over the store: a value file wholly in the page cache is still there,
+    and value files out of it (one hashed over several steps) are still out of it."""
+    m = mountd_factory(extra_args=("--scrub-mb-s", SCRUB_MB_S))
+    mount(m, make_digest(str(tmp_path / "src"), "syn"), "a")
+    _stored(m, tree)
+    rows = _rows(m)
+    path = {rel: os.path.join(m.cache_dir, "store",
+                              rows[hashlib.sha256(tree[rel]).digest()][0])
+            for rel in ("mid/1.bin", "mid/2.bin", "big/0.bin")}
+    hot, cold = path["mid/1.bin"], [path["mid/2.bin"], path["big/0.bin"]]
+    for p in cold:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # written by mountd: clean pages can be dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        assert _cached_bytes(p) == 0
+    with open(hot, "rb") as f:
+        f.read()
+    hot_bytes = _cached_bytes(hot)
+    assert hot_bytes >= len(tree["mid/1.bin"])
+    start = m.status()["cache"]["scrub_passes"]
+    _wait("two passes", lambda: m.status()["cache"]["scrub_passes"] >= start + 2, m)
+    assert [_cached_bytes(p) for p in cold] == [0, 0]
+    assert _cached_bytes(hot) == hot_bytes
+    assert m.status()["cache"]["scrub_failures"] == 0
