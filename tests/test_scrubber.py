@@ -179,6 +179,22 @@ def test_scrub_mb_s_0_scrubs_nothing(mountd_factory, tmp_path, tree):
     assert cache["corrupt_dropped"] == 1
 
 
+def test_the_scrubber_hashes_at_most_scrub_mb_s(mountd_factory, tmp_path, tree):
+    """The bytes hashed over two passes are at most --scrub-mb-s times the seconds they
+    took, give or take the token bucket's burst and the step under way at each end."""
+    rate = 2e6  # bytes a second: a pass over the test's store takes about 2 s
+    m = mountd_factory(extra_args=("--scrub-mb-s", str(rate / 1e6)))
+    mount(m, make_digest(str(tmp_path / "src"), "syn"), "a")
+    _stored(m, tree)
+    start, started = m.status()["cache"], time.monotonic()
+    _wait("two passes", lambda: m.status()["cache"]["scrub_passes"] >= start["scrub_passes"] + 2,
+          m)
+    end, ended = m.status()["cache"], time.monotonic()
+    hashed = end["scrubbed_bytes"] - start["scrubbed_bytes"]
+    assert hashed >= sum(map(len, tree.values()))  # a whole pass at least
+    assert hashed <= rate * (ended - started) + 3 * STEP_BYTES, (hashed, ended - started)
+
+
 def _cached_bytes(path: str) -> int:
     """Bytes of ``path`` in the page cache (util-linux's fincore)."""
     out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", path],

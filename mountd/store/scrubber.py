@@ -41,7 +41,6 @@ from diskcache.core import DBNAME, MODE_RAW
 
 from mountd.store.content_store import ContentStore
 from mountd.store.errors import PROCESS_ERRNOS
-from mountd.store.index import TIMEOUT
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +49,10 @@ STEP_BYTES = 1 << 20  # bytes hashed in one worker call, at most
 STEP_ROWS = 64  # index rows read in one worker call, at most
 # Bytes of the rate that an entry costs at least: its row, and its file's open.
 ENTRY_COST = 4 << 10
-IDLE_WAIT = 1.0  # seconds between passes over an empty store
+IDLE_WAIT = 1.0  # seconds between passes over an empty store, and after a failed step
+# Seconds a step waits for SQLite's lock (a reader of a WAL index waits only while the
+# WAL is reset): past it the step gives up, and the scrubber tries again after IDLE_WAIT.
+INDEX_TIMEOUT = 1.0
 DIGEST_LEN = 32  # a SHA-256: keys of any other length are none of the store's
 _READ_FLAGS = os.O_RDONLY | os.O_NOATIME | os.O_CLOEXEC
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -126,12 +128,12 @@ class Scrubber:
     def step(self, budget: int = STEP_BYTES) -> Step:
         """Hash the next entries, ``budget`` bytes at most (a worker thread's call)."""
         step = Step()
-        if self.store.index.usable() is None:
-            step.idle = True  # rebuilt, or cannot open: tried again after IDLE_WAIT
+        if self.store.index.current is None:
+            step.idle = True  # being rebuilt, or not open yet: reads open it, not this
             return step
         try:
             with contextlib.closing(sqlite3.connect(self._db, uri=True,
-                                                    timeout=TIMEOUT)) as con:
+                                                    timeout=INDEX_TIMEOUT)) as con:
                 self._walk(con, step, budget)
         except sqlite3.Error as exc:  # the store's own reads find and handle damage
             log.debug("store %s: the scrubber cannot read the index: %s",
