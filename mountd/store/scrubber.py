@@ -34,6 +34,7 @@ import hashlib
 import logging
 import os
 import sqlite3
+import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
@@ -120,7 +121,8 @@ class Scrubber:
         self.store = store
         self.on_corrupt = on_corrupt
         self.counts = store.scrub
-        self._db = f"file:{os.path.join(store.directory, DBNAME)}?mode=ro"
+        db = urllib.parse.quote(os.path.abspath(os.path.join(store.directory, DBNAME)))
+        self._db = f"file:{db}?mode=ro"  # a path with '?' or '%' quoted
         self._after = b""  # the last key checked in this pass
         self._pass_bytes = 0  # bytes hashed in this pass
         self._partial: _Partial | None = None
