@@ -136,10 +136,14 @@ def test_entries_changed_on_disk_are_dropped_and_fetched_again(mountd_factory, t
     assert "failed its scrub" in m.log_tail(200)
 
 
-def test_a_full_pass_over_good_entries_drops_none(mountd_factory, tmp_path, tree):
+@pytest.mark.parametrize("cache_name", ["cache", "a cache?x=1%20#y"])
+def test_a_full_pass_over_good_entries_drops_none(mountd_factory, tmp_path, tree,
+                                                  cache_name):
     """Two passes over every entry end after all were stored: none is dropped, every
-    byte of them was hashed, and every read after is a local hit."""
-    m = mountd_factory(extra_args=("--scrub-mb-s", SCRUB_MB_S))
+    byte of them was hashed, and every read after is a local hit. Also where the cache
+    directory's name holds what a URI would read as a query or fragment."""
+    m = mountd_factory(cache_dir=str(tmp_path / cache_name),
+                       extra_args=("--scrub-mb-s", SCRUB_MB_S))
     data = make_digest(str(tmp_path / "src"), "syn")
     mount(m, data, "a")
     _stored(m, tree)
