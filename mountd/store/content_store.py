@@ -335,14 +335,20 @@ class ContentStore:
                 "write_error_since": health.write_error_since,
                 "write_failures": health.write_failures}
 
+    def distrust(self, digest: bytes) -> None:
+        """Forget what the read fast path knows of ``digest``'s entry (where its file is,
+        that it was hashed in full): a read of it then asks the index and hashes it in
+        full, until it is dropped."""
+        self.files.forget(digest)
+        self.verified.discard(digest)
+
     def discard(self, digest: bytes) -> None:
         """Drop ``digest``'s entry (left for LRU to evict while the store cannot write):
         from the index now, unless another thread writes it or a write hangs (the
         caller may be a read, which does not wait for a writer), then in the
         background. A read meanwhile that the index sends to its file finds it damaged
         again."""
-        self.files.forget(digest)
-        self.verified.discard(digest)
+        self.distrust(digest)
         if self.writes.stuck() or self.index.write(_delete, digest, "drop an entry",
                                                    blocking=False) is None:
             self.writes.submit(lambda: self.index.write(_delete, digest, "drop an entry"))

@@ -194,6 +194,7 @@ class Scrubber:
             return False
         try:
             actual = os.fstat(fd).st_size
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # this descriptor's reads only
         except OSError as exc:
             os.close(fd)
             self._failed(con, digest, filename, exc, step)
@@ -202,7 +203,6 @@ class Scrubber:
             os.close(fd)
             self._found(con, digest, filename, f"is {actual} bytes, not {size}", step)
             return False
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # this descriptor's reads only
         self._partial = _Partial(digest, filename, fd, size)
         return True
 
@@ -263,6 +263,9 @@ class Scrubber:
         """Withdraw a corrupt entry (``on_corrupt``, first), discard it and count it.
         Runs in a worker that no read waits for: withdrawing it may wait in the kernel
         for a read of its inode."""
+        # A read between the withdrawal and the drop hashes the entry in full, so no
+        # bytes of it reach the kernel's pages again, even bytes forged with their CRC32C.
+        self.store.distrust(bad.digest)
         self.on_corrupt(bad.digest)
         self.store.discard(bad.digest)
         self.counts.scrub_failures += 1
