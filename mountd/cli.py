@@ -320,6 +320,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"cache NOT WRITABLE since {since}: {cache.write_error}; reads are served "
               f"uncached ({cache.write_failures} items not stored); mountd tries again "
               "every few seconds")
+    if cache.scrub_failures:
+        print(f"cache scrub: {cache.scrub_failures} entries found changed on disk and "
+              "dropped (each fetched again at its next read)")
     print(f"reads: {c.get(ReadCounter.LOCAL_HITS, 0)} local hits "
           f"({human(c.get(ReadCounter.LOCAL_BYTES, 0))}), "
           f"{c.get(ReadCounter.PAGE_CACHE_OPENS, 0)} from the page cache, "

@@ -11,6 +11,7 @@ import os
 import random
 import sqlite3
 import subprocess
+import sys
 import time
 
 import pytest
@@ -134,6 +135,10 @@ def test_entries_changed_on_disk_are_dropped_and_fetched_again(mountd_factory, t
     _wait("stored again", lambda: _stored_right(m, list(digests.values())), m)
     assert m.status()["cache"]["scrub_failures"] == 3
     assert "failed its scrub" in m.log_tail(200)
+    status = subprocess.run([sys.executable, "-m", "quiverfs.cli", "status", "--root", m.root,
+                             "--control-socket", m.socket], capture_output=True, text=True,
+                            check=True, stdin=subprocess.DEVNULL).stdout
+    assert "cache scrub: 3 entries found changed on disk and dropped" in status
 
 
 @pytest.mark.parametrize("cache_name", ["cache", "a cache?x=1%20#y"])
