@@ -37,6 +37,7 @@ THREADS = 16  # mountd's blocking workers, by default
 # 2 threads, 0.85 with 16, in one quick run on 2 cores).
 FUSE_THREADS = max(16, os.cpu_count() or 1)
 PUSH_MEMORY = 256 << 20  # bytes, by default (mountd.fetch.page_push)
+SCRUB_MB_S = 8.0  # MB a second, by default (mountd.store.scrubber)
 MEMORY_PER_USER = 2 << 30  # bytes, by default (mountd.datasets.memory_budget)
 DIGEST_BYTES_PER_USER = 2 << 30  # bytes, by default (mountd.control.quotas)
 MAX_LOADER_PROCESSES = 64
@@ -93,6 +94,12 @@ def add_parsers(sub: argparse._SubParsersAction,
                    "kernel's page cache ahead of their reads and not yet read, at most; "
                    "0 pushes nothing (default 256M). Without --fuse-opens a push counts "
                    "until its job asks for the manifest after the next one")
+    d.add_argument("--scrub-mb-s", metavar="MB", type=FloatAtLeast("--scrub-mb-s", 0),
+                   default=SCRUB_MB_S,
+                   help="megabytes (10^6 bytes) of the store hashed again each second, in "
+                   "the background, one pass over every entry after another: an entry "
+                   "whose bytes changed on disk is dropped and fetched again at its next "
+                   "read; 0 turns this off (default %(default)g)")
     d.add_argument("--fuse-opens", action="store_true",
                    help="serve dataset files with FUSE OPEN and RELEASE requests, as with a "
                    "pyfuse3 without mountd's patch (by default mountd runs without them "
@@ -206,6 +213,7 @@ def cmd_mountd(args: argparse.Namespace, embedded_coordinator: EmbeddedFactory) 
                        fetch_deadline=args.fetch_deadline,
                        push_memory=args.push_memory, fuse_opens=args.fuse_opens,
                        data_path=DataPath(args.data_path), fuse_threads=args.fuse_threads,
+                       scrub_mb_s=args.scrub_mb_s,
                        memory_per_uid=args.memory_per_user, memory_total=args.memory_total,
                        digest_bytes_per_uid=args.digest_bytes_per_user,
                        chunk_bytes=args.chunk_size, metrics=args.metrics,
@@ -333,6 +341,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"cache NOT WRITABLE since {since}: {cache.write_error}; reads are served "
               f"uncached ({cache.write_failures} items not stored); mountd tries again "
               "every few seconds")
+    if cache.scrub_failures:
+        print(f"cache scrub: {cache.scrub_failures} entries found changed on disk and "
+              "dropped (each fetched again at its next read)")
     print(f"reads: {c.get(ReadCounter.LOCAL_HITS, 0)} local hits "
           f"({human(c.get(ReadCounter.LOCAL_BYTES, 0))}), "
           f"{c.get(ReadCounter.PAGE_CACHE_OPENS, 0)} from the page cache, "

@@ -24,6 +24,7 @@ from mountd.datasets.mount_table import MountTable
 from mountd.datasets.registry import Registry
 from mountd.fetch.fair_share import WAITING_READS_PER_UID
 from mountd.fetch.loader_pool import AHEAD_NICENESS, MIN_SERVING_PROCESSES, LoaderPool
+from mountd.fetch.probed import invalidate_inodes
 from mountd.fetch.services import read_services
 from mountd.fs.control_fs import ControlFS
 from mountd.fs.control_mount import ControlMount
@@ -35,6 +36,7 @@ from mountd.jobs.chunk_loader import ChunkLoader
 from mountd.jobs.planner import BatchPlanner
 from mountd.jobs.registry import JobRegistry
 from mountd.store.content_store import ContentStore
+from mountd.store.scrubber import IDLE_WAIT, SCRUB_MB_S, STEP_BYTES, ByteRate, Scrubber
 from mountd.view.view_jobs import ViewJobs
 from quiverfs import sd_notify
 from quiverfs.backends.base import FETCH_DEADLINE
@@ -90,6 +92,7 @@ class MountdConfig:
     prefetch_concurrency: int = 16  # items a prefetch fetches at once
     fetch_deadline: float = FETCH_DEADLINE  # seconds a bucket read may take, retries included
     gcs_endpoints: tuple[str, ...] = ()  # endpoints users other than root may name
+    scrub_mb_s: float = SCRUB_MB_S  # MB (10^6 bytes) of the store re-hashed a second; 0: none
 
 
 def check_cluster_config(cfg: MountdConfig) -> None:
@@ -139,6 +142,7 @@ class Mountd:
         self.store = ContentStore(os.path.join(cfg.cache_dir, "store"), cfg.cache_size)
         self.table = MountTable()
         self.limiter = trio.CapacityLimiter(cfg.threads)
+        self.scrubber = Scrubber(self.store, self._withdraw) if cfg.scrub_mb_s > 0 else None
         self.peer_service: PeerService | None = None
         self.peer_server: RpcServer | None = None
         self.coordinator_client: RpcClient | None = None
@@ -235,6 +239,8 @@ class Mountd:
             nursery.start_soon(self._record_hits)
             nursery.start_soon(self.views.run)
             nursery.start_soon(self._tune_kernel)
+            if self.scrubber is not None:
+                nursery.start_soon(self._scrub, self.scrubber)
             nursery.start_soon(self._serve_fuse, nursery.cancel_scope)
             # ROOT/.quiver's mount looks it up here: it starts once requests are served
             await nursery.start(self.control_mount.run)  # refuses its mount's files
@@ -321,6 +327,32 @@ class Mountd:
         self.fs.serve_opens(False)
         self.controller.fuse_mode = "no-open"
         self.services.stats.data_path = DataPath.NATIVE
+
+    async def _scrub(self, scrubber: Scrubber) -> None:
+        """Hash the store's entries again, one pass after another, at --scrub-mb-s
+        (mountd.store.scrubber); drop those found corrupt."""
+        rate = ByteRate(self.cfg.scrub_mb_s * 1e6, STEP_BYTES)
+        # Withdrawing an entry may wait in the kernel for a read of its inode, whose
+        # handler needs a worker of mountd's limiter: so it never holds one.
+        drops = trio.CapacityLimiter(1)
+        try:
+            while True:
+                step = await trio.to_thread.run_sync(scrubber.step, limiter=self.limiter)
+                for bad in step.corrupt:
+                    await trio.to_thread.run_sync(scrubber.drop, bad, limiter=drops)
+                wait = rate.wait(step.cost, trio.current_time())
+                await trio.sleep(max(wait, IDLE_WAIT) if step.idle else wait)
+        finally:
+            scrubber.close()
+
+    def _withdraw(self, digest: bytes) -> None:
+        """The scrubber's ``on_corrupt``, before it drops ``digest``'s entry: the native
+        data plane serves it no more (once its READs in flight are answered), and the
+        kernel drops its pages of every inode naming it, whose next reads then reach
+        mountd and fetch it again (a worker thread's call)."""
+        if self.native is not None:
+            self.native.withdraw_now(digest)
+        invalidate_inodes(self.table.inodes_naming(digest))
 
     async def _record_hits(self) -> None:
         recorded = trio.current_time()

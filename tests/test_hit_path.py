@@ -22,6 +22,10 @@ from tests.mountd_helpers import make_digest, mount, mountd_factory, tree_hashes
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
 
+# What the reads find is the point of the tests that damage the store: no scrubber finds
+# it first (tests/test_scrubber.py tests that)
+NO_SCRUB = ("--scrub-mb-s", "0")
+
 
 def _sha(rel: str, dir_fd: int) -> str:
     with open(os.open(rel, os.O_RDONLY, dir_fd=dir_fd), "rb", buffering=0) as f:
@@ -112,7 +116,7 @@ def test_a_hit_corrupted_on_disk_after_it_was_served_is_refetched(mountd_factory
                                                                   synthetic_tree):
     """Through Python, every hit checks its CRC32C. (The native data plane serves a
     verified file without a check; the scrubber finds it: tests/test_scrubber.py.)"""
-    m = mountd_factory(extra_args=("--data-path", "python"))
+    m = mountd_factory(extra_args=("--data-path", "python", *NO_SCRUB))
     data = make_digest(synthetic_tree.root, "syn")
     expected = tree_hashes(synthetic_tree.root)
     rels = sorted(expected)
@@ -164,7 +168,7 @@ def test_a_restarted_mountd_never_serves_an_item_forged_with_a_matching_crc(moun
     store = os.path.join(m.cache_dir, "store")
     assert _forge(store, "ASC") <= VERIFY_ON_LOOP_MAX < _forge(store, "DESC")
 
-    m = mountd_factory(cache_dir=m.cache_dir)
+    m = mountd_factory(cache_dir=m.cache_dir, extra_args=NO_SCRUB)
     assert _read_all(os.path.join(m.root, "a"), rels) == expected
     st = m.status()
     assert st["cache"]["corrupt_dropped"] == 2

@@ -287,7 +287,8 @@ def test_corrupted_cache_file_is_detected_and_refetched(mountd_factory, syntheti
         byte = f.read(1)
         f.seek(100)
         f.write(bytes([byte[0] ^ 0xFF]))
-    m2 = mountd_factory(cache_dir=m.cache_dir)
+    # the read finds it: no scrubber first (tests/test_scrubber.py)
+    m2 = mountd_factory(cache_dir=m.cache_dir, extra_args=("--scrub-mb-s", "0"))
     got = {p: hashlib.sha256(read_bytes(os.path.join(m2.root, "syn", p))).hexdigest()
            for p in expected}
     assert got == expected

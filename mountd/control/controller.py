@@ -319,13 +319,7 @@ class Controller:
             if ds.prefetch is not None:
                 entry["prefetch"] = vars(ds.prefetch).copy()
             datasets.append(entry)
-        health = store.health()
-        return {"root": self.root, "pid": os.getpid(),
-                "cache": {"size_limit": store.size_limit, "used_bytes": volume, "items": items,
-                          "corrupt_dropped": store.corrupt_dropped,
-                          "writable": health.writable, "write_error": health.write_error,
-                          "write_error_since": health.write_error_since,
-                          "write_failures": health.write_failures},
+        return {"root": self.root, "pid": os.getpid(), "cache": store.report(volume, items),
                 "counters": dict(self.stats.counters),
                 "bucket_fetch_causes": ReadStats.by_cause(self.stats.counters),
                 "fuse_mode": self.fuse_mode,

@@ -195,7 +195,7 @@ class MountdCollector:
         store = self.store
         with self._store_lock:
             used, limit, items = store.volume(), store.size_limit, len(store)
-            corrupt, health = store.corrupt_dropped, store.health()
+            corrupt, scrub, health = store.corrupt_dropped, store.scrub, store.health()
         yield GaugeMetricFamily("quiver_cache_used_bytes", "Bytes the local store uses on "
                                 "disk", value=used)
         yield GaugeMetricFamily("quiver_cache_limit_bytes", "The store's bound "
@@ -203,6 +203,13 @@ class MountdCollector:
         yield GaugeMetricFamily("quiver_cache_items", "Items in the local store", value=items)
         yield CounterMetricFamily("quiver_cache_corrupt_dropped", "Store entries that failed "
                                   "their checksum or hash and were dropped", value=corrupt)
+        yield CounterMetricFamily("quiver_cache_scrubbed_bytes", "Bytes of the store the "
+                                  "scrubber hashed again", value=scrub.scrubbed_bytes)
+        yield CounterMetricFamily("quiver_cache_scrub_passes", "Passes of the scrubber over "
+                                  "every entry of the store", value=scrub.scrub_passes)
+        yield CounterMetricFamily("quiver_cache_scrub_failures", "Store entries the scrubber "
+                                  "found changed on disk (or unreadable) and dropped",
+                                  value=scrub.scrub_failures)
         yield GaugeMetricFamily("quiver_store_writable", "1 if the store's last write "
                                 "worked, 0 while it cannot write (reads served uncached)",
                                 value=int(health.writable))

@@ -39,6 +39,7 @@ class CacheStatus(msgspec.Struct):
     write_error: str | None = None
     write_error_since: float | None = None  # Unix time of the first failed write
     write_failures: int = 0
+    scrub_failures: int = 0  # entries the scrubber found changed on disk, and dropped
 
 
 class CauseStatus(msgspec.Struct):

@@ -66,6 +66,18 @@ class MountTable:
         return sorted((ds for ds in self.by_name.values() if uid == 0 or ds.reg.uid == uid),
                       key=lambda ds: ds.name)
 
+    def inodes_naming(self, digest: bytes) -> list[int]:
+        """The inodes of the mounted datasets' files whose content is ``digest`` (a
+        view's files name no one item: none of them). Safe in a worker thread: the
+        datasets are listed in one step (atomic under the GIL) and a dataset's digest
+        never changes. A scan of every entry: for a rare event (a corrupt entry)."""
+        inodes = []
+        for ds in list(self.by_name.values()):
+            if ds.pools is None:
+                d = ds.digest
+                inodes.extend(ds.entry_inode(i) for i in range(len(d)) if d.hash(i) == digest)
+        return inodes
+
     @staticmethod
     def is_root(inode: int) -> bool:
         return inode == pyfuse3.ROOT_INODE

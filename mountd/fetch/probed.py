@@ -45,7 +45,7 @@ class ProbedReads:
                 self.withdraw(ds.digest.hash(i))
         inodes = [ds.entry_inode(i) for i in forced + uncached]
         push.forget(inodes)
-        await trio.to_thread.run_sync(_invalidate, inodes, limiter=self._invalidations)
+        await trio.to_thread.run_sync(invalidate_inodes, inodes, limiter=self._invalidations)
 
     def pending(self, digest: bytes) -> bool:
         """Whether a probed job's read of ``digest`` is to come: the chunk loader leaves
@@ -57,7 +57,9 @@ class ProbedReads:
         return self._marked.pop(digest, None)
 
 
-def _invalidate(inodes: list[int]) -> None:
+def invalidate_inodes(inodes: list[int]) -> None:
+    """Drop the kernel's pages and attributes of ``inodes`` (may wait in the kernel for a
+    read of one of them: never in a worker such a read needs)."""
     for inode in inodes:
         try:
             pyfuse3.invalidate_inode(inode, attr_only=False)

@@ -3,7 +3,9 @@
 Every value is checked against its hash before it is stored, and carries a CRC32C tag
 (hardware accelerated) that is checked on every read; an entry is also hashed in full
 the first time it is served after a start, so a file corrupted on disk (even with a
-matching tag) is dropped and fetched again instead of served.
+matching tag) is dropped and fetched again instead of served. The scrubber
+(``mountd.store.scrubber``) hashes every entry again in the background, and drops one
+that fails without waiting for a read to find it (``scrub``: what it counted).
 
 A hit costs no SQLite query: the store keeps in memory where each value file is and
 its tag (``mountd.store.value_files``), read from the index once at open and kept by
@@ -19,11 +21,12 @@ not store (``stored_elsewhere``, ``write_failed_elsewhere``).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import google_crc32c
 
@@ -43,12 +46,23 @@ log = logging.getLogger(__name__)
 VERIFY_ON_LOOP_MAX = 32 << 10
 
 
+@dataclasses.dataclass
+class ScrubCounts:
+    """What the scrubber (``mountd.store.scrubber``) has done since the start, kept with
+    the store so that status and metrics read it as they read ``corrupt_dropped``."""
+
+    scrubbed_bytes: int = 0  # bytes re-hashed
+    scrub_passes: int = 0  # passes over every entry of the store finished
+    scrub_failures: int = 0  # entries that failed the re-hash, and were dropped
+
+
 class ContentStore:
     """Bytes by SHA-256, bounded by ``size_limit`` bytes, evicting least-recently-used."""
 
     def __init__(self, directory: str, size_limit: int) -> None:
         self.directory = directory
         self.corrupt_dropped = 0
+        self.scrub = ScrubCounts()
         self.write_health = WriteHealth(directory)
         self.files = ValueFiles(directory)  # where values kept in files live
         self.verified = VerifiedDigests()
@@ -310,14 +324,30 @@ class ContentStore:
     def health(self) -> StoreHealth:
         return self.write_health.report()
 
+    def report(self, volume: int, items: int) -> dict[str, Any]:
+        """The store in ``quiver status --json`` (``cache``), given its ``volume`` and
+        ``items`` (which ask the index)."""
+        health = self.health()
+        return {"size_limit": self.size_limit, "used_bytes": volume, "items": items,
+                "corrupt_dropped": self.corrupt_dropped, **dataclasses.asdict(self.scrub),
+                "writable": health.writable, "write_error": health.write_error,
+                "write_error_since": health.write_error_since,
+                "write_failures": health.write_failures}
+
+    def distrust(self, digest: bytes) -> None:
+        """Forget what the read fast path knows of ``digest``'s entry (where its file is,
+        that it was hashed in full): a read of it then asks the index and hashes it in
+        full, until it is dropped."""
+        self.files.forget(digest)
+        self.verified.discard(digest)
+
     def discard(self, digest: bytes) -> None:
         """Drop ``digest``'s entry (left for LRU to evict while the store cannot write):
         from the index now, unless another thread writes it or a write hangs (the
         caller may be a read, which does not wait for a writer), then in the
         background. A read meanwhile that the index sends to its file finds it damaged
         again."""
-        self.files.forget(digest)
-        self.verified.discard(digest)
+        self.distrust(digest)
         if self.writes.stuck() or self.index.write(_delete, digest, "drop an entry",
                                                    blocking=False) is None:
             self.writes.submit(lambda: self.index.write(_delete, digest, "drop an entry"))
