@@ -352,7 +352,9 @@ class Mountd:
         mountd and fetch it again (a worker thread's call)."""
         if self.native is not None:
             self.native.withdraw_now(digest)
-        invalidate_inodes(self.table.inodes_naming(digest))
+        inodes = self.table.inodes_naming(digest)
+        trio.from_thread.run_sync(self.fs.forget_reading, inodes)
+        invalidate_inodes(inodes)
 
     async def _record_hits(self) -> None:
         recorded = trio.current_time()

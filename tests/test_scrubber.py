@@ -169,9 +169,10 @@ def test_a_full_pass_over_good_entries_drops_none(mountd_factory, tmp_path, tree
 
 
 def test_scrub_mb_s_0_scrubs_nothing(mountd_factory, tmp_path, tree):
-    """With --scrub-mb-s 0 no byte is hashed by a scrubber: a flipped byte is found by
-    the read that reaches it, as before."""
-    m = mountd_factory(extra_args=("--scrub-mb-s", "0"))
+    """With --scrub-mb-s 0 no byte is hashed by a scrubber: through Python, a flipped
+    byte is found by the read that reaches it (its CRC32C). The native data plane
+    serves a verified file without a check: only the scrubber finds it there."""
+    m = mountd_factory(extra_args=("--scrub-mb-s", "0", "--data-path", "python"))
     data = make_digest(str(tmp_path / "src"), "syn")
     mount(m, data, "a")
     _stored(m, tree)

@@ -297,6 +297,14 @@ class QuiverFS(pyfuse3.Operations):
             self._reading_bytes -= len(self._reading.pop(inode))
         return memoryview(data)[off:off + size]
 
+    def forget_reading(self, inodes: list[int]) -> None:
+        """Drop the bytes kept between the READs of these files (their item is dropped
+        from the store: their next READs fetch it again)."""
+        for inode in inodes:
+            data = self._reading.pop(inode, None)
+            if data is not None:
+                self._reading_bytes -= len(data)
+
     def _recently_failed(self, inode: int) -> bool:
         now = time.monotonic()
         while self._failed and now - next(iter(self._failed.values())) > FAILED_HOLD:
