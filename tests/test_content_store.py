@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import diskcache
+import google_crc32c
 import pytest
 
 from mountd.control.metrics import MountdCollector
@@ -25,7 +26,7 @@ from mountd.store import health as store_health
 from mountd.store import value_files as known_files
 from mountd.store.content_store import VERIFY_ON_LOOP_MAX, ContentStore
 from mountd.store.errors import IntegrityError, StoreError
-from mountd.store.index import DAMAGED_SUFFIX, DISK_MIN_FILE_SIZE, KEEP_DAMAGED
+from mountd.store.index import DAMAGED_SUFFIX, KEEP_DAMAGED
 from mountd.store.writer import StoreWriter
 from quiverfs.bench.read import drop_page_cache
 from tests.mountd_helpers import lone_services
@@ -41,6 +42,35 @@ def item(n: int, size: int = 40_000) -> tuple[bytes, bytes]:
 def value_files(directory: str) -> list[str]:
     return sorted(os.path.join(d, f) for d, _, fs in os.walk(directory) for f in fs
                   if f.endswith(".val"))
+
+
+def index_rows(directory: str) -> int:
+    """How many items are rows of the index (their value kept in SQLite, not a file)."""
+    with contextlib.closing(sqlite3.connect(os.path.join(directory, "cache.db"))) as con:
+        (rows,), = con.execute("SELECT COUNT(*) FROM Cache WHERE filename IS NULL")
+    return rows
+
+
+def settings(directory: str) -> dict[str, object]:
+    """The diskcache settings the index holds (its Settings table)."""
+    with contextlib.closing(sqlite3.connect(os.path.join(directory, "cache.db"))) as con:
+        return dict(con.execute("SELECT key, value FROM Settings"))
+
+
+OLD_MIN_FILE_SIZE = 4 << 10  # bytes: before #54, smaller items were rows of the index
+
+
+def old_store(directory: str, items: list[tuple[bytes, bytes]]) -> None:
+    """A closed store as versions before #54 left it: the store's own settings but
+    for DISK_MIN_FILE_SIZE, so items under OLD_MIN_FILE_SIZE are rows of the index (and
+    its Settings table says so), larger ones value files."""
+    with pytest.MonkeyPatch.context() as older:
+        older.setattr(index, "DISK_MIN_FILE_SIZE", OLD_MIN_FILE_SIZE)
+        cache = index.open_cache(directory, 64 << 20)
+    with cache:
+        for digest, data in items:
+            cache.set(digest, data, tag=google_crc32c.value(data))
+    assert index_rows(directory) == sum(len(data) < OLD_MIN_FILE_SIZE for _, data in items)
 
 
 def assert_consistent(directory: str) -> None:
@@ -206,9 +236,8 @@ def test_spent_entries_are_evicted_first_even_when_read_or_stored_after_the_mark
 
 
 def test_a_store_as_large_as_its_items_holds_them_all(tmp_path):
-    """The bound counts the items' bytes, inline (under DISK_MIN_FILE_SIZE: SQLite's
-    pages hold them with some overhead) and in files alike, and an item that fills it
-    exactly is kept: a cache sized to a dataset holds the whole dataset."""
+    """The bound counts the items' bytes (not the blocks of their files), and an item
+    that fills it exactly is kept: a cache sized to a dataset holds the whole dataset."""
     directory = str(tmp_path / "store")
     items = [item(i, 27_000) for i in range(40)] + [item(i, 40_000) for i in range(40, 50)]
     limit = sum(len(data) for _, data in items)
@@ -231,10 +260,7 @@ def test_a_store_that_counted_inline_items_as_nothing_counts_them_when_opened(tm
     size 0 (as diskcache does): opening such a store counts them, so it stays bounded."""
     directory = str(tmp_path / "store")
     items = [item(i, 1_000) for i in range(10)]
-    store = ContentStore(directory, 1 << 20)
-    for digest, data in items:
-        store.put(digest, data)
-    store.close()
+    old_store(directory, items)
     with contextlib.closing(sqlite3.connect(os.path.join(directory, "cache.db"))) as con:
         with con:
             con.execute("UPDATE Cache SET size = 0 WHERE filename IS NULL")
@@ -247,22 +273,92 @@ def test_a_store_that_counted_inline_items_as_nothing_counts_them_when_opened(tm
     assert_consistent(directory)
 
 
+@pytest.mark.parametrize("by", ["mountd", "loader-process"])
+def test_every_item_is_a_value_file_even_an_empty_one(store, tmp_path, by):
+    """The native data plane serves a hit from its value file: every item has one, an
+    empty item an empty file, whether mountd or a loader process stores it. Before,
+    items under 4 KiB were rows of the index."""
+    directory = str(tmp_path / "store")
+    items = [item(70, 1_000), item(71, 32), item(72, 0)]
+    if by == "mountd":
+        assert all(store.put(digest, data) for digest, data in items)
+    else:
+        writer = StoreWriter(directory, 10 << 20)
+        try:
+            files = writer.put_many(items)
+        finally:
+            writer.release()
+        for (digest, _), file in zip(items, files):
+            store.stored_elsewhere(digest, file)
+    assert index_rows(directory) == 0 and len(value_files(directory)) == 3
+    for digest, data in items:
+        path, _ = store.files.locate(digest)
+        assert os.path.getsize(path) == len(data)
+        assert store.get_nowait(digest, len(data)) == data
+        assert store.get(digest) == data
+    assert store.volume() == sum(len(data) for _, data in items) and len(store) == 3
+
+
+def test_a_store_an_older_version_wrote_serves_its_rows_and_stores_files(tmp_path):
+    """Before #54 the index kept items under 4 KiB as rows, and its Settings table said
+    so: opened now, its rows are served (through the index) and kept, and every new
+    item, however small, is a value file, whether mountd or a loader process stores it.
+    Before, new small items were rows too."""
+    directory = str(tmp_path / "store")
+    rows, large = [item(i, 1_000) for i in range(80, 83)], item(83)
+    old_store(directory, rows + [large])
+    assert settings(directory)["disk_min_file_size"] == OLD_MIN_FILE_SIZE
+    ours, theirs = item(84, 1_000), item(85, 2_000)
+    store = ContentStore(directory, 64 << 20)
+    writer = StoreWriter(directory, 64 << 20)
+    try:
+        assert settings(directory)["disk_min_file_size"] == 0
+        for digest, data in rows:
+            assert store.files.locate(digest) is None  # a row: read through the index
+            assert store.get(digest) == data
+        assert store.get(large[0]) == large[1]
+        assert store.put(*ours)
+        store.stored_elsewhere(theirs[0], writer.put(*theirs))
+        for digest, data in (ours, theirs):
+            path, _ = store.files.locate(digest)
+            assert os.path.getsize(path) == len(data)
+            assert store.get_nowait(digest, len(data)) == data
+    finally:
+        writer.release()
+        store.close()
+    assert index_rows(directory) == len(rows) and len(value_files(directory)) == 3
+    store = ContentStore(directory, 64 << 20)
+    try:
+        everything = rows + [large, ours, theirs]
+        assert [store.get(digest) for digest, _ in everything] == [d for _, d in everything]
+        assert store.corrupt_dropped == 0
+        assert store.volume() == sum(len(data) for _, data in everything)
+    finally:
+        store.close()
+    assert_consistent(directory)
+
+
 # -- a full hash check on the first read after a start --------------------------------
 
-@pytest.mark.parametrize("size", [40_000, VERIFY_ON_LOOP_MAX + 4096, 1_000],
-                         ids=["value-file", "value-file-hashed-in-a-worker", "in-index"])
-def test_an_edit_with_a_matching_crc_is_not_served_after_a_restart(tmp_path, size):
+@pytest.mark.parametrize("size, row", [(40_000, False), (VERIFY_ON_LOOP_MAX + 4096, False),
+                                       (1_000, True)],
+                         ids=["value-file", "value-file-hashed-in-a-worker", "old-index-row"])
+def test_an_edit_with_a_matching_crc_is_not_served_after_a_restart(tmp_path, size, row):
     directory = str(tmp_path / "store")
     digest, data = item(4, size)
     other = item(5, size)
-    store = ContentStore(directory, 10 << 20)
-    store.put(digest, data)
-    store.put(*other)
-    store.close()
+    if row:  # an item an older version kept in its index
+        old_store(directory, [(digest, data), other])
+    else:
+        store = ContentStore(directory, 10 << 20)
+        store.put(digest, data)
+        store.put(*other)
+        store.close()
     forged = b"forged!!" + data[8:]
     tag = content_store.google_crc32c.value(forged)
     with contextlib.closing(sqlite3.connect(os.path.join(directory, "cache.db"))) as con:
         (filename,), = con.execute("SELECT filename FROM Cache WHERE key = ?", (digest,))
+        assert (filename is None) == row
         with con:  # the tag edited to match, so only a full hash can tell
             con.execute("UPDATE Cache SET tag = ? WHERE key = ?", (tag, digest))
             if filename is None:
@@ -391,25 +487,31 @@ def test_a_value_file_that_cannot_be_read_fails_the_read(store, monkeypatch, cod
     assert (digest in store) == kept
 
 
-def test_an_index_that_cannot_be_read_fails_the_read(store, monkeypatch):
-    digest, data = item(17, 1_000)  # kept in the index: its read asks it
-    store.put(digest, data)
-    in_file = item(18)
-    store.put(*in_file)
+def test_an_index_that_cannot_be_read_fails_the_read(tmp_path, monkeypatch):
+    directory = str(tmp_path / "store")
+    digest, data = item(17, 1_000)  # a row of an older version's index: its read asks it
+    old_store(directory, [(digest, data)])
+    store = ContentStore(directory, 10 << 20)
+    try:
+        in_file = item(18)
+        store.put(*in_file)
 
-    def failing_get(*args: object, **kwargs: object) -> None:
-        raise sqlite3.OperationalError("disk I/O error")
+        def failing_get(*args: object, **kwargs: object) -> None:
+            raise sqlite3.OperationalError("disk I/O error")
 
-    for name in ("get", "__contains__", "__len__"):
-        monkeypatch.setattr(diskcache.Cache, name, failing_get)
-    monkeypatch.setattr(index.ContentBoundCache, "volume", failing_get)
-    with pytest.raises(StoreError, match="disk I/O error"):
-        store.get(digest)
-    assert store.get(in_file[0]) == in_file[1]  # its file is known: no query
-    # lookups answer (nothing), not raise: status, metrics and statfs ask them
-    assert digest not in store and store.volume() == 0 and len(store) == 0
-    monkeypatch.undo()
-    assert store.get(digest) == data
+        for name in ("get", "__contains__", "__len__"):
+            monkeypatch.setattr(diskcache.Cache, name, failing_get)
+        monkeypatch.setattr(index.ContentBoundCache, "volume", failing_get)
+        with pytest.raises(StoreError, match="disk I/O error"):
+            store.get(digest)
+        assert store.get(in_file[0]) == in_file[1]  # its file is known: no query
+        # lookups answer (nothing), not raise: status, metrics and statfs ask them
+        assert digest not in store and store.volume() == 0 and len(store) == 0
+        monkeypatch.undo()
+        assert store.get(digest) == data
+    finally:
+        store.close()
+    assert_consistent(directory)
 
 
 def test_a_full_disk_stores_nothing_more_and_recovers(tmp_path, no_back_off):
@@ -457,9 +559,12 @@ def test_a_store_on_a_full_disk_opens_later(tmp_path, no_back_off):
 
 # -- a damaged index ------------------------------------------------------------------
 
+ABSENT = item(999)[0]  # stored nowhere here: a read of it asks the index
+
+
 def filled_store(directory: str, n: int = 30) -> list[tuple[bytes, bytes]]:
-    """A closed store of ``n`` items, one in two small enough to live in the index."""
-    items = [item(i, DISK_MIN_FILE_SIZE + 4096 if i % 2 else 2048) for i in range(n)]
+    """A closed store of ``n`` items of 2-6 KB, each a value file."""
+    items = [item(i, 6144 if i % 2 else 2048) for i in range(n)]
     store = ContentStore(directory, 64 << 20)
     for digest, data in items:
         store.put(digest, data)
@@ -485,7 +590,7 @@ def test_a_damaged_index_is_moved_aside(tmp_path, caplog, damage):
         store = ContentStore(directory, 64 << 20)
     try:
         (warning,) = [r.getMessage() for r in caplog.records if r.name == INDEX_LOGGER]
-        assert "damaged" in warning and "15 value files removed" in warning
+        assert "damaged" in warning and "30 value files removed" in warning
         assert len(store) == 0 and value_files(directory) == []
         assert len([n for n in os.listdir(directory) if DAMAGED_SUFFIX in n
                     and not n.endswith("-wal")]) == 1
@@ -537,7 +642,7 @@ def test_a_truncated_index_leaves_no_orphaned_files(tmp_path, caplog):
         store = ContentStore(directory, 64 << 20)
     try:
         (warning,) = [r.getMessage() for r in caplog.records if r.name == INDEX_LOGGER]
-        assert "removed 15 value files" in warning
+        assert "removed 30 value files" in warning
         assert len(store) == 0 and value_files(directory) == []
         assert not [n for n in os.listdir(directory) if DAMAGED_SUFFIX in n]
         assert store.get(items[1][0]) is None
@@ -565,7 +670,7 @@ def test_damage_found_while_serving_rebuilds_the_store(tmp_path, no_back_off):
     served, done = threading.Event(), threading.Event()
 
     def worker() -> None:  # a worker thread with a connection of its own, alive but idle
-        store.get(items[2][0])
+        store.get(ABSENT)
         served.set()
         done.wait()
 
@@ -576,7 +681,7 @@ def test_damage_found_while_serving_rebuilds_the_store(tmp_path, no_back_off):
         assert store.get(items[0][0]) == items[0][1]
         damage_pages(os.path.join(directory, "cache.db"), 0.0, 1.0)
         with pytest.raises(StoreError, match="malformed"):
-            store.get(items[4][0])
+            store.get(ABSENT)  # a miss asks the index: the hits before did not
         # moved aside once no connection has it open: closing one later would delete
         # the new index's WAL
         assert store.get(items[4][0]) is None
@@ -596,7 +701,7 @@ def test_damage_found_while_serving_rebuilds_the_store(tmp_path, no_back_off):
 def damaged_while_held(store: ContentStore, items: list[tuple[bytes, bytes]],
                        then: Callable[[], None] = lambda: None) -> Iterator[None]:
     """Damage the open index of ``store`` (and call ``then``) while a worker thread holds
-    a connection to it (as one mid-query does), until the block ends; a read finds the
+    a connection to it (as one mid-query does), until the block ends; a miss finds the
     damage."""
     held = store.index.current
     assert held is not None
@@ -614,7 +719,7 @@ def damaged_while_held(store: ContentStore, items: list[tuple[bytes, bytes]],
         damage_pages(store.index.db_path, 0.0, 1.0)
         then()
         with pytest.raises(StoreError, match="malformed"):
-            store.get(items[4][0])
+            store.get(ABSENT)
         yield
     finally:
         done.set()
@@ -642,6 +747,8 @@ def test_a_damaged_index_replaced_by_another_file_is_not_moved_aside(tmp_path, n
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(store.index.db_path + suffix)
             os.replace(os.path.join(other_dir, "cache.db"), store.index.db_path)
+            for path in value_files(other_dir):  # and the value files it names
+                os.renames(path, os.path.join(directory, os.path.relpath(path, other_dir)))
         assert store.get(other[0][0]) == other[0][1]
         assert aside(directory) == []
         assert store.health().writable
@@ -813,18 +920,18 @@ def test_an_item_a_loader_process_stored_is_served_without_a_query(tmp_path,
     directory = str(tmp_path / "store")
     store = ContentStore(directory, 10 << 20)
     writer = StoreWriter(directory, 10 << 20)
-    digest, data = item(36)
-    small = item(37, 1_000)
+    items = [item(36), item(37, 1_000), item(38, 0)]  # however small: each a file
     try:
-        file = writer.put(digest, data)
-        assert writer.put(*small) is None  # kept in the index: no file to tell of
+        files = [writer.put(digest, data) for digest, data in items]
         writer.release()
+        assert [os.path.getsize(os.path.join(directory, f.name)) for f in files] == [
+            len(data) for _, data in items]
         before = len(sqlite_statements)
-        store.stored_elsewhere(digest, file)
-        store.stored_elsewhere(small[0], None)
-        assert store.get_nowait(digest, len(data)) == data
+        for (digest, _), file in zip(items, files):
+            store.stored_elsewhere(digest, file)
+        assert [store.get_nowait(d, len(data)) for d, data in items] == [
+            data for _, data in items]
         assert len(sqlite_statements) == before
-        assert store.get(small[0]) == small[1]
     finally:
         store.close()
     assert_consistent(directory)
@@ -854,15 +961,14 @@ def test_value_files_culled_or_stored_again_by_another_process_are_read_right(tm
 def test_membership_of_known_files_asks_no_query_and_a_culled_one_is_not_held(
         tmp_path, sqlite_statements):
     directory = str(tmp_path / "store")
-    items = [item(50 + i) for i in range(4)]
-    small = item(54, 1_000)  # kept in the index, not in a file: asked of the index
-    store = reopened(directory, items + [small])
+    items = [item(50 + i) for i in range(3)] + [item(53, 1_000)]
+    store = reopened(directory, items)
     try:
         digests = [d for d, _ in items]
         before = len(sqlite_statements)
         assert all(d in store for d in digests) and store.leading_held(digests) == 4
         assert len(sqlite_statements) == before
-        assert small[0] in store and len(sqlite_statements) > before
+        assert item(54)[0] not in store and len(sqlite_statements) > before  # asked
         with diskcache.Cache(directory) as other:  # another process culls the third
             assert other.delete(digests[2])
         assert digests[2] not in store
@@ -876,15 +982,14 @@ def test_puts_and_drops_keep_the_index_of_value_files(store):
     large, small = item(42), item(43, 1_000)
     assert store.put(*large) and store.put(*small)
     assert store.get_nowait(large[0], len(large[1])) == large[1]
-    assert store.files.locate(small[0]) is None  # kept in the index: read by a worker
-    assert store.get_nowait(small[0], len(small[1])) is None
+    assert store.get_nowait(small[0], len(small[1])) == small[1]  # a file too
     store.discard(large[0])
     assert store.files.locate(large[0]) is None
     assert store.get_nowait(large[0], len(large[1])) is None
     assert store.put(*large)
     assert store.get_nowait(large[0], len(large[1])) == large[1]
     store.clear()
-    assert store.files.locate(large[0]) is None
+    assert store.files.locate(large[0]) is None and store.files.locate(small[0]) is None
     assert store.get_nowait(large[0], len(large[1])) is None
     assert store.get(large[0]) is None and store.get(small[0]) is None
 

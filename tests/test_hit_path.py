@@ -18,6 +18,7 @@ from mountd.fs.datasets_fs import ROOT_ENTRY_TIMEOUT
 from mountd.fs.fuse_limits import FUSECTL, MAX_BACKGROUND, READAHEAD_KB
 from mountd.store.content_store import VERIFY_ON_LOOP_MAX
 from quiverfs.mount_point import mount_device
+from quiverfs.torch import QuiverBatchSampler
 from tests.mountd_helpers import make_digest, mount, mountd_factory, tree_hashes  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
@@ -174,6 +175,49 @@ def test_a_restarted_mountd_never_serves_an_item_forged_with_a_matching_crc(moun
     assert st["cache"]["corrupt_dropped"] == 2
     assert st["counters"]["bucket_fetches"] == 2
     assert st["counters"]["local_hits"] == len(rels) - 2
+
+
+STORED_TIMEOUT = 60.0  # seconds for a job's first batch to be fetched and stored
+
+
+def test_items_of_a_few_bytes_and_an_empty_one_are_value_files(mountd_factory, tmp_path):
+    """A job's planned fetches store every item as a value file (what the native data
+    plane reads), those of a few bytes and an empty one too; reads through the mount are
+    then served from them, in this run and after a restart. Before, items under 4 KiB
+    were rows of the index."""
+    contents = {f"c/{n}.png": bytes([n]) * n for n in range(20)}  # 0 to 19 bytes
+    src = tmp_path / "src"
+    (src / "c").mkdir(parents=True)
+    for rel, content in contents.items():
+        (src / rel).write_bytes(content)
+    data = make_digest(str(src), "tiny")
+    expected = tree_hashes(str(src))
+    rels = sorted(expected)
+    m = mountd_factory()
+    mount(m, data, "tiny")
+    sampler = QuiverBatchSampler(os.path.join(m.root, "tiny"), len(rels), seed=1)
+    try:
+        sampler.manifest(0)  # its one batch holds every item: each fetched and stored
+        deadline = time.monotonic() + STORED_TIMEOUT
+        while m.status()["cache"]["items"] < len(rels):
+            assert time.monotonic() < deadline, m.status()["cache"]
+            time.sleep(0.05)
+    finally:
+        sampler.close()
+    store = os.path.join(m.cache_dir, "store")
+    with contextlib.closing(sqlite3.connect(os.path.join(store, "cache.db"))) as con:
+        file_sizes = {key: name and os.path.getsize(os.path.join(store, name))
+                      for key, name in con.execute("SELECT key, filename FROM Cache")}
+    assert file_sizes == {hashlib.sha256(c).digest(): len(c) for c in contents.values()}
+    assert _read_all(os.path.join(m.root, "tiny"), rels) == expected
+    assert m.status()["counters"]["bucket_fetches"] == len(rels)  # the job's, no more
+    assert m.stop() == 0
+
+    m = mountd_factory(cache_dir=m.cache_dir)
+    assert _read_all(os.path.join(m.root, "tiny"), rels) == expected
+    st = m.status()
+    assert st["counters"].get("bucket_fetches", 0) == 0
+    assert st["cache"]["items"] == len(rels) and st["cache"]["corrupt_dropped"] == 0
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting the FUSE control filesystem needs root")

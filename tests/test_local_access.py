@@ -25,6 +25,7 @@ from quiverfs import digest as digest_format
 from quiverfs.mount_point import mount_device
 from tests.mountd_helpers import (call_as, dataset_counters, make_digest,  # noqa: F401
                                   mountd_factory, run_as)
+from tests.test_content_store import value_files
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"),
                                 reason="needs root and /dev/fuse")
@@ -439,8 +440,8 @@ def test_a_dataset_in_mountds_own_mount_fails_its_reads_and_mountd_serves_on(
 def test_the_store_is_root_only(shared_workdir, mountd_factory, tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    (src / "small.bin").write_bytes(b"s" * 100)  # kept in the index
-    (src / "large.bin").write_bytes(b"l" * 50_000)  # a file of the store
+    (src / "small.bin").write_bytes(b"s" * 100)  # a file of the store, however small
+    (src / "large.bin").write_bytes(b"l" * 50_000)
     data = make_digest(str(src), "mixed")
     cache_dir = os.path.join(shared_workdir, "cache")
 
@@ -462,6 +463,7 @@ def test_the_store_is_root_only(shared_workdir, mountd_factory, tmp_path):
             with open(os.path.join(m.root, "mixed", name), "rb") as f:
                 assert f.read() == (src / name).read_bytes()
         assert m.status()["cache"]["items"] == 2
+        assert len(value_files(os.path.join(cache_dir, "store"))) == 2  # modes checked
         assert os.path.exists(os.path.join(cache_dir, "store", "cache.db-wal"))
         assert private_modes() == {}
         if run == "first":  # made as an older version left it: readable by all

@@ -101,7 +101,7 @@ class ContentStore:
             handle, tag = index.reader.get(digest, default=None, read=True, tag=True)
             if handle is None:
                 return None
-            if isinstance(handle, bytes):  # small values live in the index itself
+            if isinstance(handle, bytes):  # a row: a small item an older version stored
                 return self._checked(digest, handle, tag)
             with handle:
                 value = handle.read()

@@ -35,12 +35,11 @@ log = logging.getLogger(__name__)
 
 # diskcache settings (units in the comments).
 CULL_LIMIT = 8  # items evicted at once when an insert goes over the bound
-# Bytes: larger values are files, smaller ones sit in SQLite. A file's hit is served on
-# mountd's loop from the page cache (``get_nowait``); a row's takes a worker thread,
-# a hand-off that costs a small item's read more than the read itself. So items of
-# 4 KiB and more are files (diskcache's default is 32 KiB); a file costs a loader an
-# open, a write and a close more, small beside a bucket fetch.
-DISK_MIN_FILE_SIZE = 4 << 10
+# Bytes: values this large and larger are files, smaller ones rows of the index. Every
+# value is a file, even an empty one: the native data plane serves a hit by reading its
+# value file, and a row only Python can read, on the slow path. A store an older
+# version wrote keeps its rows (read through ``ContentStore.get``) until they go.
+DISK_MIN_FILE_SIZE = 0
 SQLITE_MMAP_SIZE = 256 << 20  # bytes of the index mapped into memory
 TIMEOUT = 60  # seconds a writer waits for SQLite's lock
 KEEP_DAMAGED = 2  # damaged indexes kept for a post-mortem (each as large as the index)
@@ -79,10 +78,9 @@ class TrackedDisk(diskcache.Disk):
 class ContentBoundCache(diskcache.Cache):
     """diskcache's Cache, bounded by the bytes of the items it holds, as ``cache-size``
     says (rclone's and gcsfuse's cache sizes count their files' bytes too). diskcache's
-    own volume counts the SQLite file's pages, where an item under DISK_MIN_FILE_SIZE
-    takes whole pages, so a store sized to a dataset of small items would not hold it,
-    and every pass over it would miss and cull anew. The index is on top of the bound
-    (docs/operations.md)."""
+    own volume adds the SQLite file's pages, so a store sized to a dataset would not
+    hold it, and every pass over it would miss and cull anew. The index is on top of
+    the bound (docs/operations.md)."""
 
     def volume(self) -> int:
         return int(self.reset("size"))
@@ -392,9 +390,10 @@ def directory_lock(directory: str, mode: int) -> Iterator[None]:
 
 
 def _make_private(directory: str) -> None:
-    """Leave the store readable by root only: its index holds every user's keys and
-    small items. mountd's umask makes what it writes private; a store an older version
-    wrote (its index readable by others) has its folders and files made so too."""
+    """Leave the store readable by root only: its index holds every user's keys (and,
+    where an older version wrote it, small items). mountd's umask makes what it writes
+    private; a store an older version wrote (its index readable by others) has its
+    folders and files made so too."""
     os.chmod(directory, 0o700)
     db = os.path.join(directory, DBNAME)
     if not os.stat(db).st_mode & 0o077:

@@ -391,9 +391,8 @@ def write_digits_split(dest: str, seed: int = 0) -> int:
 
 
 def stored_bytes(digest: bytes, workdir: str) -> int:
-    """Bytes the store uses for the whole dataset. Items under 4 KiB live in SQLite,
-    whose rows cost more than the 120-byte digits themselves, so a cache sized from the
-    dataset's bytes would hold far fewer items than that fraction."""
+    """Bytes the store counts for the whole dataset (``used_bytes``, what ``cache-size``
+    bounds: an item's bytes, identical items once), measured by caching all of it."""
     with running_mountd(workdir, cache_size="1G", name="footprint") as m:
         m.call({"op": "mount", "name": "d", "digest": digest, "emulator_host": None})
         root = os.path.join(m.root, "d")
