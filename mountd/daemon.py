@@ -236,6 +236,8 @@ class Mountd:
             await nursery.start(self.loader.run)
             if self.metrics is not None:
                 await nursery.start(self.metrics.serve)
+            if self.native is not None:  # before the mount table changes
+                await nursery.start(self.native.run)
             nursery.start_soon(self._record_hits)
             nursery.start_soon(self.views.run)
             nursery.start_soon(self._tune_kernel)
@@ -305,7 +307,8 @@ class Mountd:
             return None
         native = NativePlane.create(self.cfg.fuse_threads, ROOT_ENTRY_TIMEOUT,
                                     DATASET_TIMEOUT, self.table, self.store,
-                                    self.services.stats, self.services.integrity)
+                                    self.services.stats, self.services.integrity,
+                                    self.limiter)
         if native is None:
             return None
         self.services.probed.withdraw = native.withdrawn

@@ -244,6 +244,7 @@ class Controller:
                 raise
             self.table.add(ds)
             self.reader.expect_misses(ds.backend)
+        await self.table.settle(ds)
         log.info("uid %d mounted %s (%s view): %d items from %s", peer.uid, name, view,
                  len(digest), digest.source)
         if request.prefetch:

@@ -18,6 +18,9 @@ class TableWatcher(Protocol):
 
     def unmounted(self, ds: MountedDataset) -> None: ...
 
+    async def settle(self, ds: MountedDataset) -> None:
+        """Return once ``ds``, just mounted, is taken in."""
+
 
 class MountTable:
     """Datasets by name and by inode range; ranges are never reused while running."""
@@ -41,6 +44,12 @@ class MountTable:
         self._by_base.insert(pos, ds)
         for watcher in self.watchers:
             watcher.mounted(ds)
+
+    async def settle(self, ds: MountedDataset) -> None:
+        """Return once every watcher has taken ``ds`` in (a mount's reply waits for it:
+        its files are then served as fast as they will be)."""
+        for watcher in self.watchers:
+            await watcher.settle(ds)
 
     def remove(self, name: str) -> MountedDataset:
         ds = self.by_name.pop(name)

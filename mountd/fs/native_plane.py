@@ -18,10 +18,12 @@ from __future__ import annotations
 import array
 import enum
 import logging
+import math
 import os
 from collections import Counter
 
 import pyfuse3
+import trio
 
 from mountd.datasets.dataset import MountedDataset
 from mountd.datasets.mount_table import MountTable
@@ -50,9 +52,11 @@ class NativePlane:
     """The plane of one mountd, and the store's and mount table's news for it."""
 
     def __init__(self, plane: object, threads: int, table: MountTable, store: ContentStore,
-                 stats: ReadStats, integrity: IntegrityBudget) -> None:
+                 stats: ReadStats, integrity: IntegrityBudget,
+                 limiter: trio.CapacityLimiter) -> None:
         self.plane = plane
         self.threads = threads
+        self.limiter = limiter  # mountd's workers: trees built and handed over
         self.table = table
         self.store = store
         self.stats = stats
@@ -61,11 +65,15 @@ class NativePlane:
         self._suspended: set[int] = set()
         self._counted: Counter[str] = Counter()  # the plane's counters, as last drained
         self.passthrough = False  # OPENs answered with backing files (use_passthrough)
+        # the mount table's changes (added?, dataset), carried out in order by ``run``
+        self._changes_in, self._changes_out = trio.open_memory_channel[
+            tuple[bool, MountedDataset]](math.inf)
+        self._settled: dict[int, trio.Event] = {}  # inode base -> set once added (or not)
 
     @classmethod
     def create(cls, threads: int, root_timeout: float, timeout: float, table: MountTable,
-               store: ContentStore, stats: ReadStats, integrity: IntegrityBudget
-               ) -> NativePlane | None:
+               store: ContentStore, stats: ReadStats, integrity: IntegrityBudget,
+               limiter: trio.CapacityLimiter) -> NativePlane | None:
         """The plane, or None (logged) where the native module cannot be loaded."""
         try:
             from mountd.native import _dataplane  # noqa: PLC0415 (built by make; optional)
@@ -74,7 +82,7 @@ class NativePlane:
                         "it): dataset files are served through Python", exc)
             return None
         plane = _dataplane.Plane(store.directory, threads, root_timeout, timeout)
-        return cls(plane, threads, table, store, stats, integrity)
+        return cls(plane, threads, table, store, stats, integrity, limiter)
 
     def use_passthrough(self, on: bool) -> None:
         """Answer OPENs of served items with their value files as FUSE passthrough
@@ -110,45 +118,57 @@ class NativePlane:
 
     # -- the mount table's news (MountTable.watchers) ---------------------------------
     def mounted(self, ds: MountedDataset) -> None:
+        """Give the plane ``ds``'s tree, in the background (a worker builds it: the
+        loop must not wait for a large digest); ``settle`` waits for it."""
         if ds.pools is not None:
             return  # a view: one link, served by Python
-        tree, digest = ds.tree, ds.digest
-        n_files = len(digest)
-        parents = array.array("I", tree.parents)
-        parents.extend(tree.file_parent)
-        names = bytearray()
-        ends = array.array("I", [0])
-        dir_names = [b""] * tree.n_dirs
-        for children in tree.children:
-            for name, child in children.items():
-                if child < tree.n_dirs:
-                    dir_names[child] = os.fsencode(name)
-        for name in dir_names[1:]:
-            names += name
-            ends.append(len(names))
-        for i in range(n_files):
-            names += os.fsencode(digest.path(i).rpartition("/")[2])
-            ends.append(len(names))
-        sizes = array.array("Q", (digest.sizes[i] for i in range(n_files)))
-        hashes = b"".join(digest.hash(i) for i in range(n_files))
+        self._settled[ds.inode_base] = trio.Event()
+        self._changes_in.send_nowait((True, ds))
+
+    def unmounted(self, ds: MountedDataset) -> None:
+        if ds.pools is None:
+            self._changes_in.send_nowait((False, ds))
+
+    async def settle(self, ds: MountedDataset) -> None:
+        """Return once the plane serves ``ds`` (or has given up: Python serves it)."""
+        event = self._settled.get(ds.inode_base)
+        if event is not None:
+            await event.wait()
+
+    async def run(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+        """Carry out the mount table's changes, in their order."""
+        task_status.started()
+        async for added, ds in self._changes_out:
+            if not added:
+                if self._registered.pop(ds.inode_base, None) is not None:
+                    self._suspended.discard(ds.inode_base)
+                    await trio.to_thread.run_sync(self.plane.remove_dataset, ds.inode_base,
+                                                  limiter=self.limiter)
+                continue
+            try:
+                await self._add(ds)
+            finally:
+                self._settled.pop(ds.inode_base).set()
+
+    async def _add(self, ds: MountedDataset) -> None:
+        tree = await trio.to_thread.run_sync(_tree_arrays, ds, limiter=self.limiter)
         try:
-            self.plane.add_dataset(ds.inode_base, tree.n_dirs, n_files, ds.reg.uid,
-                                   ds.reg.gid, int(ds.reg.registered_at * 1e9), parents,
-                                   names, ends, sizes, hashes)
+            await trio.to_thread.run_sync(self.plane.add_dataset, *tree,
+                                          limiter=self.limiter)
         except (OSError, ValueError) as exc:  # out of memory: Python serves it all
             log.warning("dataset %s is served through Python: the native data plane "
                         "cannot take its tree (%s)", ds.name, exc)
             return
         self._registered[ds.inode_base] = ds
-        for i in range(n_files):  # what this run has verified is served at once
-            h = digest.hash(i)
-            if h in self.store.verified:
-                self.verified(h)
+        await trio.to_thread.run_sync(self._serve_verified, ds, limiter=self.limiter)
 
-    def unmounted(self, ds: MountedDataset) -> None:
-        if self._registered.pop(ds.inode_base, None) is not None:
-            self.plane.remove_dataset(ds.inode_base)
-            self._suspended.discard(ds.inode_base)
+    def _serve_verified(self, ds: MountedDataset) -> None:
+        """What this run has verified of ``ds`` is served at once (a worker's call)."""
+        verified = self.store.verified
+        for i in range(len(ds.digest)):
+            h = ds.digest.hash(i)
+            if h in verified:
+                self.verified(h)
 
     # -- the store's news (VerifiedDigests.watcher) ----------------------------------
     def verified(self, digest: bytes) -> None:
@@ -194,3 +214,29 @@ class NativePlane:
             if suspended != (base in self._suspended):
                 self.plane.suspend(base, suspended)
                 (self._suspended.add if suspended else self._suspended.discard)(base)
+
+
+def _tree_arrays(ds: MountedDataset) -> tuple:
+    """``Plane.add_dataset``'s arguments for ``ds`` (a worker's call: a loop over every
+    entry)."""
+    tree, digest = ds.tree, ds.digest
+    n_files = len(digest)
+    parents = array.array("I", tree.parents)
+    parents.extend(tree.file_parent)
+    names = bytearray()
+    ends = array.array("I", [0])
+    dir_names = [b""] * tree.n_dirs
+    for children in tree.children:
+        for name, child in children.items():
+            if child < tree.n_dirs:
+                dir_names[child] = os.fsencode(name)
+    for name in dir_names[1:]:
+        names += name
+        ends.append(len(names))
+    for i in range(n_files):
+        names += os.fsencode(digest.path(i).rpartition("/")[2])
+        ends.append(len(names))
+    sizes = array.array("Q", (digest.sizes[i] for i in range(n_files)))
+    hashes = b"".join(digest.hash(i) for i in range(n_files))
+    return (ds.inode_base, tree.n_dirs, n_files, ds.reg.uid, ds.reg.gid,
+            int(ds.reg.registered_at * 1e9), parents, names, ends, sizes, hashes)

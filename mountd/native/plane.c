@@ -754,11 +754,6 @@ ssize_t plane_take(struct plane *p, void *buf, size_t len)
 		pthread_mutex_unlock(&p->queue_lock);
 		return -1;
 	}
-	if (r->len > len) {
-		pthread_mutex_unlock(&p->queue_lock);
-		errno = EINVAL;
-		return -1;
-	}
 	p->head = r->next;
 	if (!p->head)
 		p->tail = NULL;
@@ -766,6 +761,12 @@ ssize_t plane_take(struct plane *p, void *buf, size_t len)
 	(void)!read(p->event_fd, &value, sizeof value); /* one off the semaphore */
 	pthread_mutex_unlock(&p->queue_lock);
 	size_t n = r->len;
+	if (n > len) { /* longer than libfuse reads (it never is): refused, not passed on */
+		reply(p, ((const struct fuse_in_header *)r->data)->unique, EIO, NULL, 0);
+		free(r);
+		errno = EINTR; /* pyfuse3 waits for the next */
+		return -1;
+	}
 	memcpy(buf, r->data, n);
 	free(r);
 	return (ssize_t)n;

@@ -52,8 +52,8 @@ void plane_stop(struct plane *p);
 /* Readable (an eventfd in semaphore mode) while a request waits for Python. */
 int plane_event_fd(const struct plane *p);
 /* The next request for Python, copied into buf: its length; -1 with errno EAGAIN when
- * none waits, ENODEV once the session has ended (the kernel unmounted it), EINVAL for
- * a buffer too small. */
+ * none waits, ENODEV once the session has ended (the kernel unmounted it), EINTR for
+ * one longer than the buffer (answered EIO). */
 ssize_t plane_take(struct plane *p, void *buf, size_t len);
 /* A reply from Python, written to the session's descriptor. */
 ssize_t plane_write(struct plane *p, const struct iovec *iov, int count);
