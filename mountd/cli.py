@@ -328,7 +328,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         return _print_json(raw, "status")
     cache = reply.cache
     c = reply.counters
-    print(f"root {reply.root} (mountd pid {reply.pid})")
+    print(f"root {reply.root} (mountd pid {reply.pid}), cached files served by "
+          f"{'Python' if reply.data_path == 'python' else 'native code'} "
+          f"(data path {reply.data_path})")
     print(f"cache: {human(cache.used_bytes)} of {human(cache.size_limit)} used, "
           f"{cache.items} items")
     m = reply.memory

@@ -276,7 +276,7 @@ def test_mountd_replies_are_what_the_client_reads(mountd_factory, digits_tree) -
 # --- replies a client cannot use ----------------------------------------------------
 
 STATUS: dict[str, Any] = {
-    "ok": True, "root": "/mnt/quiver", "pid": 7,
+    "ok": True, "root": "/mnt/quiver", "pid": 7, "data_path": "native",
     "cache": {"used_bytes": 5, "size_limit": 1 << 30, "items": 1, "writable": True,
               "write_error": None, "write_error_since": None, "write_failures": 0},
     "memory": {"uid": 0, "uid_in_use": 10, "per_uid_limit": None, "in_use": 10,
@@ -412,7 +412,8 @@ def test_a_malformed_reply_is_one_line(ask_fake, args: tuple[str, ...], reply: A
 
 
 @pytest.mark.parametrize("args,reply,out", [
-    (("status",), STATUS, "root /mnt/quiver (mountd pid 7)"),
+    (("status",), STATUS, "root /mnt/quiver (mountd pid 7), cached files served by native "
+     "code (data path native)"),
     (("status", "--json"), STATUS, '"root": "/mnt/quiver"'),
     (("status", "--cluster"), CLUSTER, "chunks [A .]"),
     (("mount",), {"ok": True, "path": "/mnt/quiver/d", "items": 1, "bytes": 1},

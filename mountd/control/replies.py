@@ -85,6 +85,7 @@ class StatusReply(msgspec.Struct):
 
     root: str
     pid: int
+    data_path: str  # how cached dataset files are served: native, passthrough or python
     cache: CacheStatus
     memory: MemoryStatus
     counters: Counters
