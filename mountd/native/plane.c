@@ -490,8 +490,67 @@ static void value_path(const struct plane *p, const char *name, char *path)
 	memcpy(at, ".val", 5);
 }
 
+/* A thread's buffers: a request, a READ's bytes, and a pipe to splice them through. */
+struct worker {
+	char *buf, *data;
+	int pipe[2]; /* -1: none (it could not be made, or broke): pread and writev */
+};
+
+static void pipe_close(struct worker *w)
+{
+	if (w->pipe[0] >= 0) {
+		close(w->pipe[0]);
+		close(w->pipe[1]);
+	}
+	w->pipe[0] = w->pipe[1] = -1;
+}
+
+static void pipe_open(struct worker *w)
+{
+	w->pipe[0] = w->pipe[1] = -1;
+	if (pipe2(w->pipe, O_CLOEXEC)) {
+		w->pipe[0] = w->pipe[1] = -1;
+		return;
+	}
+	/* a whole reply in the pipe: its header and DATA_BUF bytes */
+	if (fcntl(w->pipe[1], F_SETPIPE_SZ, DATA_BUF + 4096) < DATA_BUF + 4096)
+		pipe_close(w);
+}
+
+/* The reply to READ `unique`: n bytes of fd from off, moved from the store file's pages
+ * to the kernel through the pipe, not copied through this process. 1 if sent (or the
+ * kernel refused it: the request was interrupted); 0 where the file gave fewer bytes;
+ * -1 where the pipe failed (it is closed: the caller copies instead). */
+static int splice_reply(struct plane *p, struct worker *w, uint64_t unique, int fd,
+			uint64_t off, uint64_t n)
+{
+	struct fuse_out_header out = {.len = (uint32_t)(sizeof out + n), .unique = unique};
+	if (write(w->pipe[1], &out, sizeof out) != (ssize_t)sizeof out) {
+		pipe_close(w);
+		return -1;
+	}
+	loff_t at = (loff_t)off;
+	for (uint64_t moved = 0; moved < n;) {
+		ssize_t got = splice(fd, &at, w->pipe[1], NULL, n - moved, SPLICE_F_MOVE);
+		if (got < 0 && errno == EINTR)
+			continue;
+		if (got <= 0) { /* shorter than its entry, or unreadable: the pipe holds a part */
+			pipe_close(w);
+			pipe_open(w);
+			return got == 0 ? 0 : -1;
+		}
+		moved += (uint64_t)got;
+	}
+	ssize_t sent = splice(w->pipe[0], NULL, p->dev_fd, NULL, sizeof out + n, SPLICE_F_MOVE);
+	if (sent != (ssize_t)(sizeof out + n)) { /* refused (interrupted): what is left goes */
+		pipe_close(w);
+		pipe_open(w);
+	}
+	return 1;
+}
+
 static int do_read(struct plane *p, const struct fuse_in_header *in,
-		   const struct fuse_read_in *arg, char *data)
+		   const struct fuse_read_in *arg, struct worker *w)
 {
 	uint32_t node;
 	char path[PATH_MAX];
@@ -523,16 +582,6 @@ static int do_read(struct plane *p, const struct fuse_in_header *in,
 		close(fd); /* not the entry's size: Python refuses it, and counts why */
 		goto fallback;
 	}
-	for (uint64_t done = 0; done < n;) {
-		ssize_t got = pread(fd, data + done, n - done, (off_t)(off + done));
-		if (got < 0 && errno == EINTR)
-			continue;
-		if (got <= 0) { /* shorter than its entry: not the verified file */
-			close(fd);
-			goto fallback;
-		}
-		done += (uint64_t)got;
-	}
 	/* counted before the reply: a reader that asks for the counters next sees it */
 	atomic_fetch_add_explicit(&p->reads, 1, memory_order_relaxed);
 	atomic_fetch_add_explicit(&p->read_bytes, n, memory_order_relaxed);
@@ -540,7 +589,24 @@ static int do_read(struct plane *p, const struct fuse_in_header *in,
 		atomic_fetch_add_explicit(&p->served_files, 1, memory_order_relaxed);
 		record_hit(p, in->nodeid);
 	}
-	reply(p, in->unique, 0, data, n);
+	int spliced = n && w->pipe[0] >= 0 ? splice_reply(p, w, in->unique, fd, off, n) : -1;
+	if (spliced == 0) { /* shorter than its entry: not the verified file */
+		close(fd);
+		goto fallback;
+	}
+	if (spliced < 0) {
+		for (uint64_t done = 0; done < n;) {
+			ssize_t got = pread(fd, w->data + done, n - done, (off_t)(off + done));
+			if (got < 0 && errno == EINTR)
+				continue;
+			if (got <= 0) {
+				close(fd);
+				goto fallback;
+			}
+			done += (uint64_t)got;
+		}
+		reply(p, in->unique, 0, w->data, n);
+	}
 	atomic_fetch_sub(&s->inflight, 1);
 	/* The kernel now holds these bytes in the FUSE inode's pages: the store file's
 	 * copy would cache them twice. */
@@ -809,7 +875,7 @@ struct worker_args {
 
 static void on_stop_signal(int signum) { (void)signum; }
 
-static void handle(struct plane *p, char *buf, size_t len, char *data)
+static void handle(struct plane *p, char *buf, size_t len, struct worker *w)
 {
 	const struct fuse_in_header *in = (const void *)buf;
 	const char *arg = buf + sizeof *in;
@@ -820,7 +886,7 @@ static void handle(struct plane *p, char *buf, size_t len, char *data)
 		break;
 	case FUSE_READ: /* with passthrough, only files Python opened are read here */
 		if (!atomic_load(&p->passthrough) && arg_len >= sizeof(struct fuse_read_in) &&
-		    do_read(p, in, (const struct fuse_read_in *)arg, data))
+		    do_read(p, in, (const struct fuse_read_in *)arg, w))
 			return;
 		break;
 	case FUSE_OPEN:
@@ -860,9 +926,10 @@ static void *worker_main(void *arg)
 	sigemptyset(&only_stop);
 	sigaddset(&only_stop, STOP_SIGNAL);
 	pthread_sigmask(SIG_UNBLOCK, &only_stop, NULL);
-	char *buf = malloc(REQUEST_BUF), *data = malloc(DATA_BUF);
-	while (buf && data && !atomic_load(&p->stopping)) {
-		ssize_t n = read(p->dev_fd, buf, REQUEST_BUF);
+	struct worker w = {.buf = malloc(REQUEST_BUF), .data = malloc(DATA_BUF)};
+	pipe_open(&w);
+	while (w.buf && w.data && !atomic_load(&p->stopping)) {
+		ssize_t n = read(p->dev_fd, w.buf, REQUEST_BUF);
 		if (n < 0) {
 			if (errno == EINTR || errno == ENOENT || errno == EAGAIN)
 				continue; /* stopping is checked above; ENOENT: interrupted */
@@ -870,10 +937,11 @@ static void *worker_main(void *arg)
 			break;
 		}
 		if ((size_t)n >= sizeof(struct fuse_in_header))
-			handle(p, buf, (size_t)n, data);
+			handle(p, w.buf, (size_t)n, &w);
 	}
-	free(buf);
-	free(data);
+	pipe_close(&w);
+	free(w.buf);
+	free(w.data);
 	return NULL;
 }
 
