@@ -517,12 +517,11 @@ static void pipe_open(struct worker *w)
 		pipe_close(w);
 }
 
-/* The reply to READ `unique`: n bytes of fd from off, moved from the store file's pages
- * to the kernel through the pipe, not copied through this process. 1 if sent (or the
- * kernel refused it: the request was interrupted); 0 where the file gave fewer bytes;
- * -1 where the pipe failed (it is closed: the caller copies instead). */
-static int splice_reply(struct plane *p, struct worker *w, uint64_t unique, int fd,
-			uint64_t off, uint64_t n)
+/* The reply to READ `unique` put in the pipe: its header, and n bytes of fd from off
+ * as references to the store file's pages (no copy through this process). 1 if put;
+ * 0 where the file gave fewer bytes; -1 where the pipe failed (the caller copies
+ * instead). The pipe is empty again where it was not put. */
+static int splice_fill(struct worker *w, uint64_t unique, int fd, uint64_t off, uint64_t n)
 {
 	struct fuse_out_header out = {.len = (uint32_t)(sizeof out + n), .unique = unique};
 	if (write(w->pipe[1], &out, sizeof out) != (ssize_t)sizeof out) {
@@ -541,12 +540,18 @@ static int splice_reply(struct plane *p, struct worker *w, uint64_t unique, int 
 		}
 		moved += (uint64_t)got;
 	}
-	ssize_t sent = splice(w->pipe[0], NULL, p->dev_fd, NULL, sizeof out + n, SPLICE_F_MOVE);
-	if (sent != (ssize_t)(sizeof out + n)) { /* refused (interrupted): what is left goes */
-		pipe_close(w);
+	return 1;
+}
+
+/* The reply splice_fill put in the pipe, to the kernel (which moves or copies its
+ * pages into the FUSE file's). */
+static void splice_send(struct plane *p, struct worker *w, uint64_t n)
+{
+	size_t len = sizeof(struct fuse_out_header) + n;
+	if (splice(w->pipe[0], NULL, p->dev_fd, NULL, len, SPLICE_F_MOVE) != (ssize_t)len) {
+		pipe_close(w); /* refused (interrupted): what is left in the pipe goes */
 		pipe_open(w);
 	}
-	return 1;
 }
 
 static int do_read(struct plane *p, const struct fuse_in_header *in,
@@ -582,6 +587,21 @@ static int do_read(struct plane *p, const struct fuse_in_header *in,
 		close(fd); /* not the entry's size: Python refuses it, and counts why */
 		goto fallback;
 	}
+	int spliced = n && w->pipe[0] >= 0 ? splice_fill(w, in->unique, fd, off, n) : -1;
+	if (spliced == 0) { /* shorter than its entry: not the verified file */
+		close(fd);
+		goto fallback;
+	}
+	for (uint64_t done = 0; spliced < 0 && done < n;) {
+		ssize_t got = pread(fd, w->data + done, n - done, (off_t)(off + done));
+		if (got < 0 && errno == EINTR)
+			continue;
+		if (got <= 0) {
+			close(fd);
+			goto fallback;
+		}
+		done += (uint64_t)got;
+	}
 	/* counted before the reply: a reader that asks for the counters next sees it */
 	atomic_fetch_add_explicit(&p->reads, 1, memory_order_relaxed);
 	atomic_fetch_add_explicit(&p->read_bytes, n, memory_order_relaxed);
@@ -589,24 +609,10 @@ static int do_read(struct plane *p, const struct fuse_in_header *in,
 		atomic_fetch_add_explicit(&p->served_files, 1, memory_order_relaxed);
 		record_hit(p, in->nodeid);
 	}
-	int spliced = n && w->pipe[0] >= 0 ? splice_reply(p, w, in->unique, fd, off, n) : -1;
-	if (spliced == 0) { /* shorter than its entry: not the verified file */
-		close(fd);
-		goto fallback;
-	}
-	if (spliced < 0) {
-		for (uint64_t done = 0; done < n;) {
-			ssize_t got = pread(fd, w->data + done, n - done, (off_t)(off + done));
-			if (got < 0 && errno == EINTR)
-				continue;
-			if (got <= 0) {
-				close(fd);
-				goto fallback;
-			}
-			done += (uint64_t)got;
-		}
+	if (spliced > 0)
+		splice_send(p, w, n);
+	else
 		reply(p, in->unique, 0, w->data, n);
-	}
 	atomic_fetch_sub(&s->inflight, 1);
 	/* The kernel now holds these bytes in the FUSE inode's pages: the store file's
 	 * copy would cache them twice. */
