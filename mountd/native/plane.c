@@ -577,7 +577,7 @@ static int do_read(struct plane *p, const struct fuse_in_header *in,
 	pthread_rwlock_unlock(&p->lock);
 	value_path(p, name, path);
 
-	uint64_t off = arg->offset, want = arg->size > DATA_BUF ? DATA_BUF : arg->size;
+	uint64_t off = arg->offset, want = arg->size; /* at most max_pages: DATA_BUF */
 	uint64_t n = off >= size ? 0 : size - off < want ? size - off : want;
 	int fd = open(path, O_RDONLY | O_NOATIME | O_CLOEXEC);
 	if (fd < 0)
@@ -892,6 +892,7 @@ static void handle(struct plane *p, char *buf, size_t len, struct worker *w)
 		break;
 	case FUSE_READ: /* with passthrough, only files Python opened are read here */
 		if (!atomic_load(&p->passthrough) && arg_len >= sizeof(struct fuse_read_in) &&
+		    ((const struct fuse_read_in *)arg)->size <= DATA_BUF &&
 		    do_read(p, in, (const struct fuse_read_in *)arg, w))
 			return;
 		break;
