@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
-APT_PACKAGES := fuse3 libfuse3-dev pkg-config gcc patch rclone systemd
+APT_PACKAGES := fuse3 libfuse3-dev pkg-config gcc patch rclone systemd python3-dev
 PYTEST_ARGS ?=
 
 .PHONY: all deps apt native sanitize demo test bench clean
