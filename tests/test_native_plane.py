@@ -5,10 +5,12 @@ module built under AddressSanitizer and UndefinedBehaviorSanitizer."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import os
 import random
 import signal
+import sqlite3
 import threading
 import time
 
@@ -148,6 +150,66 @@ def test_a_withdrawn_item_is_never_served_natively(mountd_factory, mixed_tree):
     after = _native(m)
     assert after["hits"] == before["hits"]  # none served natively: the files were gone
     assert after["fallbacks"] - before["fallbacks"] == len(rels)
+
+
+def test_a_file_changed_on_disk_is_withdrawn_while_16_threads_read(mountd_factory,
+                                                                     mixed_tree):
+    """16 threads read (pages dropped after each read, so every read reaches mountd)
+    while a stored file is changed in place and the scrubber passes over the store:
+    every other item always reads right, and once the scrubber has found the change
+    (withdrawn the item from the plane, dropped the kernel's pages and the entry), every
+    read of the changed item returns its own bytes again, fetched anew."""
+    src, expected = mixed_tree
+    rels = [r for r in sorted(expected) if os.path.getsize(os.path.join(src, r)) > 1000][:150]
+    m = mountd_factory(extra_args=("--scrub-mb-s", "400", "--fuse-threads", "8"))
+    data = make_digest(src, "mixed")
+    mount(m, data, "a")
+    root = os.path.join(m.root, "a")
+    assert _read(root, rels, 16) == {r: expected[r] for r in rels}
+    victim = rels[7]
+    with open(os.path.join(src, victim), "rb") as f:
+        digest = hashlib.sha256(f.read()).digest()
+    db = os.path.join(m.cache_dir, "store", "cache.db")
+    with contextlib.closing(sqlite3.connect(db, timeout=30)) as con:
+        (name,), = con.execute("SELECT filename FROM Cache WHERE key = ?", (digest,))
+    found_at: list[float] = []
+    reads: list[tuple[str, float, bool]] = []  # what, started when, right
+    stop = threading.Event()
+
+    def reader(seed: int) -> None:
+        order = random.Random(seed)
+        while not stop.is_set():
+            rel = victim if order.random() < 0.2 else order.choice(rels)
+            path = os.path.join(root, rel)
+            started = time.monotonic()
+            right = _sha(path) == expected[rel]
+            drop_page_cache([path])
+            reads.append((rel, started, right))
+
+    threads = [threading.Thread(target=reader, args=(n,)) for n in range(16)]
+    for t in threads:
+        t.start()
+    try:
+        with open(os.path.join(m.cache_dir, "store", name), "r+b") as f:
+            first = f.read(1)
+            f.seek(0)
+            f.write(bytes([first[0] ^ 0xFF]))
+        deadline = time.monotonic() + 60
+        while m.status()["cache"]["scrub_failures"] < 1:
+            assert time.monotonic() < deadline, "the scrubber did not find the change"
+            time.sleep(0.05)
+        found_at.append(time.monotonic())
+        time.sleep(1.0)  # reads of it after the withdrawal
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert m.status()["cache"]["scrub_failures"] == 1
+    others_wrong = [r for r in reads if r[0] != victim and not r[2]]
+    late = [r for r in reads if r[0] == victim and r[1] > found_at[0]]
+    assert others_wrong == [] and late and all(right for _, _, right in late)
+    st = m.status()
+    assert st["native"]["hits"] > 0 and st["datasets"][0]["counters"]["bucket_fetches"] > len(rels)
 
 
 def test_stops_cleanly_with_its_threads_busy_and_restarts(mountd_factory, mixed_tree):
