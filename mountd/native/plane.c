@@ -554,28 +554,44 @@ static void splice_send(struct plane *p, struct worker *w, uint64_t n)
 	}
 }
 
+/* The served item a READ or an OPEN of `inode` is for: its slot, counted in flight
+ * (a withdrawal waits for the reply; the caller counts it off), with its index, its
+ * entry's size and its value file's path. NULL where Python is to answer: not a file
+ * of a registered dataset, a suspended dataset's, or an item not served. */
+static struct slot *served_item(struct plane *p, uint64_t inode, uint32_t *index,
+				uint64_t *size, char *path)
+{
+	uint32_t node;
+	char name[PLANE_NAME];
+	pthread_rwlock_rdlock(&p->lock);
+	struct dataset *ds = dataset_of(p, inode, &node);
+	struct slot *s = NULL;
+	if (ds && !ds->suspended && node >= ds->n_dirs) {
+		*index = ds->slots[node - ds->n_dirs];
+		s = slot_at(p, *index);
+		if (s->served) {
+			atomic_fetch_add(&s->inflight, 1);
+			*size = ds->sizes[node - ds->n_dirs];
+			memcpy(name, s->name, PLANE_NAME);
+		} else {
+			s = NULL;
+		}
+	}
+	pthread_rwlock_unlock(&p->lock);
+	if (s)
+		value_path(p, name, path);
+	return s;
+}
+
 static int do_read(struct plane *p, const struct fuse_in_header *in,
 		   const struct fuse_read_in *arg, struct worker *w)
 {
-	uint32_t node;
+	uint32_t si;
+	uint64_t size;
 	char path[PATH_MAX];
-	pthread_rwlock_rdlock(&p->lock);
-	struct dataset *ds = dataset_of(p, in->nodeid, &node);
-	if (!ds || ds->suspended || node < ds->n_dirs) {
-		pthread_rwlock_unlock(&p->lock);
+	struct slot *s = served_item(p, in->nodeid, &si, &size, path);
+	if (!s)
 		return 0;
-	}
-	struct slot *s = slot_at(p, ds->slots[node - ds->n_dirs]);
-	if (!s->served) {
-		pthread_rwlock_unlock(&p->lock);
-		return 0;
-	}
-	atomic_fetch_add(&s->inflight, 1); /* a withdrawal waits for this READ's reply */
-	uint64_t size = ds->sizes[node - ds->n_dirs];
-	char name[PLANE_NAME];
-	memcpy(name, s->name, PLANE_NAME);
-	pthread_rwlock_unlock(&p->lock);
-	value_path(p, name, path);
 
 	uint64_t off = arg->offset, want = arg->size; /* at most max_pages: DATA_BUF */
 	uint64_t n = off >= size ? 0 : size - off < want ? size - off : want;
@@ -683,33 +699,19 @@ static int backings_grow(struct plane *p, int32_t id)
 static int do_open(struct plane *p, const struct fuse_in_header *in,
 		   const struct fuse_open_in *arg)
 {
-	uint32_t node;
+	uint32_t si;
+	uint64_t size;
 	char path[PATH_MAX];
 	if ((arg->flags & O_ACCMODE) != O_RDONLY)
 		return 0; /* Python refuses it (EROFS) */
-	pthread_rwlock_rdlock(&p->lock);
-	struct dataset *ds = dataset_of(p, in->nodeid, &node);
-	if (!ds || ds->suspended || node < ds->n_dirs) {
-		pthread_rwlock_unlock(&p->lock);
+	struct slot *s = served_item(p, in->nodeid, &si, &size, path);
+	if (!s)
 		return 0;
-	}
-	uint32_t si = ds->slots[node - ds->n_dirs];
-	struct slot *s = slot_at(p, si);
-	if (!s->served) {
-		pthread_rwlock_unlock(&p->lock);
-		return 0;
-	}
-	atomic_fetch_add(&s->inflight, 1); /* a withdrawal waits for this OPEN's reply */
-	uint64_t size = ds->sizes[node - ds->n_dirs];
-	char name[PLANE_NAME];
-	memcpy(name, s->name, PLANE_NAME);
-	pthread_rwlock_unlock(&p->lock);
 
 	pthread_mutex_lock(&p->backing_lock);
 	int32_t id = backing_of(p, s);
 	pthread_mutex_unlock(&p->backing_lock);
 	if (!id) {
-		value_path(p, name, path);
 		int32_t made = backing_open(p, path, size);
 		if (made <= 0) {
 			if (!made)
