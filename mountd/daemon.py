@@ -308,7 +308,7 @@ class Mountd:
         native = NativePlane.create(self.cfg.fuse_threads, ROOT_ENTRY_TIMEOUT,
                                     DATASET_TIMEOUT, self.table, self.store,
                                     self.services.stats, self.services.integrity,
-                                    self.limiter)
+                                    self.services.push, self.limiter)
         if native is None:
             return None
         self.services.probed.withdraw = native.withdrawn

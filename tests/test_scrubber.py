@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from mountd.store.index import DISK_MIN_FILE_SIZE
 from mountd.store.scrubber import STEP_BYTES
 from tests.mountd_helpers import make_digest, mount, mountd_factory, read_hashes  # noqa: F401
+from tests.test_content_store import OLD_MIN_FILE_SIZE, old_store
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
 
@@ -29,10 +29,11 @@ POLL = 0.05
 
 @pytest.fixture
 def tree(tmp_path) -> dict[str, bytes]:
-    """A dataset of items kept in the index (under DISK_MIN_FILE_SIZE), in value files,
-    and one hashed over several of the scrubber's steps; relative path -> bytes."""
+    """A dataset of small items (an older store kept them in its index: ``_old_row``),
+    larger ones, and one hashed over several of the scrubber's steps; relative path ->
+    bytes."""
     rng = random.Random(54)
-    items = {f"small/{i}.bin": rng.randbytes(rng.randrange(100, DISK_MIN_FILE_SIZE))
+    items = {f"small/{i}.bin": rng.randbytes(rng.randrange(100, OLD_MIN_FILE_SIZE))
              for i in range(6)}
     items |= {f"mid/{i}.bin": rng.randbytes(rng.randrange(20_000, 200_000)) for i in range(8)}
     items["big/0.bin"] = rng.randbytes(3 * STEP_BYTES + 12_345)
@@ -91,7 +92,11 @@ def test_entries_changed_on_disk_are_dropped_and_fetched_again(mountd_factory, t
     cut short, a byte of a value in the index changed: the scrubber finds all three
     with no read, the kernel's pages of their files are dropped (their next reads reach
     mountd), and those reads fetch them again, right, into the store."""
-    m = mountd_factory(extra_args=("--scrub-mb-s", SCRUB_MB_S))
+    # small/2.bin a row of the index, as a store an older mountd wrote keeps it
+    cache_dir = tmp_path / "node-cache"
+    old_store(str(cache_dir / "store"),
+              [(hashlib.sha256(tree["small/2.bin"]).digest(), tree["small/2.bin"])])
+    m = mountd_factory(cache_dir=str(cache_dir), extra_args=("--scrub-mb-s", SCRUB_MB_S))
     mount(m, make_digest(str(tmp_path / "src"), "syn"), "a")
     _stored(m, tree)
     store = os.path.join(m.cache_dir, "store")

@@ -91,6 +91,7 @@ class PagePush:
         state = self._jobs.get(job)
         if state is None:
             return
+        self.stats.gather()  # a READ the native data plane served is counted first
         state.passed, state.asked = max(state.passed, state.asked), at
         state.when = time.monotonic()
         while state.pushed and state.pushed[0].planned.at < state.passed:

@@ -28,6 +28,7 @@ import trio
 from mountd.datasets.dataset import MountedDataset
 from mountd.datasets.mount_table import MountTable
 from mountd.fetch.integrity_budget import IntegrityBudget
+from mountd.fetch.page_push import PagePush
 from mountd.fetch.read_stats import ReadStats
 from mountd.store.content_store import ContentStore
 from quiverfs.counters import ReadCounter
@@ -52,9 +53,10 @@ class NativePlane:
     """The plane of one mountd, and the store's and mount table's news for it."""
 
     def __init__(self, plane: object, threads: int, table: MountTable, store: ContentStore,
-                 stats: ReadStats, integrity: IntegrityBudget,
+                 stats: ReadStats, integrity: IntegrityBudget, push: PagePush,
                  limiter: trio.CapacityLimiter) -> None:
         self.plane = plane
+        self.push = push
         self.threads = threads
         self.limiter = limiter  # mountd's workers: trees built and handed over
         self.table = table
@@ -73,7 +75,7 @@ class NativePlane:
     @classmethod
     def create(cls, threads: int, root_timeout: float, timeout: float, table: MountTable,
                store: ContentStore, stats: ReadStats, integrity: IntegrityBudget,
-               limiter: trio.CapacityLimiter) -> NativePlane | None:
+               push: PagePush, limiter: trio.CapacityLimiter) -> NativePlane | None:
         """The plane, or None (logged) where the native module cannot be loaded."""
         try:
             from mountd.native import _dataplane  # noqa: PLC0415 (built by make; optional)
@@ -82,7 +84,7 @@ class NativePlane:
                         "it): dataset files are served through Python", exc)
             return None
         plane = _dataplane.Plane(store.directory, threads, root_timeout, timeout)
-        return cls(plane, threads, table, store, stats, integrity, limiter)
+        return cls(plane, threads, table, store, stats, integrity, push, limiter)
 
     def use_passthrough(self, on: bool) -> None:
         """Answer OPENs of served items with their value files as FUSE passthrough
@@ -193,11 +195,13 @@ class NativePlane:
         """The plane's hits since the last call to the store's recency and each
         dataset's counters, its request counts to ``fuse_requests``, and suspensions
         to the plane (a suspended dataset's READs go to Python, which refuses them)."""
-        for inode in self.plane.drain_hits():
+        for inode, seconds in self.plane.drain_hits():
+            self.push.read_reached(inode)  # a push of it lost its pages: it does not count
             found = self.table.resolve(inode)
             if found is None:
                 continue  # unmounted since
             ds, node = found
+            self.stats.observe("local", seconds)
             index = ds.tree.entry_index(node)
             h = ds.digest.hash(index)
             self.store.recency.hit(h)
@@ -206,7 +210,8 @@ class NativePlane:
             self.stats.count(ds, ReadCounter.LOCAL_BYTES, ds.digest.sizes[index])
         counters = self.plane.counters()
         for key, opcode in _REQUESTS.items():
-            self.stats.fuse_requests[opcode] += counters[key] - self._counted[key]
+            if counters[key] != self._counted[key]:
+                self.stats.fuse_requests[opcode] += counters[key] - self._counted[key]
         self._counted = Counter(counters)
         self.stats.native = counters
         for base, ds in self._registered.items():

@@ -262,19 +262,19 @@ static PyObject *Plane_withdraw(PlaneObject *self, PyObject *args)
 static PyObject *Plane_drain_hits(PlaneObject *self, PyObject *unused)
 {
 	(void)unused;
-	uint64_t *inodes = malloc(DRAIN_MAX * sizeof *inodes);
-	if (!inodes)
+	struct plane_hit *hits = malloc(DRAIN_MAX * sizeof *hits);
+	if (!hits)
 		return PyErr_NoMemory();
-	size_t n = plane_drain_hits(self->plane, inodes, DRAIN_MAX);
+	size_t n = plane_drain_hits(self->plane, hits, DRAIN_MAX);
 	PyObject *list = PyList_New((Py_ssize_t)n);
 	for (size_t i = 0; list && i < n; i++) {
-		PyObject *inode = PyLong_FromUnsignedLongLong(inodes[i]);
-		if (!inode)
+		PyObject *hit = Py_BuildValue("(Kd)", hits[i].inode, hits[i].ns / 1e9);
+		if (!hit)
 			Py_CLEAR(list);
 		else
-			PyList_SET_ITEM(list, (Py_ssize_t)i, inode);
+			PyList_SET_ITEM(list, (Py_ssize_t)i, hit);
 	}
-	free(inodes);
+	free(hits);
 	return list;
 }
 
@@ -325,7 +325,7 @@ static PyMethodDef Plane_methods[] = {
 	 "withdraw(digest, wait) -> the inodes naming it; with wait, returns once no READ "
 	 "of it is in flight"},
 	{"drain_hits", (PyCFunction)Plane_drain_hits, METH_NOARGS,
-	 "drain_hits() -> the inodes of the files served since the last call"},
+	 "drain_hits() -> [(inode, seconds)] of the files served since the last call"},
 	{"counters", (PyCFunction)Plane_counters, METH_NOARGS, "counters() -> dict"},
 	{"set_passthrough", (PyCFunction)Plane_set_passthrough, METH_O,
 	 "set_passthrough(on): answer OPENs of served items with their value files as "

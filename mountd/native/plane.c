@@ -114,7 +114,7 @@ struct plane {
 	size_t n_backings;
 
 	pthread_mutex_t hit_lock;
-	uint64_t hits[HIT_RING];
+	struct plane_hit hits[HIT_RING];
 	size_t hit_start, hit_count;
 
 	atomic_uint_fast64_t lookups, getattrs, reads, read_bytes, served_files, forwarded,
@@ -466,11 +466,20 @@ static int do_getattr(struct plane *p, const struct fuse_in_header *in)
 	return 1;
 }
 
-static void record_hit(struct plane *p, uint64_t inode)
+static uint64_t now_ns(void)
 {
+	struct timespec t;
+	clock_gettime(CLOCK_MONOTONIC, &t);
+	return (uint64_t)t.tv_sec * 1000000000 + (uint64_t)t.tv_nsec;
+}
+
+/* A file served: its inode, and how long since `started` (now_ns) it took. */
+static void record_hit(struct plane *p, uint64_t inode, uint64_t started)
+{
+	struct plane_hit hit = {.inode = inode, .ns = now_ns() - started};
 	pthread_mutex_lock(&p->hit_lock);
 	if (p->hit_count < HIT_RING) {
-		p->hits[(p->hit_start + p->hit_count++) % HIT_RING] = inode;
+		p->hits[(p->hit_start + p->hit_count++) % HIT_RING] = hit;
 	} else {
 		atomic_fetch_add_explicit(&p->hits_dropped, 1, memory_order_relaxed);
 	}
@@ -587,7 +596,7 @@ static int do_read(struct plane *p, const struct fuse_in_header *in,
 		   const struct fuse_read_in *arg, struct worker *w)
 {
 	uint32_t si;
-	uint64_t size;
+	uint64_t size, started = now_ns();
 	char path[PATH_MAX];
 	struct slot *s = served_item(p, in->nodeid, &si, &size, path);
 	if (!s)
@@ -623,7 +632,7 @@ static int do_read(struct plane *p, const struct fuse_in_header *in,
 	atomic_fetch_add_explicit(&p->read_bytes, n, memory_order_relaxed);
 	if (off == 0) {
 		atomic_fetch_add_explicit(&p->served_files, 1, memory_order_relaxed);
-		record_hit(p, in->nodeid);
+		record_hit(p, in->nodeid, started);
 	}
 	if (spliced > 0)
 		splice_send(p, w, n);
@@ -700,7 +709,7 @@ static int do_open(struct plane *p, const struct fuse_in_header *in,
 		   const struct fuse_open_in *arg)
 {
 	uint32_t si;
-	uint64_t size;
+	uint64_t size, started = now_ns();
 	char path[PATH_MAX];
 	if ((arg->flags & O_ACCMODE) != O_RDONLY)
 		return 0; /* Python refuses it (EROFS) */
@@ -741,7 +750,7 @@ static int do_open(struct plane *p, const struct fuse_in_header *in,
 		.fh = FH_NATIVE | (uint32_t)id, .open_flags = FOPEN_PASSTHROUGH_, .backing_id = id};
 	atomic_fetch_add_explicit(&p->opens, 1, memory_order_relaxed);
 	atomic_fetch_add_explicit(&p->served_files, 1, memory_order_relaxed);
-	record_hit(p, in->nodeid);
+	record_hit(p, in->nodeid, started);
 	reply(p, in->unique, 0, &out, sizeof out);
 	atomic_fetch_sub(&s->inflight, 1);
 	return 1;
@@ -1265,12 +1274,12 @@ size_t plane_withdraw(struct plane *p, const uint8_t *digest, int wait, uint64_t
 	return count;
 }
 
-size_t plane_drain_hits(struct plane *p, uint64_t *inodes, size_t max)
+size_t plane_drain_hits(struct plane *p, struct plane_hit *hits, size_t max)
 {
 	pthread_mutex_lock(&p->hit_lock);
 	size_t n = p->hit_count < max ? p->hit_count : max;
 	for (size_t i = 0; i < n; i++)
-		inodes[i] = p->hits[(p->hit_start + i) % HIT_RING];
+		hits[i] = p->hits[(p->hit_start + i) % HIT_RING];
 	p->hit_start = (p->hit_start + n) % HIT_RING;
 	p->hit_count -= n;
 	pthread_mutex_unlock(&p->hit_lock);

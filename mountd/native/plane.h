@@ -90,8 +90,15 @@ int plane_serve(struct plane *p, const uint8_t *digest, const char *name);
 size_t plane_withdraw(struct plane *p, const uint8_t *digest, int wait, uint64_t *inodes,
 		      size_t max);
 
-/* Up to max inodes of the files served (first READ) since the last call. */
-size_t plane_drain_hits(struct plane *p, uint64_t *inodes, size_t max);
+/* A file served (its first READ, or a passthrough OPEN): its inode, and the
+ * nanoseconds its request took here. */
+struct plane_hit {
+	uint64_t inode;
+	uint64_t ns;
+};
+
+/* Up to max of the files served since the last call. */
+size_t plane_drain_hits(struct plane *p, struct plane_hit *hits, size_t max);
 void plane_counters(struct plane *p, struct plane_counters *out);
 
 #endif
