@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import array
 import enum
+import hashlib
 import logging
 import math
 import os
@@ -153,10 +154,14 @@ class NativePlane:
                 self._settled.pop(ds.inode_base).set()
 
     async def _add(self, ds: MountedDataset) -> None:
-        tree = await trio.to_thread.run_sync(_tree_arrays, ds, limiter=self.limiter)
+        # one tree per digest, however many datasets are registered from it
+        identity = hashlib.sha256(ds.reg.identity.encode()).digest()
+        tree = (None if self.plane.has_tree(identity)
+                else await trio.to_thread.run_sync(_tree_arrays, ds, limiter=self.limiter))
         try:
-            await trio.to_thread.run_sync(self.plane.add_dataset, *tree,
-                                          limiter=self.limiter)
+            await trio.to_thread.run_sync(
+                self.plane.add_dataset, ds.inode_base, identity, ds.reg.uid, ds.reg.gid,
+                int(ds.reg.registered_at * 1e9), tree, limiter=self.limiter)
         except (OSError, ValueError) as exc:  # out of memory: Python serves it all
             log.warning("dataset %s is served through Python: the native data plane "
                         "cannot take its tree (%s)", ds.name, exc)
@@ -222,8 +227,8 @@ class NativePlane:
 
 
 def _tree_arrays(ds: MountedDataset) -> tuple:
-    """``Plane.add_dataset``'s arguments for ``ds`` (a worker's call: a loop over every
-    entry)."""
+    """``ds``'s tree as ``Plane.add_dataset`` takes it (a worker's call: a loop over
+    every entry)."""
     tree, digest = ds.tree, ds.digest
     n_files = len(digest)
     parents = array.array("I", tree.parents)
@@ -243,5 +248,4 @@ def _tree_arrays(ds: MountedDataset) -> tuple:
         ends.append(len(names))
     sizes = array.array("Q", (digest.sizes[i] for i in range(n_files)))
     hashes = b"".join(digest.hash(i) for i in range(n_files))
-    return (ds.inode_base, tree.n_dirs, n_files, ds.reg.uid, ds.reg.gid,
-            int(ds.reg.registered_at * 1e9), parents, names, ends, sizes, hashes)
+    return (tree.n_dirs, n_files, parents, names, ends, sizes, hashes)

@@ -138,56 +138,101 @@ static int buffer_of(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, Py_ssi
 	return 0;
 }
 
+/* A tree's buffers, held while the plane copies them. */
+struct tree_buffers {
+	Py_buffer parents, names, ends, sizes, digests;
+	int held; /* how many of them, in that order */
+};
+
+static void tree_buffers_release(struct tree_buffers *b)
+{
+	Py_buffer *all[] = {&b->parents, &b->names, &b->ends, &b->sizes, &b->digests};
+	for (int i = 0; i < b->held; i++)
+		PyBuffer_Release(all[i]);
+	b->held = 0;
+}
+
+/* `tree`, a tuple (n_dirs, n_files, parents, names, name_ends, sizes, digests), as the
+ * plane's struct; 0, or -1 with an exception set (its buffers released). */
+static int tree_from(PyObject *tree, struct plane_tree *out, struct tree_buffers *b)
+{
+	PyObject *o[5];
+	b->held = 0;
+	if (!PyArg_ParseTuple(tree, "IIOOOOO", &out->n_dirs, &out->n_files, &o[0], &o[1], &o[2],
+			      &o[3], &o[4]))
+		return -1;
+	Py_ssize_t n_nodes = (Py_ssize_t)out->n_dirs + out->n_files;
+	if (buffer_of(o[0], &b->parents, 4, n_nodes, "parents"))
+		return -1;
+	b->held = 1;
+	if (PyObject_GetBuffer(o[1], &b->names, PyBUF_SIMPLE))
+		goto fail;
+	b->held = 2;
+	if (buffer_of(o[2], &b->ends, 4, n_nodes, "name_ends"))
+		goto fail;
+	b->held = 3;
+	if (buffer_of(o[3], &b->sizes, 8, out->n_files, "sizes"))
+		goto fail;
+	b->held = 4;
+	if (buffer_of(o[4], &b->digests, PLANE_DIGEST, out->n_files, "digests"))
+		goto fail;
+	b->held = 5;
+	if (!n_nodes || ((const uint32_t *)b->ends.buf)[n_nodes - 1] > (size_t)b->names.len) {
+		PyErr_SetString(PyExc_ValueError, "name_ends: past the names");
+		goto fail;
+	}
+	out->parents = b->parents.buf;
+	out->names = b->names.buf;
+	out->name_ends = b->ends.buf;
+	out->sizes = b->sizes.buf;
+	out->digests = b->digests.buf;
+	return 0;
+fail:
+	tree_buffers_release(b);
+	return -1;
+}
+
 static PyObject *Plane_add_dataset(PlaneObject *self, PyObject *args)
 {
 	unsigned long long base;
-	unsigned int n_dirs, n_files, uid, gid;
+	unsigned int uid, gid;
 	long long time_ns;
-	PyObject *o_parents, *o_names, *o_ends, *o_sizes, *o_digests;
-	if (!PyArg_ParseTuple(args, "KIIIILOOOOO", &base, &n_dirs, &n_files, &uid, &gid,
-			      &time_ns, &o_parents, &o_names, &o_ends, &o_sizes, &o_digests))
+	Py_buffer identity;
+	PyObject *tree;
+	if (!PyArg_ParseTuple(args, "Ky*IILO", &base, &identity, &uid, &gid, &time_ns, &tree))
 		return NULL;
-	Py_ssize_t n_nodes = (Py_ssize_t)n_dirs + n_files;
-	Py_buffer parents, names, ends, sizes, digests;
-	if (buffer_of(o_parents, &parents, 4, n_nodes, "parents"))
-		return NULL;
-	if (PyObject_GetBuffer(o_names, &names, PyBUF_SIMPLE)) {
-		PyBuffer_Release(&parents);
-		return NULL;
-	}
-	int error = 0;
-	if (buffer_of(o_ends, &ends, 4, n_nodes, "name_ends")) {
-		error = 1;
-	} else if (buffer_of(o_sizes, &sizes, 8, n_files, "sizes")) {
-		PyBuffer_Release(&ends);
-		error = 1;
-	} else if (buffer_of(o_digests, &digests, PLANE_DIGEST, n_files, "digests")) {
-		PyBuffer_Release(&ends);
-		PyBuffer_Release(&sizes);
-		error = 1;
-	}
-	if (error) {
-		PyBuffer_Release(&parents);
-		PyBuffer_Release(&names);
-		return NULL;
-	}
+	struct plane_tree in;
+	struct tree_buffers buffers = {.held = 0};
 	int result = -EINVAL;
-	if (n_nodes && ((const uint32_t *)ends.buf)[n_nodes - 1] <= (size_t)names.len) {
-		Py_BEGIN_ALLOW_THREADS
-		result = plane_add_dataset(self->plane, base, n_dirs, n_files, uid, gid, time_ns,
-					   parents.buf, names.buf, ends.buf, sizes.buf, digests.buf);
-		Py_END_ALLOW_THREADS
+	if (identity.len != PLANE_DIGEST) {
+		PyBuffer_Release(&identity);
+		return PyErr_Format(PyExc_ValueError, "add_dataset: a 32-byte identity is needed");
 	}
-	PyBuffer_Release(&parents);
-	PyBuffer_Release(&names);
-	PyBuffer_Release(&ends);
-	PyBuffer_Release(&sizes);
-	PyBuffer_Release(&digests);
+	if (tree != Py_None && tree_from(tree, &in, &buffers)) {
+		PyBuffer_Release(&identity);
+		return NULL;
+	}
+	Py_BEGIN_ALLOW_THREADS
+	result = plane_add_dataset(self->plane, base, identity.buf, uid, gid, time_ns,
+				   tree == Py_None ? NULL : &in);
+	Py_END_ALLOW_THREADS
+	tree_buffers_release(&buffers);
+	PyBuffer_Release(&identity);
 	if (result) {
 		errno = -result;
 		return PyErr_SetFromErrno(PyExc_OSError);
 	}
 	Py_RETURN_NONE;
+}
+
+static PyObject *Plane_has_tree(PlaneObject *self, PyObject *arg)
+{
+	Py_buffer identity;
+	if (PyObject_GetBuffer(arg, &identity, PyBUF_SIMPLE))
+		return NULL;
+	int found = identity.len == PLANE_DIGEST && plane_has_tree(self->plane, identity.buf);
+	PyBuffer_Release(&identity);
+	return PyBool_FromLong(found);
 }
 
 static PyObject *Plane_remove_dataset(PlaneObject *self, PyObject *arg)
@@ -313,8 +358,11 @@ static PyMethodDef Plane_methods[] = {
 	{"stop", (PyCFunction)Plane_stop, METH_NOARGS,
 	 "stop(): join the threads; an attached plane closes the /dev/fuse descriptor"},
 	{"add_dataset", (PyCFunction)Plane_add_dataset, METH_VARARGS,
-	 "add_dataset(base, n_dirs, n_files, uid, gid, time_ns, parents, names, name_ends, "
-	 "sizes, digests): a dataset's tree (see plane.h)"},
+	 "add_dataset(base, identity, uid, gid, time_ns, tree): a dataset from the digest "
+	 "`identity` (32 bytes), sharing the tree held for it, else `tree`: (n_dirs, n_files, "
+	 "parents, names, name_ends, sizes, digests), see plane.h"},
+	{"has_tree", (PyCFunction)Plane_has_tree, METH_O,
+	 "has_tree(identity) -> whether a tree is held for that digest"},
 	{"remove_dataset", (PyCFunction)Plane_remove_dataset, METH_O,
 	 "remove_dataset(base) -> whether it was there"},
 	{"suspend", (PyCFunction)Plane_suspend, METH_VARARGS,

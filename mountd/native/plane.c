@@ -64,16 +64,24 @@ struct backing {
 	uint32_t opens;
 };
 
-struct dataset {
-	uint64_t base;
-	uint32_t n_dirs, n_files, uid, gid;
-	int64_t time_ns;
-	int suspended;
+/* A digest's tree, shared by every dataset registered from that digest. */
+struct tree {
+	uint8_t identity[PLANE_DIGEST];
+	uint32_t refs; /* datasets */
+	uint32_t n_dirs, n_files;
 	uint32_t *parents, *name_ends, *slots; /* slots[i]: entry i's slot */
 	char *names;
 	uint64_t *sizes;
 	uint32_t *names_ht; /* (parent, name) -> node + 1, open addressing */
 	uint64_t ht_mask;
+};
+
+struct dataset {
+	uint64_t base;
+	uint32_t uid, gid;
+	int64_t time_ns;
+	int suspended;
+	struct tree *t;
 };
 
 struct request {
@@ -97,6 +105,8 @@ struct plane {
 	pthread_rwlock_t lock; /* the tables below */
 	struct dataset **datasets; /* sorted by base */
 	size_t n_datasets, cap_datasets;
+	struct tree **trees;
+	size_t n_trees, cap_trees;
 	struct slot **blocks;
 	size_t n_blocks;
 	uint32_t n_slots;
@@ -315,22 +325,17 @@ static struct dataset *dataset_of(const struct plane *p, uint64_t inode, uint32_
 		return NULL;
 	struct dataset *ds = p->datasets[pos - 1];
 	uint64_t local = inode - ds->base;
-	if (local >= (uint64_t)ds->n_dirs + ds->n_files)
+	if (local >= (uint64_t)ds->t->n_dirs + ds->t->n_files)
 		return NULL;
 	*node = (uint32_t)local;
 	return ds;
 }
 
-static const char *node_name(const struct dataset *ds, uint32_t node, size_t *len)
+static const char *node_name(const struct tree *t, uint32_t node, size_t *len)
 {
-	uint32_t start = node ? ds->name_ends[node - 1] : 0;
-	*len = ds->name_ends[node] - start;
-	return ds->names + start;
-}
-
-static uint32_t node_parent(const struct dataset *ds, uint32_t node)
-{
-	return ds->parents[node];
+	uint32_t start = node ? t->name_ends[node - 1] : 0;
+	*len = t->name_ends[node] - start;
+	return t->names + start;
 }
 
 static uint64_t name_hash(const struct plane *p, uint32_t parent, const char *name, size_t len)
@@ -338,31 +343,39 @@ static uint64_t name_hash(const struct plane *p, uint32_t parent, const char *na
 	return siphash(p->hash_key, parent, name, len);
 }
 
-static uint32_t dataset_lookup(const struct plane *p, const struct dataset *ds,
-			       uint32_t parent, const char *name, size_t len)
+static uint32_t tree_lookup(const struct plane *p, const struct tree *t, uint32_t parent,
+			    const char *name, size_t len)
 {
-	uint64_t pos = name_hash(p, parent, name, len) & ds->ht_mask;
-	for (uint32_t entry; (entry = ds->names_ht[pos]); pos = (pos + 1) & ds->ht_mask) {
+	uint64_t pos = name_hash(p, parent, name, len) & t->ht_mask;
+	for (uint32_t entry; (entry = t->names_ht[pos]); pos = (pos + 1) & t->ht_mask) {
 		size_t found_len;
-		const char *found = node_name(ds, entry - 1, &found_len);
-		if (node_parent(ds, entry - 1) == parent && found_len == len &&
+		const char *found = node_name(t, entry - 1, &found_len);
+		if (t->parents[entry - 1] == parent && found_len == len &&
 		    !memcmp(found, name, len))
 			return entry - 1;
 	}
 	return 0; /* node 0 is no one's child */
 }
 
-static void dataset_free(struct dataset *ds)
+static void tree_free(struct tree *t)
 {
-	if (!ds)
+	if (!t)
 		return;
-	free(ds->parents);
-	free(ds->name_ends);
-	free(ds->slots);
-	free(ds->names);
-	free(ds->sizes);
-	free(ds->names_ht);
-	free(ds);
+	free(t->parents);
+	free(t->name_ends);
+	free(t->slots);
+	free(t->names);
+	free(t->sizes);
+	free(t->names_ht);
+	free(t);
+}
+
+static struct tree *tree_of(const struct plane *p, const uint8_t *identity)
+{
+	for (size_t i = 0; i < p->n_trees; i++)
+		if (!memcmp(p->trees[i]->identity, identity, PLANE_DIGEST))
+			return p->trees[i];
+	return NULL;
 }
 
 /* ---- replies ---- */
@@ -402,11 +415,11 @@ static double fill_attr(const struct plane *p, const struct dataset *ds, uint32_
 	a->atime = a->mtime = a->ctime = (uint64_t)sec;
 	a->atimensec = a->mtimensec = a->ctimensec = (uint32_t)nsec;
 	a->blksize = BLKSIZE;
-	if (node < ds->n_dirs) {
+	if (node < ds->t->n_dirs) {
 		a->mode = S_IFDIR | (node == 0 ? 0700 : 0555);
 		a->nlink = 2;
 	} else {
-		uint64_t size = ds->sizes[node - ds->n_dirs];
+		uint64_t size = ds->t->sizes[node - ds->t->n_dirs];
 		a->mode = S_IFREG | 0444;
 		a->nlink = 1;
 		a->size = size;
@@ -426,11 +439,11 @@ static int do_lookup(struct plane *p, const struct fuse_in_header *in, const cha
 	int error = 0;
 	pthread_rwlock_rdlock(&p->lock);
 	struct dataset *ds = dataset_of(p, in->nodeid, &node);
-	if (!ds || node >= ds->n_dirs) {
+	if (!ds || node >= ds->t->n_dirs) {
 		pthread_rwlock_unlock(&p->lock);
 		return 0;
 	}
-	uint32_t child = dataset_lookup(p, ds, node, name, len);
+	uint32_t child = tree_lookup(p, ds->t, node, name, len);
 	if (child) {
 		memset(&out, 0, sizeof out);
 		double timeout = fill_attr(p, ds, child, &out.attr);
@@ -575,12 +588,12 @@ static struct slot *served_item(struct plane *p, uint64_t inode, uint32_t *index
 	pthread_rwlock_rdlock(&p->lock);
 	struct dataset *ds = dataset_of(p, inode, &node);
 	struct slot *s = NULL;
-	if (ds && !ds->suspended && node >= ds->n_dirs) {
-		*index = ds->slots[node - ds->n_dirs];
+	if (ds && !ds->suspended && node >= ds->t->n_dirs) {
+		*index = ds->t->slots[node - ds->t->n_dirs];
 		s = slot_at(p, *index);
 		if (s->served) {
 			atomic_fetch_add(&s->inflight, 1);
-			*size = ds->sizes[node - ds->n_dirs];
+			*size = ds->t->sizes[node - ds->t->n_dirs];
 			memcpy(name, s->name, PLANE_NAME);
 		} else {
 			s = NULL;
@@ -1061,8 +1074,11 @@ void plane_free(struct plane *p)
 		return;
 	plane_stop(p);
 	for (size_t i = 0; i < p->n_datasets; i++)
-		dataset_free(p->datasets[i]);
+		free(p->datasets[i]);
 	free(p->datasets);
+	for (size_t i = 0; i < p->n_trees; i++)
+		tree_free(p->trees[i]);
+	free(p->trees);
 	for (size_t i = 0; i < p->n_blocks; i++)
 		free(p->blocks[i]);
 	free(p->blocks);
@@ -1083,107 +1099,170 @@ void plane_free(struct plane *p)
 	free(p);
 }
 
-/* Build a dataset's tables outside the lock; its entries' slots are taken in batches,
- * so that readers wait for one batch at most. */
+/* A tree's entries' slots are taken and given back in batches, so that readers wait
+ * for one batch at most. */
 #define REF_BATCH 4096
 
-int plane_add_dataset(struct plane *p, uint64_t base, uint32_t n_dirs, uint32_t n_files,
-		      uint32_t uid, uint32_t gid, int64_t time_ns, const uint32_t *parents,
-		      const char *names, const uint32_t *name_ends, const uint64_t *sizes,
-		      const uint8_t *digests)
+static void tree_unref_slots(struct plane *p, struct tree *t, uint32_t n)
 {
+	for (uint32_t done = 0; done < n;) {
+		pthread_rwlock_wrlock(&p->lock);
+		for (uint32_t end = done + REF_BATCH < n ? done + REF_BATCH : n; done < end; done++)
+			item_unref(p, t->slots[done]);
+		pthread_rwlock_unlock(&p->lock);
+	}
+}
+
+/* A new tree, built outside the lock and its slots taken; NULL with *error set. */
+static struct tree *tree_new(struct plane *p, const uint8_t *identity,
+			     const struct plane_tree *in, int *error)
+{
+	uint32_t n_dirs = in->n_dirs, n_files = in->n_files;
 	uint64_t n_nodes = (uint64_t)n_dirs + n_files;
-	if (!n_dirs || n_nodes > UINT32_MAX - 1 || base > UINT64_MAX - n_nodes)
-		return -EINVAL;
-	for (uint64_t node = 0; node < n_nodes; node++) {
-		uint32_t start = node ? name_ends[node - 1] : 0;
-		if (name_ends[node] < start || (node && parents[node] >= n_dirs) ||
-		    (node && name_ends[node] == start))
-			return -EINVAL; /* every node but the root named, in a directory */
+	*error = -EINVAL;
+	if (!n_dirs || n_nodes > UINT32_MAX - 1 || in->name_ends[0] != 0)
+		return NULL;
+	for (uint64_t node = 1; node < n_nodes; node++) {
+		if (in->name_ends[node] <= in->name_ends[node - 1] || in->parents[node] >= n_dirs)
+			return NULL; /* every node but the root named, in a directory */
 	}
-	if (name_ends[0] != 0)
-		return -EINVAL;
-	struct dataset *ds = calloc(1, sizeof *ds);
-	if (!ds)
-		return -ENOMEM;
-	size_t names_len = name_ends[n_nodes - 1];
-	ds->base = base;
-	ds->n_dirs = n_dirs;
-	ds->n_files = n_files;
-	ds->uid = uid;
-	ds->gid = gid;
-	ds->time_ns = time_ns;
-	ds->parents = malloc(n_nodes * sizeof *ds->parents);
-	ds->name_ends = malloc(n_nodes * sizeof *ds->name_ends);
-	ds->names = malloc(names_len + 1);
-	ds->sizes = malloc((n_files + 1) * sizeof *ds->sizes);
-	ds->slots = malloc((n_files + 1) * sizeof *ds->slots);
+	*error = -ENOMEM;
+	struct tree *t = calloc(1, sizeof *t);
+	if (!t)
+		return NULL;
+	size_t names_len = in->name_ends[n_nodes - 1];
+	memcpy(t->identity, identity, PLANE_DIGEST);
+	t->n_dirs = n_dirs;
+	t->n_files = n_files;
+	t->parents = malloc(n_nodes * sizeof *t->parents);
+	t->name_ends = malloc(n_nodes * sizeof *t->name_ends);
+	t->names = malloc(names_len + 1);
+	t->sizes = malloc((n_files + 1) * sizeof *t->sizes);
+	t->slots = malloc((n_files + 1) * sizeof *t->slots);
 	uint64_t ht_size = table_size(n_nodes);
-	ds->names_ht = calloc(ht_size, sizeof *ds->names_ht);
-	ds->ht_mask = ht_size - 1;
-	if (!ds->parents || !ds->name_ends || !ds->names || !ds->sizes || !ds->slots ||
-	    !ds->names_ht) {
-		dataset_free(ds);
-		return -ENOMEM;
+	t->names_ht = calloc(ht_size, sizeof *t->names_ht);
+	t->ht_mask = ht_size - 1;
+	if (!t->parents || !t->name_ends || !t->names || !t->sizes || !t->slots ||
+	    !t->names_ht) {
+		tree_free(t);
+		return NULL;
 	}
-	memcpy(ds->parents, parents, n_nodes * sizeof *parents);
-	memcpy(ds->name_ends, name_ends, n_nodes * sizeof *name_ends);
-	memcpy(ds->names, names, names_len);
-	memcpy(ds->sizes, sizes, n_files * sizeof *sizes);
+	memcpy(t->parents, in->parents, n_nodes * sizeof *t->parents);
+	memcpy(t->name_ends, in->name_ends, n_nodes * sizeof *t->name_ends);
+	memcpy(t->names, in->names, names_len);
+	memcpy(t->sizes, in->sizes, n_files * sizeof *t->sizes);
 	for (uint32_t node = 1; node < n_nodes; node++) {
 		size_t len;
-		const char *name = node_name(ds, node, &len);
-		if (dataset_lookup(p, ds, ds->parents[node], name, len)) {
-			dataset_free(ds); /* two entries of one name in a directory */
-			return -EINVAL;
+		const char *name = node_name(t, node, &len);
+		if (tree_lookup(p, t, t->parents[node], name, len)) {
+			tree_free(t); /* two entries of one name in a directory */
+			*error = -EINVAL;
+			return NULL;
 		}
-		uint64_t pos = name_hash(p, ds->parents[node], name, len) & ds->ht_mask;
-		while (ds->names_ht[pos])
-			pos = (pos + 1) & ds->ht_mask;
-		ds->names_ht[pos] = node + 1;
+		uint64_t pos = name_hash(p, t->parents[node], name, len) & t->ht_mask;
+		while (t->names_ht[pos])
+			pos = (pos + 1) & t->ht_mask;
+		t->names_ht[pos] = node + 1;
 	}
 	uint32_t done = 0;
-	int error = 0;
-	while (done < n_files && !error) {
+	int full = 0;
+	while (done < n_files && !full) {
 		pthread_rwlock_wrlock(&p->lock);
 		for (uint32_t end = done + REF_BATCH < n_files ? done + REF_BATCH : n_files;
-		     done < end; done++) {
-			if ((ds->slots[done] = item_ref(p, digests + (size_t)done * PLANE_DIGEST)) ==
-			    UINT32_MAX) {
-				error = -ENOMEM;
-				break;
-			}
+		     done < end && !full; done++) {
+			t->slots[done] = item_ref(p, in->digests + (size_t)done * PLANE_DIGEST);
+			full = t->slots[done] == UINT32_MAX;
 		}
 		pthread_rwlock_unlock(&p->lock);
 	}
-	pthread_rwlock_wrlock(&p->lock);
-	size_t pos = dataset_pos(p, base);
-	if (!error && ((pos && p->datasets[pos - 1]->base + p->datasets[pos - 1]->n_dirs +
-				       p->datasets[pos - 1]->n_files > base) ||
-		       (pos < p->n_datasets && p->datasets[pos]->base < base + n_nodes)))
-		error = -EEXIST;
-	if (!error && p->n_datasets == p->cap_datasets) {
-		size_t cap = p->cap_datasets ? 2 * p->cap_datasets : 16;
-		struct dataset **datasets = realloc(p->datasets, cap * sizeof *datasets);
-		if (datasets) {
-			p->datasets = datasets;
-			p->cap_datasets = cap;
-		} else {
-			error = -ENOMEM;
-		}
+	if (full) { /* out of memory: the slots taken go back */
+		tree_unref_slots(p, t, done - 1);
+		tree_free(t);
+		return NULL;
 	}
+	*error = 0;
+	return t;
+}
+
+int plane_has_tree(struct plane *p, const uint8_t *identity)
+{
+	pthread_rwlock_rdlock(&p->lock);
+	int found = tree_of(p, identity) != NULL;
+	pthread_rwlock_unlock(&p->lock);
+	return found;
+}
+
+/* Under the write lock: room for one more in an array of pointers. */
+static int room(void ***items, size_t n, size_t *cap)
+{
+	if (n < *cap)
+		return 0;
+	size_t more = *cap ? 2 * *cap : 16;
+	void **grown = realloc(*items, more * sizeof *grown);
+	if (!grown)
+		return -ENOMEM;
+	*items = grown;
+	*cap = more;
+	return 0;
+}
+
+int plane_add_dataset(struct plane *p, uint64_t base, const uint8_t *identity, uint32_t uid,
+		      uint32_t gid, int64_t time_ns, const struct plane_tree *tree)
+{
+	struct dataset *ds = calloc(1, sizeof *ds);
+	if (!ds)
+		return -ENOMEM;
+	ds->base = base;
+	ds->uid = uid;
+	ds->gid = gid;
+	ds->time_ns = time_ns;
+	struct tree *made = NULL;
+	int error = 0;
+	pthread_rwlock_rdlock(&p->lock);
+	int shared = tree_of(p, identity) != NULL;
+	pthread_rwlock_unlock(&p->lock);
+	if (!shared) { /* the caller adds and removes datasets one at a time */
+		if (!tree)
+			error = -ENOENT;
+		else
+			made = tree_new(p, identity, tree, &error);
+	}
+	pthread_rwlock_wrlock(&p->lock);
+	struct tree *t = error ? NULL : made ? made : tree_of(p, identity);
+	if (!error && !t)
+		error = -ENOENT;
+	if (!error && base > UINT64_MAX - ((uint64_t)t->n_dirs + t->n_files))
+		error = -EINVAL;
+	size_t pos = dataset_pos(p, base);
 	if (!error) {
+		uint64_t end = base + t->n_dirs + t->n_files;
+		const struct dataset *before = pos ? p->datasets[pos - 1] : NULL;
+		if ((before && before->base + before->t->n_dirs + before->t->n_files > base) ||
+		    (pos < p->n_datasets && p->datasets[pos]->base < end))
+			error = -EEXIST;
+	}
+	if (!error)
+		error = room((void ***)&p->datasets, p->n_datasets, &p->cap_datasets);
+	if (!error && made)
+		error = room((void ***)&p->trees, p->n_trees, &p->cap_trees);
+	if (!error) {
+		if (made)
+			p->trees[p->n_trees++] = made;
+		ds->t = t;
+		t->refs++;
 		memmove(p->datasets + pos + 1, p->datasets + pos,
 			(p->n_datasets - pos) * sizeof *p->datasets);
 		p->datasets[pos] = ds;
 		p->n_datasets++;
-	} else {
-		for (uint32_t i = 0; i < done; i++)
-			item_unref(p, ds->slots[i]);
 	}
 	pthread_rwlock_unlock(&p->lock);
-	if (error)
-		dataset_free(ds);
+	if (error) {
+		if (made) {
+			tree_unref_slots(p, made, made->n_files);
+			tree_free(made);
+		}
+		free(ds);
+	}
 	return error;
 }
 
@@ -1199,15 +1278,22 @@ int plane_remove_dataset(struct plane *p, uint64_t base)
 	memmove(p->datasets + pos - 1, p->datasets + pos,
 		(p->n_datasets - pos) * sizeof *p->datasets);
 	p->n_datasets--;
-	pthread_rwlock_unlock(&p->lock);
-	for (uint32_t done = 0; done < ds->n_files;) {
-		pthread_rwlock_wrlock(&p->lock);
-		for (uint32_t end = done + REF_BATCH < ds->n_files ? done + REF_BATCH : ds->n_files;
-		     done < end; done++)
-			item_unref(p, ds->slots[done]);
-		pthread_rwlock_unlock(&p->lock);
+	struct tree *t = ds->t;
+	if (--t->refs) {
+		t = NULL; /* other datasets share it */
+	} else {
+		for (size_t i = 0; i < p->n_trees; i++)
+			if (p->trees[i] == t) {
+				p->trees[i] = p->trees[--p->n_trees];
+				break;
+			}
 	}
-	dataset_free(ds);
+	pthread_rwlock_unlock(&p->lock);
+	if (t) {
+		tree_unref_slots(p, t, t->n_files);
+		tree_free(t);
+	}
+	free(ds);
 	return 0;
 }
 
@@ -1257,10 +1343,10 @@ size_t plane_withdraw(struct plane *p, const uint8_t *digest, int wait, uint64_t
 		pthread_mutex_unlock(&p->backing_lock);
 		for (size_t d = 0; d < p->n_datasets; d++) {
 			const struct dataset *ds = p->datasets[d];
-			for (uint32_t i = 0; i < ds->n_files; i++)
-				if (ds->slots[i] == entry - 1) {
+			for (uint32_t i = 0; i < ds->t->n_files; i++)
+				if (ds->t->slots[i] == entry - 1) {
 					if (count < max)
-						inodes[count] = ds->base + ds->n_dirs + i;
+						inodes[count] = ds->base + ds->t->n_dirs + i;
 					count++;
 				}
 		}

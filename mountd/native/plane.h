@@ -66,15 +66,25 @@ int plane_dev_fd(const struct plane *p);
 void plane_set_passthrough(struct plane *p, int on);
 int plane_passthrough_offered(const struct plane *p);
 
-/* A dataset's tree at inodes base .. base + n_dirs + n_files - 1: node 0 its root,
- * nodes 1 .. n_dirs - 1 directories, node n_dirs + i entry i. parents[node] is a node's
- * directory, its name names[name_ends[node - 1] .. name_ends[node]) (node 0's is empty),
- * sizes[i] and digests[32 i ..] entry i's. Attributes are those of mountd's Python
- * handlers: owned by uid:gid, times time_ns. 0, or -errno (EEXIST: the range overlaps). */
-int plane_add_dataset(struct plane *p, uint64_t base, uint32_t n_dirs, uint32_t n_files,
-		      uint32_t uid, uint32_t gid, int64_t time_ns, const uint32_t *parents,
-		      const char *names, const uint32_t *name_ends, const uint64_t *sizes,
-		      const uint8_t *digests);
+/* A digest's tree: node 0 its root, nodes 1 .. n_dirs - 1 directories, node n_dirs + i
+ * entry i. parents[node] is a node's directory, its name names[name_ends[node - 1] ..
+ * name_ends[node]) (node 0's is empty), sizes[i] and digests[32 i ..] entry i's. */
+struct plane_tree {
+	uint32_t n_dirs, n_files;
+	const uint32_t *parents, *name_ends;
+	const char *names;
+	const uint64_t *sizes;
+	const uint8_t *digests;
+};
+
+/* Whether a tree of the digest `identity` (32 bytes) is held: its datasets share it. */
+int plane_has_tree(struct plane *p, const uint8_t *identity);
+/* A dataset at inodes base .. base + its tree's nodes - 1, registered from the digest
+ * `identity`: its tree is the one held for it, else `tree` (NULL: -ENOENT). Attributes
+ * are those of mountd's Python handlers: owned by uid:gid, times time_ns. 0, or -errno
+ * (EEXIST: the range overlaps another's; EINVAL: a tree not well formed). */
+int plane_add_dataset(struct plane *p, uint64_t base, const uint8_t *identity, uint32_t uid,
+		      uint32_t gid, int64_t time_ns, const struct plane_tree *tree);
 /* Forget the dataset at base; its reads in flight finish. 0 or -ENOENT. */
 int plane_remove_dataset(struct plane *p, uint64_t base);
 /* While suspended, a dataset's READs go to Python (which refuses them). */
