@@ -43,7 +43,8 @@ $(STAMP): requirements.lock pyproject.toml mountd/patches/pyfuse3.txt $(PYFUSE3_
 # Debian's gcc, against libfuse3 and the venv's Python headers. mountd serves through
 # Python where it cannot load it.
 NATIVE := mountd/native/_dataplane.so
-NATIVE_SRC := mountd/native/plane.c mountd/native/module.c mountd/native/plane.h
+NATIVE_C := $(addprefix mountd/native/,plane.c tables.c passthrough.c module.c)
+NATIVE_SRC := $(NATIVE_C) mountd/native/plane.h mountd/native/plane_internal.h
 NATIVE_CFLAGS ?= -O2
 SANITIZE_CFLAGS := -O1 -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
 
@@ -52,7 +53,7 @@ native: $(NATIVE)
 $(NATIVE): $(NATIVE_SRC) $(STAMP)
 	gcc -shared -fPIC -std=gnu11 -pthread -g -Wall -Wextra -Werror $(NATIVE_CFLAGS) \
 	  -I"$$($(VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
-	  $$(pkg-config --cflags fuse3) mountd/native/plane.c mountd/native/module.c \
+	  $$(pkg-config --cflags fuse3) $(NATIVE_C) \
 	  -o $@ $$(pkg-config --libs fuse3)
 
 # The native module's tests under AddressSanitizer and UndefinedBehaviorSanitizer: the
