@@ -52,6 +52,13 @@ def _read(root: str, rels: list[str], threads: int) -> dict[str, str]:
         return dict(zip(rels, pool.map(lambda r: _sha(os.path.join(root, r)), rels)))
 
 
+def _wait_for(done, what: str, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
 def _native(m) -> dict[str, int]:
     return m.status()["native"]
 
@@ -194,12 +201,11 @@ def test_a_file_changed_on_disk_is_withdrawn_while_16_threads_read(mountd_factor
             first = f.read(1)
             f.seek(0)
             f.write(bytes([first[0] ^ 0xFF]))
-        deadline = time.monotonic() + 60
-        while m.status()["cache"]["scrub_failures"] < 1:
-            assert time.monotonic() < deadline, "the scrubber did not find the change"
-            time.sleep(0.05)
+        _wait_for(lambda: m.status()["cache"]["scrub_failures"] >= 1,
+                  "the scrubber did not find the change")
         found_at.append(time.monotonic())
-        time.sleep(1.0)  # reads of it after the withdrawal
+        _wait_for(lambda: sum(r[0] == victim and r[1] > found_at[0] for r in reads) >= 20,
+                  "no reads of the changed item after the scrubber found it")
     finally:
         stop.set()
         for t in threads:
@@ -232,6 +238,7 @@ def test_stops_cleanly_with_its_threads_busy_and_restarts(mountd_factory, mixed_
 
     stop = threading.Event()
     wrong: list[str] = []
+    done: list[str] = []
 
     def busy() -> None:
         while not stop.is_set():
@@ -243,11 +250,12 @@ def test_stops_cleanly_with_its_threads_busy_and_restarts(mountd_factory, mixed_
                 drop_page_cache([path])
             except OSError:
                 return  # unmounted under it
+            done.append(rel)
 
     readers = [threading.Thread(target=busy) for _ in range(16)]
     for t in readers:
         t.start()
-    time.sleep(0.5)  # the readers in full swing
+    _wait_for(lambda: len(done) >= 200, "the readers did not get going")  # in full swing
     pid = m.proc.pid
     os.kill(pid, signal.SIGTERM)
     assert m.proc.wait(timeout=30) == 0

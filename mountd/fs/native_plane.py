@@ -190,10 +190,10 @@ class NativePlane:
         Does not wait for READs in flight (its file's name is its own)."""
         self.plane.withdraw(digest, False)
 
-    def withdraw_now(self, digest: bytes) -> list[int]:
-        """Withdraw ``digest`` and wait for its READs in flight (blocking: a worker
-        thread's call): no reply with its bytes is sent after. The inodes naming it."""
-        return self.plane.withdraw(digest, True)
+    def withdraw_now(self, digest: bytes) -> None:
+        """Withdraw ``digest`` and wait for its READs and OPENs in flight (blocking: a
+        worker thread's call): no reply with its bytes is sent after."""
+        self.plane.withdraw(digest, True)
 
     # -- what the plane did -----------------------------------------------------------
     def drain(self) -> None:

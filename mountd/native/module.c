@@ -16,7 +16,6 @@
 
 #include "plane.h"
 
-#define WITHDRAW_INODES 4096
 #define DRAIN_MAX 65536
 
 typedef struct {
@@ -282,26 +281,11 @@ static PyObject *Plane_withdraw(PlaneObject *self, PyObject *args)
 		PyBuffer_Release(&digest);
 		return PyErr_Format(PyExc_ValueError, "withdraw: a 32-byte digest is needed");
 	}
-	uint64_t stack[WITHDRAW_INODES], *inodes = stack;
-	size_t n, max = WITHDRAW_INODES;
 	Py_BEGIN_ALLOW_THREADS
-	n = plane_withdraw(self->plane, digest.buf, wait, inodes, max);
-	if (n > max && (inodes = malloc(n * sizeof *inodes)))
-		n = plane_withdraw(self->plane, digest.buf, 0, inodes, max = n);
+	plane_withdraw(self->plane, digest.buf, wait);
 	Py_END_ALLOW_THREADS
 	PyBuffer_Release(&digest);
-	if (!inodes)
-		return PyErr_NoMemory();
-	PyObject *list = PyList_New(0);
-	for (size_t i = 0; list && i < n && i < max; i++) {
-		PyObject *inode = PyLong_FromUnsignedLongLong(inodes[i]);
-		if (!inode || PyList_Append(list, inode))
-			Py_CLEAR(list);
-		Py_XDECREF(inode);
-	}
-	if (inodes != stack)
-		free(inodes);
-	return list;
+	Py_RETURN_NONE;
 }
 
 static PyObject *Plane_drain_hits(PlaneObject *self, PyObject *unused)
@@ -370,7 +354,7 @@ static PyMethodDef Plane_methods[] = {
 	{"serve", (PyCFunction)Plane_serve, METH_VARARGS,
 	 "serve(digest, name) -> whether a registered dataset names it"},
 	{"withdraw", (PyCFunction)Plane_withdraw, METH_VARARGS,
-	 "withdraw(digest, wait) -> the inodes naming it; with wait, returns once no READ "
+	 "withdraw(digest, wait): serve it no more; with wait, return once no READ or OPEN "
 	 "of it is in flight"},
 	{"drain_hits", (PyCFunction)Plane_drain_hits, METH_NOARGS,
 	 "drain_hits() -> [(inode, seconds)] of the files served since the last call"},

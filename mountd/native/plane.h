@@ -94,11 +94,10 @@ int plane_suspend_dataset(struct plane *p, uint64_t base, int suspended);
  * characters): serve its READs (of an entry whose size is the file's). 1 if a
  * registered dataset names it, else 0 (nothing is kept); -EINVAL for a bad name. */
 int plane_serve(struct plane *p, const uint8_t *digest, const char *name);
-/* Serve `digest` no more. With `wait`, returns once no READ of it is in flight: no
- * reply with its bytes is sent after. Writes up to `max` inodes that name it to
- * `inodes`, and returns how many name it. */
-size_t plane_withdraw(struct plane *p, const uint8_t *digest, int wait, uint64_t *inodes,
-		      size_t max);
+/* Serve `digest` no more. With `wait`, returns once no READ or OPEN of it is in
+ * flight: no reply with its bytes is sent after. (The inodes naming it are Python's to
+ * find: MountTable.inodes_naming.) */
+void plane_withdraw(struct plane *p, const uint8_t *digest, int wait);
 
 /* A file served (its first READ, or a passthrough OPEN): its inode, and the
  * nanoseconds its request took here. */

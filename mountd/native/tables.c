@@ -461,10 +461,8 @@ int plane_serve(struct plane *p, const uint8_t *digest, const char *name)
 	return s != NULL;
 }
 
-size_t plane_withdraw(struct plane *p, const uint8_t *digest, int wait, uint64_t *inodes,
-		      size_t max)
+void plane_withdraw(struct plane *p, const uint8_t *digest, int wait)
 {
-	size_t count = 0;
 	pthread_rwlock_wrlock(&p->lock);
 	uint64_t pos = p->items ? item_pos(p, digest) : 0;
 	uint32_t entry = p->items ? p->items[pos] : 0;
@@ -474,15 +472,6 @@ size_t plane_withdraw(struct plane *p, const uint8_t *digest, int wait, uint64_t
 		pthread_mutex_lock(&p->backing_lock);
 		backing_drop(p, s, 0);
 		pthread_mutex_unlock(&p->backing_lock);
-		for (size_t d = 0; d < p->n_datasets; d++) {
-			const struct dataset *ds = p->datasets[d];
-			for (uint32_t i = 0; i < ds->t->n_files; i++)
-				if (ds->t->slots[i] == entry - 1) {
-					if (count < max)
-						inodes[count] = ds->base + ds->t->n_dirs + i;
-					count++;
-				}
-		}
 	}
 	pthread_rwlock_unlock(&p->lock);
 	/* READs that found it served before are counted in inflight; none starts now. */
@@ -490,5 +479,4 @@ size_t plane_withdraw(struct plane *p, const uint8_t *digest, int wait, uint64_t
 		struct timespec pause = {0, 50 * 1000};
 		nanosleep(&pause, NULL);
 	}
-	return count;
 }
