@@ -182,9 +182,9 @@ class Mountd:
                                  ControlFiles(self.jobs, self.planner), self.views),
             self.services.stats.fuse_requests)
         # Bound now, so that a taken port fails before mounting.
-        self.metrics = (MetricsServer(cfg.metrics, MountdCollector(self.services, self.table,
-                                                                   self.jobs))
-                        if cfg.metrics else None)
+        collector = MountdCollector(self.services, self.table, self.jobs,
+                                    loader_pools=self.controller.loader_pools)
+        self.metrics = MetricsServer(cfg.metrics, collector) if cfg.metrics else None
         self.control = ControlServer(cfg.control_socket, self.controller.handlers())
         self.control.bind()
         self.device: str | None = None  # MAJOR:MINOR of the mount, once mounted

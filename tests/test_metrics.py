@@ -30,7 +30,8 @@ from quiverfs.chunk_plan import make_plan
 from quiverfs.counters import ReadCounter
 from quiverfs.errors import ExitCode
 from quiverfs.metrics_server import MetricsServer, TrioLoop
-from tests.mountd_helpers import lone_services
+from mountd.fetch.loader_pool import MIN_SERVING_PROCESSES, THREADS_PER_PROCESS
+from tests.mountd_helpers import lone_services, make_digest, mount, mountd_factory  # noqa: F401
 from tests.notify_daemon import notify_daemon  # noqa: F401
 
 needs_fuse = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
@@ -192,6 +193,33 @@ def test_job_and_chunk_metrics(documented_mountd, quiver, synthetic_tree: Tree, 
     assert value(m, "quiver_job_mean_batch_seconds", **labels) == pytest.approx(0.5)
     os.rmdir(job)
     assert value(scrape(port), "quiver_jobs") == 0
+
+
+@needs_fuse
+def test_loader_pool_metrics(mountd_factory, synthetic_tree: Tree, upload, gcs_emulator):
+    """Each pool's processes, and its requests in flight once the reads are done."""
+    port = free_port()
+    m = mountd_factory(extra_args=("--loader-processes", "1", "--metrics",
+                                   f"127.0.0.1:{port}"))
+    data = make_digest(upload(synthetic_tree.root, "syn"), "syn", gcs_emulator.host)
+    mount(m, data, "syn", gcs_emulator.host)
+    assert read_tree(Path(m.root) / "syn") == 40
+    m.wait_for_loaders()
+    deadline = time.monotonic() + SCRAPE_DEADLINE
+    while True:  # a fetch's slot is given back once the store's outcome came
+        samples = scrape(port)
+        if value(samples, "quiver_loader_requests_in_flight", pool="serving") == 0:
+            break
+        assert time.monotonic() < deadline, "the serving pool's requests never ended"
+    for pool, processes in (("serving", MIN_SERVING_PROCESSES), ("ahead", 1)):
+        assert value(samples, "quiver_loader_processes", pool=pool) == processes
+        assert value(samples, "quiver_loader_request_slots", pool=pool) == (
+            processes * THREADS_PER_PROCESS)
+        assert value(samples, "quiver_loader_requests_waiting", pool=pool) == 0
+    # the reads' misses went to the serving pool, which started with the mount
+    assert value(samples, "quiver_loader_processes_running", pool="serving") == 2
+    assert value(samples, "quiver_loader_processes_ready", pool="serving") == 2
+    assert m.status()["counters"]["loader_process_misses"] == 40
 
 
 @needs_fuse

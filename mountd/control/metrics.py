@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -22,6 +22,7 @@ from quiverfs.counters import ReadCounter, SamplerJobCounter
 from quiverfs.metrics_server import LoopUnavailable, TrioLoop
 
 if TYPE_CHECKING:
+    from mountd.fetch.loader_pool import LoaderPool
     from mountd.fetch.services import ReadServices
     from mountd.jobs.registry import JobRegistry
     from mountd.datasets.mount_table import MountTable
@@ -36,20 +37,33 @@ BYTES = {"local": ReadCounter.LOCAL_BYTES, "peer": ReadCounter.PEER_BYTES,
          "bucket": ReadCounter.BUCKET_BYTES}
 ERRORS = {"local": ReadCounter.STORE_ERRORS, "peer": ReadCounter.PEER_ERRORS,
           "bucket": ReadCounter.BUCKET_ERRORS}
-
+# The gauges of each loader pool (serving: misses readers wait on; ahead: chunk loads),
+# by their key in LoaderPool.status.
+LOADER_GAUGES = {
+    "processes": ("quiver_loader_processes", "Loader processes the pool keeps"),
+    "running": ("quiver_loader_processes_running", "The pool's processes running (they "
+                "start with the pool's first use of a GCS bucket)"),
+    "ready": ("quiver_loader_processes_ready", "The pool's processes ready for requests"),
+    "slots": ("quiver_loader_request_slots", "Requests the pool's processes hold at once"),
+    "in_flight": ("quiver_loader_requests_in_flight", "Requests the pool's processes "
+                  "hold now"),
+    "waiting": ("quiver_loader_requests_waiting", "Requests waiting for a slot of the pool"),
+}
 
 
 class MountdCollector:
     """Metric families of a running mountd: its live state read on the trio loop
-    through ``loop``, its store read in the scrape's thread."""
+    through ``loop``, its store read in the scrape's thread; ``loader_pools`` by name."""
 
     def __init__(self, services: ReadServices, table: MountTable, jobs: JobRegistry,
-                 loop: TrioLoop | None = None) -> None:
+                 loop: TrioLoop | None = None,
+                 loader_pools: Mapping[str, LoaderPool] | None = None) -> None:
         self.stats = services.stats
         self.push = services.push
         self.store = services.store
         self.table = table
         self.jobs = jobs
+        self.loader_pools = loader_pools or {}
         self.loop = loop or TrioLoop()
         self._store_lock = threading.Lock()  # concurrent scrapes read the store in turn
 
@@ -64,7 +78,7 @@ class MountdCollector:
         """Every family of the loop's state, built at one moment (runs on the loop)."""
         self.stats.gather()
         return [*self._reads(), *self.stats.latency.collect(), *self._datasets(),
-                *self._chunks(), *self._jobs()]
+                *self._chunks(), *self._jobs(), *self._loaders()]
 
     def _reads(self) -> Iterator[Metric]:
         c = self.stats.counters
@@ -189,6 +203,15 @@ class MountdCollector:
             if s["benefit"] is not None:
                 benefit.add_metric(key, s["benefit"])
         yield from (hits, fetched, epoch, batch, probed, benefit)
+
+    def _loaders(self) -> Iterator[Metric]:
+        families = {key: GaugeMetricFamily(name, text, labels=["pool"])
+                    for key, (name, text) in LOADER_GAUGES.items()}
+        for pool_name, pool in self.loader_pools.items():
+            status = pool.status()
+            for key, family in families.items():
+                family.add_metric([pool_name], status[key])
+        yield from families.values()
 
     def _store(self) -> Iterator[Metric]:
         """The store's families (blocking: runs in the scrape's thread)."""

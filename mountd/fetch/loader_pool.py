@@ -160,11 +160,14 @@ class LoaderPool:
         self._wanted.set()
 
     def status(self) -> dict[str, int]:
-        """The processes it keeps, those running, and those ready for requests."""
+        """The processes it keeps, those running, and those ready for requests; the
+        requests they hold at once, those in flight, and those waiting for a slot."""
         live = [p for p in self._live if p is not None]
+        slots = self._slots.status()
         return {"processes": self.processes, "running": len(live),
                 "ready": sum(p.ready for p in live), "threads": self.threads,
-                "niceness": self.niceness}
+                "niceness": self.niceness, "slots": slots["slots"],
+                "in_flight": slots["held"], "waiting": slots["waiting"]}
 
     @property
     def capacity(self) -> int:
