@@ -18,7 +18,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from mountd.control.metrics import MountdCollector
+from mountd.control.metrics import NATIVE_COUNTERS, MountdCollector
 from mountd.datasets.mount_table import MountTable
 from mountd.jobs.registry import JobRegistry
 from mountd.store.content_store import ContentStore
@@ -220,6 +220,29 @@ def test_loader_pool_metrics(mountd_factory, synthetic_tree: Tree, upload, gcs_e
     assert value(samples, "quiver_loader_processes_running", pool="serving") == 2
     assert value(samples, "quiver_loader_processes_ready", pool="serving") == 2
     assert m.status()["counters"]["loader_process_misses"] == 40
+
+
+@needs_fuse
+def test_native_data_plane_metrics(mountd_factory, synthetic_tree: Tree):
+    """The native data plane's counters, as quiver status shows them: a second name's
+    files, all cached, are served natively."""
+    port = free_port()
+    m = mountd_factory(extra_args=("--data-path", "native", "--metrics", f"127.0.0.1:{port}"))
+    if m.status()["data_path"] != "native":
+        pytest.skip("the native data plane is not built (make native)")
+    data = make_digest(synthetic_tree.root, "syn")
+    mount(m, data, "cold")
+    mount(m, data, "warm")
+    assert read_tree(Path(m.root) / "cold") == 40
+    assert read_tree(Path(m.root) / "warm") == 40
+    samples = scrape(port)
+    native = m.status()["native"]
+    for key, (name, _) in NATIVE_COUNTERS.items():
+        assert value(samples, f"{name}_total") == native[key], key
+    assert value(samples, "quiver_native_hits_total") == 40
+    assert value(samples, "quiver_native_read_bytes_total") >= digest_format.decode(
+        data).total_bytes
+    assert value(samples, "quiver_native_fallback_reads_total") == 0
 
 
 @needs_fuse

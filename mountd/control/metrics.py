@@ -49,6 +49,23 @@ LOADER_GAUGES = {
                   "hold now"),
     "waiting": ("quiver_loader_requests_waiting", "Requests waiting for a slot of the pool"),
 }
+# The native data plane's counters (mountd/native/plane.h) that no other family holds
+# (its hits, and its requests by opcode, are counted with Python's), by their key in
+# Plane.counters.
+NATIVE_COUNTERS = {
+    "reads": ("quiver_native_reads", "READs the native data plane answered"),
+    "read_bytes": ("quiver_native_read_bytes", "Bytes the native data plane's READs "
+                   "returned"),
+    "hits": ("quiver_native_hits", "Files the native data plane served (READs at offset 0)"),
+    "forwarded": ("quiver_native_forwarded_requests", "Requests the native data plane "
+                  "handed to Python"),
+    "fallbacks": ("quiver_native_fallback_reads", "READs of served items the native data "
+                  "plane handed to Python: the store's file was gone or short"),
+    "hits_dropped": ("quiver_native_dropped_hits", "Native hits never reported: Python "
+                     "drained them too slowly"),
+    "backing_failures": ("quiver_native_backing_failures", "Passthrough OPENs of served "
+                         "items the kernel gave no backing file"),
+}
 
 
 class MountdCollector:
@@ -78,7 +95,7 @@ class MountdCollector:
         """Every family of the loop's state, built at one moment (runs on the loop)."""
         self.stats.gather()
         return [*self._reads(), *self.stats.latency.collect(), *self._datasets(),
-                *self._chunks(), *self._jobs(), *self._loaders()]
+                *self._chunks(), *self._jobs(), *self._loaders(), *self._native()]
 
     def _reads(self) -> Iterator[Metric]:
         c = self.stats.counters
@@ -212,6 +229,16 @@ class MountdCollector:
             for key, family in families.items():
                 family.add_metric([pool_name], status[key])
         yield from families.values()
+
+    def _native(self) -> Iterator[Metric]:
+        """The native data plane's counters; families without a sample where files are
+        served by Python (--data-path python, or the plane could not start)."""
+        native = self.stats.native
+        for key, (name, text) in NATIVE_COUNTERS.items():
+            family = CounterMetricFamily(name, text)
+            if key in native:
+                family.add_metric([], native[key])
+            yield family
 
     def _store(self) -> Iterator[Metric]:
         """The store's families (blocking: runs in the scrape's thread)."""
