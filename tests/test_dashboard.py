@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from quiverfs.bench.data import Tree
 from quiverfs.bench.processes import CoordinatorProcess, free_port
 from tests.mountd_helpers import make_digest, mount, mountd_factory  # noqa: F401
-from tests.test_metrics import read_tree
+from tests.test_metrics import read_tree, scrape, value
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana" / "quiver.json"
 DATASOURCE = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
@@ -189,13 +189,13 @@ def test_every_metric_the_dashboard_names_is_exported(coordinator, mountd_factor
     finally:
         os.close(fd)
     deadline = time.monotonic() + SCRAPE_DEADLINE
-    while 'quiver_coordinator_chunks{dataset="syn"' not in (co_text := metrics_page(co_port)):
+    while not any(name == "quiver_coordinator_chunks" and ("dataset", "syn") in labels
+                  for name, labels in scrape(co_port)):
         assert time.monotonic() < deadline, "the job's chunk cycle never reached the coordinator"
         time.sleep(0.1)
-    node_text = metrics_page(node_port)
-    assert 'quiver_hits_total{tier="bucket"} 40.0' in node_text  # the reads were counted
+    assert value(scrape(node_port), "quiver_hits_total", tier="bucket") == 40
 
-    families = exported(node_text) | exported(co_text)
+    families = exported(metrics_page(node_port)) | exported(metrics_page(co_port))
     missing = sorted(n for n in dashboard_metrics(load()) if not is_exported(n, families))
     assert not missing, f"the dashboard names metrics nothing exports: {missing}"
     os.rmdir(job)
