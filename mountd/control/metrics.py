@@ -56,6 +56,8 @@ NATIVE_COUNTERS = {
     "reads": ("quiver_native_reads", "READs the native data plane answered"),
     "read_bytes": ("quiver_native_read_bytes", "Bytes the native data plane's READs "
                    "returned"),
+    "copied": ("quiver_native_copied_reads", "READs whose bytes the native data plane "
+               "copied through its thread rather than splicing them from the store's file"),
     "hits": ("quiver_native_hits", "Files the native data plane served (READs at offset 0)"),
     "forwarded": ("quiver_native_forwarded_requests", "Requests the native data plane "
                   "handed to Python"),

@@ -312,8 +312,9 @@ static PyObject *Plane_counters(PlaneObject *self, PyObject *unused)
 	(void)unused;
 	struct plane_counters c;
 	plane_counters(self->plane, &c);
-	return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsK}", "lookups", c.lookups, "getattrs",
-			     c.getattrs, "reads", c.reads, "read_bytes", c.read_bytes, "hits",
+	return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsK}", "lookups", c.lookups, "getattrs",
+			     c.getattrs, "reads", c.reads, "read_bytes", c.read_bytes, "copied",
+			     c.copied, "hits",
 			     c.hits, "forwarded", c.forwarded, "fallbacks", c.fallbacks,
 			     "hits_dropped", c.hits_dropped, "forgets", c.forgets, "opens",
 			     c.opens, "releases", c.releases, "backing_failures",

@@ -4,6 +4,8 @@
 #define _GNU_SOURCE
 #include "plane_internal.h"
 
+#include <sys/syscall.h>
+
 /* ---- replies ---- */
 void reply(struct plane *p, uint64_t unique, int error, const void *arg, size_t len)
 {
@@ -142,6 +144,7 @@ static void value_path(const struct plane *p, const char *name, char *path)
 struct worker {
 	char *buf, *data;
 	int pipe[2]; /* -1: none (it could not be made, or broke): pread and writev */
+	uint64_t pipe_pages; /* the pipe's buffers: each holds a page, or part of one */
 };
 
 static void pipe_close(struct worker *w)
@@ -153,6 +156,11 @@ static void pipe_close(struct worker *w)
 	w->pipe[0] = w->pipe[1] = -1;
 }
 
+static uint64_t page_size(void)
+{
+	return (uint64_t)sysconf(_SC_PAGESIZE);
+}
+
 static void pipe_open(struct worker *w)
 {
 	w->pipe[0] = w->pipe[1] = -1;
@@ -160,9 +168,25 @@ static void pipe_open(struct worker *w)
 		w->pipe[0] = w->pipe[1] = -1;
 		return;
 	}
-	/* a whole reply in the pipe: its header and DATA_BUF bytes */
-	if (fcntl(w->pipe[1], F_SETPIPE_SZ, DATA_BUF + 4096) < DATA_BUF + 4096)
+	/* a whole reply in the pipe: its header and DATA_BUF bytes; a pipe above
+	 * fs.pipe-max-size (1 MiB by default) needs CAP_SYS_RESOURCE, which a root in a
+	 * container may lack: then the largest READs are copied (splice_fits) */
+	int size = fcntl(w->pipe[1], F_SETPIPE_SZ, DATA_BUF + (int)page_size());
+	if (size < 0)
+		size = fcntl(w->pipe[1], F_SETPIPE_SZ, DATA_BUF);
+	if (size < 0 || (uint64_t)size < 4 * page_size())
 		pipe_close(w);
+	else
+		w->pipe_pages = (uint64_t)size / page_size();
+}
+
+/* Whether the reply to a READ of n bytes at off fits in the thread's pipe: its header
+ * takes a buffer, and every page the bytes touch one more (a full pipe would block
+ * the only thread that empties it). */
+static int splice_fits(const struct worker *w, uint64_t off, uint64_t n)
+{
+	uint64_t page = page_size();
+	return w->pipe[0] >= 0 && n && 1 + (off + n - 1) / page - off / page + 1 <= w->pipe_pages;
 }
 
 /* The reply to READ `unique` put in the pipe: its header, and n bytes of fd from off
@@ -200,6 +224,34 @@ static void splice_send(struct plane *p, struct worker *w, uint64_t n)
 		pipe_close(w); /* refused (interrupted): what is left in the pipe goes */
 		pipe_open(w);
 	}
+}
+
+/* cachestat(2) (Linux 6.5; Debian 12's headers predate it): one number on every
+ * architecture */
+#ifndef SYS_cachestat
+#define SYS_cachestat 451
+#endif
+struct cache_range {
+	uint64_t off, len;
+};
+struct cache_stat {
+	uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted;
+};
+static atomic_int no_cachestat;
+
+/* Whether the page cache holds none of fd's first `size` bytes; 1 where the kernel
+ * cannot tell. */
+static int none_cached(int fd, uint64_t size)
+{
+	if (atomic_load_explicit(&no_cachestat, memory_order_relaxed))
+		return 1;
+	struct cache_range at = {0, size};
+	struct cache_stat st;
+	if (syscall(SYS_cachestat, fd, &at, &st, 0) == 0)
+		return st.nr_cache == 0;
+	if (errno == ENOSYS)
+		atomic_store_explicit(&no_cachestat, 1, memory_order_relaxed);
+	return 1;
 }
 
 /* The served item a READ or an OPEN of `inode` is for: its slot, counted in flight
@@ -251,7 +303,14 @@ static int do_read(struct plane *p, const struct fuse_in_header *in,
 		close(fd); /* not the entry's size: Python refuses it, and counts why */
 		goto fallback;
 	}
-	int spliced = n && w->pipe[0] >= 0 ? splice_fill(w, in->unique, fd, off, n) : -1;
+	/* The store file's pages go after its last byte is sent (the FUSE inode's pages
+	 * then hold those bytes), but only those the plane brought in: pages cached before
+	 * its first READ (written by a put, kept by the scrubber, read for another mount
+	 * with its own pages gone) are someone else's, and dropping them costs a read. */
+	if (off == 0)
+		atomic_store_explicit(&s->fresh, (unsigned char)none_cached(fd, size),
+				      memory_order_relaxed);
+	int spliced = splice_fits(w, off, n) ? splice_fill(w, in->unique, fd, off, n) : -1;
 	if (spliced == 0) { /* shorter than its entry: not the verified file */
 		close(fd);
 		goto fallback;
@@ -273,14 +332,15 @@ static int do_read(struct plane *p, const struct fuse_in_header *in,
 		atomic_fetch_add_explicit(&p->served_files, 1, memory_order_relaxed);
 		record_hit(p, in->nodeid, started);
 	}
-	if (spliced > 0)
+	if (spliced > 0) {
 		splice_send(p, w, n);
-	else
+	} else {
+		atomic_fetch_add_explicit(&p->copied, 1, memory_order_relaxed);
 		reply(p, in->unique, 0, w->data, n);
+	}
+	int drop = off + n >= size && atomic_load_explicit(&s->fresh, memory_order_relaxed);
 	atomic_fetch_sub(&s->inflight, 1);
-	/* The kernel now holds these bytes in the FUSE inode's pages: the store file's
-	 * copy would cache them twice. */
-	if (off + n >= size)
+	if (drop)
 		posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
 	close(fd);
 	return 1;
@@ -491,6 +551,8 @@ int plane_start(struct plane *p, int dev_fd)
 	for (n = 0; n < p->n_threads; n++)
 		if ((error = pthread_create(&p->threads[n], NULL, worker_main, p)))
 			break;
+		else /* named for top -H and /proc: where mountd's CPU goes */
+			pthread_setname_np(p->threads[n], "quiver-plane");
 	pthread_sigmask(SIG_SETMASK, &old, NULL);
 	p->started = n;
 	if (error) {
@@ -571,6 +633,7 @@ void plane_counters(struct plane *p, struct plane_counters *out)
 	out->getattrs = atomic_load(&p->getattrs);
 	out->reads = atomic_load(&p->reads);
 	out->read_bytes = atomic_load(&p->read_bytes);
+	out->copied = atomic_load(&p->copied);
 	out->hits = atomic_load(&p->served_files);
 	out->forwarded = atomic_load(&p->forwarded);
 	out->fallbacks = atomic_load(&p->fallbacks);

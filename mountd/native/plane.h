@@ -25,6 +25,7 @@ struct plane_counters {
 	uint64_t getattrs;   /* GETATTRs answered natively */
 	uint64_t reads;      /* READs answered natively */
 	uint64_t read_bytes; /* bytes those READs returned */
+	uint64_t copied;     /* of those READs, copied through the thread (no pipe to splice) */
 	uint64_t hits;       /* READs at offset 0 answered natively: files served */
 	uint64_t forwarded;  /* requests handed to Python */
 	uint64_t fallbacks;  /* READs of served items handed to Python: file gone or short */

@@ -55,6 +55,7 @@ struct slot {
 	uint8_t served; /* stored, verified, and its name known */
 	int32_t backing_id; /* passthrough: the value file's backing id, 0 if none */
 	atomic_uint inflight; /* READs serving its file now, OPENs answering with it */
+	atomic_uchar fresh; /* none of its file's pages were cached at its last READ from 0 */
 };
 
 /* A backing id's opens (passthrough), and whose it is. The kernel refuses an inode
@@ -129,7 +130,7 @@ struct plane {
 	struct plane_hit hits[HIT_RING];
 	size_t hit_start, hit_count;
 
-	atomic_uint_fast64_t lookups, getattrs, reads, read_bytes, served_files, forwarded,
+	atomic_uint_fast64_t lookups, getattrs, reads, read_bytes, copied, served_files, forwarded,
 		fallbacks, hits_dropped, forgets, opens, releases, backing_failures;
 };
 
