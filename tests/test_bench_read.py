@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from quiverfs.bench import read
+from quiverfs.bench import floor, read
 from quiverfs.bench.compare import rclone_available
 from quiverfs.bench.emulator import emulator_available
 from quiverfs.bench.processes import MountdProcess
@@ -27,6 +27,9 @@ SUMMARY_KEYS = {"data_path", "warm_p99_ratio_16", "warm_ratio_1", "warm_ratio_4"
                 "fuse_requests_per_file_store", "warm_mount_mb_s_16", "warm_direct_mb_s_16",
                 "cold_latency_ms"}
 RCLONE_KEYS = {"rclone_warm_ratio_16", "rclone_warm_ratio_64"}
+FLOOR_KEYS = {"floor_warm_ratio_1", "floor_warm_ratio_4", "floor_warm_ratio_16",
+              "floor_warm_ratio_64", "floor_store_ratio_16", "floor_cpu_s_per_gb_hit",
+              "floor_hot_ratio_16", "store_vs_floor_16", "cpu_vs_floor"}
 LATENCY_MS = 20.0  # the cold pass's bucket latency: the option reaches the proxy
 DATA_PATHS = {"native", "passthrough", "python"}  # what mountd's status may name
 
@@ -45,7 +48,8 @@ def _bytes_under(directory: str) -> int:
 @pytest.mark.timeout(300)  # the quick run (about 100 s on 2 busy cores)
 def test_summary_has_every_key_and_each_is_positive(quick_report):
     summary = quick_report[0]["summary"]
-    expected = SUMMARY_KEYS | (RCLONE_KEYS if rclone_available() else set())
+    expected = (SUMMARY_KEYS | (RCLONE_KEYS if rclone_available() else set())
+                | (FLOOR_KEYS if os.path.exists(floor.EXAMPLE) else set()))
     assert set(summary) == expected
     # the hot pass may send mountd no request at all: pages kept, no OPEN
     positive = set(summary) - {"fuse_requests_per_file", "data_path"}
@@ -78,6 +82,23 @@ def test_every_warm_pass_read_the_whole_tree(quick_report):
         assert p["p99_ratio"] == pytest.approx(p["mount_p99_ms"] / p["direct_p99_ms"],
                                                rel=0.01, abs=0.002)
     assert report["summary"]["warm_p99_ratio_16"] == warm["ssd"][16]["p99_ratio"]
+
+
+def test_the_floor_read_the_same_bytes_in_every_pass(quick_report):
+    report, workdir = quick_report
+    if "skipped" in report["floor"]:
+        pytest.skip(report["floor"]["skipped"])
+    total = _bytes_under(os.path.join(workdir, "src"))
+    fl = report["floor"]
+    for p in [*fl["ssd"].values(), *fl["store"].values(), *fl["hot"].values()]:
+        assert p["files"] == read.QUICK_ITEMS
+        assert p["direct_bytes"] == p["mount_bytes"] == total
+    summary = report["summary"]
+    assert summary["store_vs_floor_16"] == pytest.approx(
+        summary["store_ratio_16"] / summary["floor_store_ratio_16"], rel=0.01)
+    # its mounts are gone, and its copy of the tree
+    assert not os.path.exists(os.path.join(workdir, "floor-src"))
+    assert not [n for n in os.listdir(workdir) if n.startswith("floor-")]
 
 
 def test_the_cold_pass_read_the_subset_through_the_slow_bucket(quick_report):
@@ -122,8 +143,19 @@ def test_without_rclone_its_keys_are_left_out_with_a_note(quick_report, monkeypa
     skipped = read._rclone("http://127.0.0.1:9", str(tmp_path), ["a.JPEG"], str(tmp_path))
     assert skipped == {"skipped": read.RCLONE_MISSING}
     assert os.listdir(tmp_path) == []
-    summary = read.summary({**quick_report[0], "rclone": skipped})
+    summary = read.summary({**quick_report[0], "rclone": skipped, "floor": {"skipped": ""}})
     assert set(summary) == SUMMARY_KEYS
+
+
+def test_without_libfuses_example_the_floor_is_left_out_with_a_note(quick_report,
+                                                                    monkeypatch, tmp_path):
+    monkeypatch.setattr(floor, "EXAMPLE", str(tmp_path / "passthrough_ll.c"))
+    # nothing is copied, built or mounted
+    skipped = read._floor(str(tmp_path), ["a.JPEG"], str(tmp_path))
+    assert skipped == {"skipped": floor.MISSING}
+    assert os.listdir(tmp_path) == []
+    summary = read.summary({**quick_report[0], "floor": skipped})
+    assert not [k for k in summary if "floor" in k]
 
 
 def test_nothing_stays_mounted(quick_report):

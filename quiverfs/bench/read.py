@@ -29,6 +29,13 @@ local files, rclone's cache files and the mount's pages are dropped from the pag
 cache and every file is read at 16 and 64 threads, against the same subset read
 locally (``rclone_warm_ratio_N``). Without rclone the pass is skipped with a note.
 
+The floor: libfuse's own minimal C server, ``passthrough_ll`` from its examples
+(``quiverfs.bench.floor``), mounted over a copy of the same tree and read in the same
+``ssd``, ``store`` and ``hot`` passes as mountd (its CPU counted as mountd's is):
+``floor_*`` keys, and the mount's figures over the floor's (``store_vs_floor_16``,
+``cpu_vs_floor``): what the kernel and libfuse cost with no cache at all. Without the
+example's source the pass is skipped with a note.
+
 Each warm pass also counts the FUSE requests mountd received per file, by opcode; the
 headline ``fuse_requests_per_file`` is the ``hot`` pass at 16 threads (the second pass
 over the same mounted files). Both report mountd's bucket fetches by cause
@@ -36,12 +43,19 @@ over the same mounted files). Both report mountd's bucket fetches by cause
 
 Each comparison also times every file's read (open, read, close) on both sides: the
 median and p99 in ms, and ``p99_ratio``, the mount's p99 over the local files' (the
-headline ``warm_p99_ratio_16`` is the ``ssd`` pass at 16 threads).
+headline ``warm_p99_ratio_16`` is the ``ssd`` pass at 16 threads), and the daemon's
+CPU by thread name (``daemon_cpu_s_by_thread``: mountd's data plane threads against
+Python's).
 
 ``data_path`` (``native`` or ``python``) is passed to every mountd the benchmark starts as
 ``--data-path``; without it mountd picks its own. The report records the option given
 (``data_path_option``) and the data path the warm mountd says it served with
 (``warm.data_path``, from its status; the summary's ``data_path``).
+
+``free_page_reporting_order``: where the VM gives free memory back to its host (virtio
+balloon free page reporting), the smallest block it gives, else null; the benchmark
+warns where it does, since a pass that allocates new pages then pays the host's faults
+(docs/benchmarks.md, "#54's native data plane").
 """
 from __future__ import annotations
 
@@ -56,10 +70,11 @@ from collections import Counter
 from collections.abc import Callable
 
 from digest_tools.create import create_digest
+from quiverfs.bench import floor
 from quiverfs.backends import StorageOptions
 from quiverfs.backends.gcs import GCSBackend
 from quiverfs.bench.compare import rclone_available, rclone_mount
-from quiverfs.bench.cpu_time import process_cpu_seconds
+from quiverfs.bench.cpu_time import process_cpu_seconds, thread_cpu_seconds
 from quiverfs.bench.data import Tree, write_synthetic_tree
 from quiverfs.bench.emulator import running_emulator, upload_tree
 from quiverfs.bench.processes import MountdProcess, running_mountd
@@ -80,6 +95,7 @@ SMALL_THREADS = 16
 RCLONE_THREADS = (16, 64)
 FILL_THREADS = 16
 BUCKET = "bench"
+PAGE_REPORTING = "/sys/module/page_reporting/parameters/page_reporting_order"
 RCLONE_MISSING = ("rclone is not installed (Debian: apt-get install rclone): the rclone pass "
                   "and its rclone_warm_ratio_N keys are left out")
 
@@ -166,9 +182,11 @@ def _compare(direct: list[str], mounted: list[str], threads: int, daemon_pid: in
     mount_times: list[float] = []
     direct_bytes, direct_s = read_all(direct, threads, times=direct_times)
     requests0 = requests() if requests else Counter()
-    cpu0 = process_cpu_seconds(daemon_pid)
+    cpu0, threads0 = process_cpu_seconds(daemon_pid), thread_cpu_seconds(daemon_pid)
     mount_bytes, mount_s = read_all(mounted, threads, times=mount_times)
     cpu = process_cpu_seconds(daemon_pid) - cpu0
+    by_thread = thread_cpu_seconds(daemon_pid)
+    by_thread.subtract(threads0)
     if mount_bytes != direct_bytes:
         raise RuntimeError(f"the mount returned {mount_bytes} bytes, the local files "
                            f"{direct_bytes}")
@@ -178,7 +196,10 @@ def _compare(direct: list[str], mounted: list[str], threads: int, daemon_pid: in
            "direct_files_s": round(len(direct) / direct_s),
            "mount_files_s": round(len(mounted) / mount_s),
            "ratio": round(direct_s / mount_s, 3), "daemon_cpu_s": round(cpu, 2),
-           "cpu_s_per_gb": round(cpu / (mount_bytes / 1e9), 3)}
+           "cpu_s_per_gb": round(cpu / (mount_bytes / 1e9), 3),
+           # where the daemon's CPU went: its threads by name (over 0.01 s)
+           "daemon_cpu_s_by_thread": {name: round(s, 2) for name, s in
+                                      sorted(by_thread.items()) if s >= 0.01}}
     p99 = {}
     for side, times in (("direct", direct_times), ("mount", mount_times)):
         cuts = statistics.quantiles(times, n=100, method="inclusive")
@@ -242,6 +263,32 @@ def _warm(src: str, rels: list[str], data: bytes, tree: Tree, workdir: str,
     # a mountd from before the native data path has no such key: it serves in Python
     out["data_path"] = status.get("data_path", "python")
     shutil.rmtree(m.cache_dir, ignore_errors=True)
+    return out
+
+
+def _floor(src: str, rels: list[str], workdir: str) -> dict:
+    """The ``ssd``, ``store`` and ``hot`` passes over passthrough_ll mirroring a copy
+    of ``src`` (its own files, so that both sides' pages can be dropped)."""
+    binary = floor.build(workdir)
+    if binary is None:
+        log.warning("%s", floor.MISSING)
+        return {"skipped": floor.MISSING}
+    backing = shutil.copytree(src, os.path.join(workdir, "floor-src"))
+    direct = [os.path.join(src, r) for r in rels]
+    out: dict = {"ssd": {}, "store": {}, "hot": {}}
+    for threads in SSD_THREADS:
+        drop_page_cache(direct + files_under(backing))
+        with floor.mounted(binary, backing, workdir) as (root, pid):
+            mounted = [os.path.join(root, r) for r in rels]
+            out["ssd"][threads] = _compare(direct, mounted, threads, pid)
+            if threads in HOT_THREADS:
+                out["hot"][threads] = _compare(direct, mounted, threads, pid)
+        if threads in STORE_THREADS:
+            read_all(files_under(backing), threads)  # the backing files' pages cached
+            with floor.mounted(binary, backing, workdir) as (root, pid):
+                out["store"][threads] = _compare(direct, [os.path.join(root, r) for r in rels],
+                                                 threads, pid)
+    shutil.rmtree(backing, ignore_errors=True)
     return out
 
 
@@ -329,6 +376,21 @@ def _rclone(host: str, src: str, rels: list[str], workdir: str) -> dict:
     return out
 
 
+def free_page_reporting() -> int | None:
+    """The smallest block (as a page order) of free memory this VM gives back to its
+    host (virtio-balloon free page reporting), None where it gives none back. A page
+    touched after it was given back costs a fault in the host: 20-30 times the cost
+    of a backed one on the machine of docs/benchmarks.md, paid by whichever pass
+    allocates new pages first."""
+    try:
+        with open(PAGE_REPORTING, encoding="ascii") as f:
+            order = int(f.read())
+    except (OSError, ValueError):
+        return None
+    # above the largest block there is (order 10, MAX_PAGE_ORDER on x86-64): nothing is
+    return order if order <= 10 else None
+
+
 def run(quick: bool, workdir: str, latency_ms: float = 0.0,
         data_path: str | None = None) -> dict:
     """The benchmark; ``latency_ms`` delays the first byte of the cold pass's bucket
@@ -338,9 +400,16 @@ def run(quick: bool, workdir: str, latency_ms: float = 0.0,
     tree = write_synthetic_tree(src, n_items, n_classes=100, seed=11)
     data = create_digest(src, "syn", workers=os.cpu_count() or 1)
     rels = _shuffled_files(src)
+    reporting = free_page_reporting()
+    if reporting is not None:
+        log.warning("this VM gives free memory back to its host (page_reporting_order %d): "
+                    "passes that need new pages pay the host's faults; see "
+                    "docs/benchmarks.md", reporting)
     report: dict = {"dataset": {"items": tree.files, "bytes": tree.bytes},
+                    "free_page_reporting_order": reporting,
                     "data_path_option": data_path,
                     "warm": _warm(src, rels, data, tree, workdir, data_path),
+                    "floor": _floor(src, rels, workdir),
                     "small": _small(SMALL_QUICK if quick else SMALL_FULL, workdir, data_path)}
     with running_emulator(concurrent=True) as emu:
         emu.create_bucket(BUCKET)
@@ -373,6 +442,16 @@ def summary(report: dict) -> dict:
         "warm_mount_mb_s_16": warm["ssd"][16]["mount_mb_s"],
         "warm_direct_mb_s_16": warm["ssd"][16]["direct_mb_s"],
     })
+    if "skipped" not in report["floor"]:
+        fl = report["floor"]
+        out.update({f"floor_warm_ratio_{n}": fl["ssd"][n]["ratio"] for n in SSD_THREADS})
+        out.update({
+            "floor_store_ratio_16": fl["store"][16]["ratio"],
+            "floor_cpu_s_per_gb_hit": fl["store"][16]["cpu_s_per_gb"],
+            "floor_hot_ratio_16": fl["hot"][16]["ratio"],
+            "store_vs_floor_16": round(out["store_ratio_16"] / fl["store"][16]["ratio"], 3),
+            "cpu_vs_floor": round(out["cpu_s_per_gb_hit"] / fl["store"][16]["cpu_s_per_gb"], 3),
+        })
     if "skipped" not in report["rclone"]:
         out.update({f"rclone_warm_ratio_{n}": report["rclone"][n]["ratio"]
                     for n in RCLONE_THREADS})
