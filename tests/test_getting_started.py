@@ -77,7 +77,7 @@ def stop_background_mountd(root: Path, env: dict[str, str]) -> None:
 # The demo's own path at its tiny size (about a minute alone on 2 cores).
 DEMO_TIMEOUT = 240  # seconds
 ROW = re.compile(r"^(rclone mount|Quiver exact reads|Quiver sampler|Quiver view|"
-                 r"sampler, 1 job alone) +((?:\d+\.\d\d s +)+)(\d\.\d\d)[* ] +"
+                 r"sampler, 1 job alone) +((?:\d+\.\d\d s +)+)(-?\d\.\d\d)[* ] +"
                  r"([\d.]+ [KMG]?i?B) \(([\d.]+)x\) +(\S+)$", re.M)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 QUIVER_WAYS = ["Quiver exact reads", "Quiver sampler", "Quiver view", "sampler, 1 job alone"]
@@ -154,9 +154,11 @@ def test_demo_prints_every_quiver_way(demo_run):
     epochs = demo.SIZES["tiny"].sweep.epochs
     for way, row in rows.items():
         assert len(row.epochs) == epochs and all(s > 0 for s in row.epochs), way
-        assert 0 <= row.hits <= 1 and row.bucket_per_dataset > 0, way
+        assert row.bucket_per_dataset > 0, way
+        if way != "rclone mount":  # rclone's: 1 - bucket bytes / bytes read
+            assert 0 <= row.hits <= 1, way
     assert rows["sampler, 1 job alone"].speedup == "-"
-    assert re.search(r"^A job alone shares with no one: at a 20% cache it still reads "
+    assert re.search(r"^A job alone shares with no one: at a 20% cache it still read "
                      r"[\d.]+x the dataset", demo_run[0], re.M)
 
 

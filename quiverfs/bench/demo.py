@@ -4,8 +4,8 @@ reading one dataset at once, four ways side by side, with a table and a chart.
 Everything is real: the ``quiver`` CLI, mountd processes with FUSE mounts, a diskcache
 store on disk, ``rclone mount``, torchvision's ImageFolder and DataLoaders with worker
 processes. The bucket is the GCS emulator behind the throttle proxy (``throttle_proxy``):
-every response's first byte waits TTFB_S, and all downloads together share a cap of
-``bucket_rate`` bytes/s, as a bucket seen from one VM does (docs/getting-started.md says
+every response's first byte waits ``ttfb_s``, and all downloads together share a cap
+of ``bucket_rate`` bytes/s, as a bucket seen from one VM does (docs/getting-started.md says
 why these figures).
 
 First the digits (scikit-learn's, 1797 PNGs) are uploaded, digested with ``quiver digest
@@ -49,15 +49,13 @@ from quiverfs.errors import ExitCode, QuietError
 from quiverfs.mount_point import is_mounted
 from quiverfs.sizes import human
 
-# The bucket: every response's first byte waits this long (GCS's time to first byte).
-TTFB_S = 0.03
 BUCKET = compare.BUCKET  # holds the digits and the comparison's dataset
 DIGITS = "digits"
 DIGITS_VIEW = "digits-view"
 SERVED_PATH = "user.quiver.served.path"  # on a view's open file: the item it serves
 BATCH_SIZE = 64
-# DataLoader workers of the first training: each reads one file at a time, so with a
-# bucket's time to first byte, a training job runs several (typical jobs run 4-16).
+# DataLoader workers of the first training, more than the cores: each reads one file at
+# a time and spends most of it waiting for the bucket's first byte.
 DIGITS_WORKERS = 4
 CACHE_FRACTION = 0.2  # the comparison's cache, of the dataset's bytes
 SWEEP_JOBS = 4
@@ -84,9 +82,11 @@ WAYS = (Way("rclone mount", "rclone", SWEEP_JOBS),
 
 @dataclasses.dataclass(frozen=True)
 class DemoSize:
-    """How big a demo is: the first training's epochs, and the comparison's size
-    (``compare.Size``: its dataset, bucket cap, epochs and jobs' DataLoaders)."""
+    """How big a demo is: the bucket's time to first byte, the first training's data and
+    epochs, and the comparison's size (``compare.Size``: its dataset, bucket cap,
+    epochs and jobs' DataLoaders)."""
 
+    ttfb_s: float  # every response's first byte waits this long
     digits: int | None  # digit images uploaded (None: all 1797)
     digits_epochs: int
     sweep: compare.Size
@@ -95,13 +95,13 @@ class DemoSize:
 SIZES = {
     # 200 JPEGs of 50 KB on average (10 MB). The cap passes 120 of them a second; one job
     # alone wants 160 a second (a batch of 8 every 50 ms), four want 640.
-    "full": DemoSize(None, 3, compare.Size(200, 10, 50_000, 6e6, 3, 1, 8, 0.05, 2,
-                                           (SWEEP_JOBS,))),
-    # for tests/test_getting_started.py: the same path, smaller, with a faster bucket
-    # (as many items as "full": with chunks of a few items, a lone sampler job waits
-    # for its first chunk)
-    "tiny": DemoSize(400, 1, compare.Size(200, 10, 20_000, 20e6, 2, 1, 8, 0.01, 1,
-                                          (SWEEP_JOBS,))),
+    "full": DemoSize(0.03, None, 3, compare.Size(200, 10, 50_000, 6e6, 3, 1, 8, 0.05, 2,
+                                                 (SWEEP_JOBS,))),
+    # for tests/test_getting_started.py: the same path, smaller, with a faster bucket;
+    # as many items as "full", so that each of mountd's chunks (an eighth of the cache
+    # on a lone node) holds several
+    "tiny": DemoSize(0.005, 400, 1, compare.Size(200, 10, 20_000, 20e6, 2, 1, 8, 0.01, 1,
+                                                 (SWEEP_JOBS,))),
 }
 DIGEST_WORKERS = 16  # objects hashed at once: each waits for the bucket's first byte
 
@@ -188,7 +188,8 @@ def digits_tree(dest: str, items: int | None) -> int:
     return len(kept)
 
 
-def first_training(work: str, emulator: Emulator, proxy: ThrottleProxy, size: DemoSize) -> None:
+def first_training(work: str, emulator: Emulator, proxy: ThrottleProxy,
+                   size: DemoSize) -> None:
     """Upload the digits, digest them from the bucket, mount them (and a view), train a
     small CNN through the mount; mountd stopped and unmounted whatever happens."""
     src = os.path.join(work, "digits-src")
@@ -261,7 +262,7 @@ def hit_ratio(record: dict[str, Any]) -> tuple[float, bool]:
     steady = record["steady"]
     if steady["hit_ratio"] is not None:
         return steady["hit_ratio"], True
-    return max(0.0, steady["byte_hit_ratio"]), False
+    return steady["byte_hit_ratio"], False
 
 
 def speedup(record: dict[str, Any], rclone: dict[str, Any] | None) -> str:
@@ -282,13 +283,13 @@ def table(records: dict[Way, dict[str, Any]]) -> str:
         ratio, mountd = hit_ratio(r)
         bucket = r["steady"]["bucket_bytes"] / r["steady"]["epochs"]
         cells = "".join(f"{e['seconds']:>7.2f} s" for e in r["epochs"])
-        lines.append(f"{way.label:<22}{cells}  {ratio:>4.2f}{' ' if mountd else '*'}  "
-                     f"{human(int(bucket)):>10} ({bucket / r['dataset_bytes']:.2f}x)  "
+        lines.append(f"{way.label:<22}{cells}  {ratio:>5.2f}{' ' if mountd else '*'} "
+                     f"{human(int(bucket)):>10} ({bucket_per_epoch(r):.2f}x)  "
                      f"{speedup(r, rclone):>9}")
     return "\n".join(lines)
 
 
-def plot(records: dict[Way, dict[str, Any]], size: compare.Size, out: str) -> None:
+def plot(records: dict[Way, dict[str, Any]], size: DemoSize, out: str) -> None:
     """Bars: each way's epoch times, one bar per epoch."""
     plt = figures.pyplot()
     epochs = max(len(r["epochs"]) for r in records.values())
@@ -307,29 +308,37 @@ def plot(records: dict[Way, dict[str, Any]], size: compare.Size, out: str) -> No
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     dataset = next(iter(records.values()))["dataset_bytes"]
-    ax.set_title(f"{SWEEP_JOBS} jobs reading one dataset ({size.items} items, "
+    ax.set_title(f"{SWEEP_JOBS} jobs reading one dataset ({size.sweep.items} items, "
                  f"{human(dataset)}) at once, cache {CACHE_FRACTION:.0%}; bucket: "
-                 f"{TTFB_S * 1000:.0f} ms to first byte, {size.bucket_rate / 1e6:g} MB/s",
+                 f"{size.ttfb_s * 1000:.0f} ms to first byte, "
+                 f"{size.sweep.bucket_rate / 1e6:g} MB/s",
                  fontsize=9)
     figures.save(fig, out)
 
 
+def bucket_per_epoch(record: dict[str, Any]) -> float:
+    """Bytes from the bucket per steady epoch, as a multiple of the dataset's."""
+    steady = record["steady"]
+    return steady["bucket_bytes"] / steady["epochs"] / record["dataset_bytes"]
+
+
 def summary(records: dict[Way, dict[str, Any]]) -> str:
-    """What the table says, in words."""
+    """What the table says, in words, from its numbers."""
+    by_mode = {w.mode: r for w, r in records.items() if w.jobs == SWEEP_JOBS}
     lines = ["* rclone's hit ratio: 1 - bucket bytes / bytes read (the only one it "
              "exposes).",
-             "Exact reads through an LRU cache of 20% miss nearly always: each job "
-             "shuffles on its\nown, so every job fetches about the whole dataset "
-             "from the bucket each epoch. The\nsampler and the view serve each job "
-             "the cached items first and load the rest in\nchunks that all jobs "
-             "share: the bucket sends the dataset about once an epoch."]
+             f"Exact reads: each job shuffles on its own and the cache keeps the items "
+             f"read last, so\nthe {SWEEP_JOBS} jobs fetched "
+             f"{bucket_per_epoch(by_mode['exact']):.2f}x the dataset from the bucket "
+             f"each epoch. The sampler ({bucket_per_epoch(by_mode['sub']):.2f}x) and\n"
+             f"the view ({bucket_per_epoch(by_mode['view']):.2f}x) serve each job the "
+             f"cached items first and load the rest in chunks\nthat all the jobs share."]
     alone = next((r for w, r in records.items() if w.jobs == 1), None)
     if alone is not None:
-        per_epoch = alone["steady"]["bucket_bytes"] / alone["steady"]["epochs"]
-        lines.append(f"A job alone shares with no one: at a 20% cache it still reads "
-                     f"{per_epoch / alone['dataset_bytes']:.2f}x the dataset from the "
-                     f"bucket each\nepoch ({alone['steady']['epoch_s_per_job']:.2f} s "
-                     f"an epoch), whichever way it reads.")
+        lines.append(f"A job alone shares with no one: at a {CACHE_FRACTION:.0%} cache it "
+                     f"still read {bucket_per_epoch(alone):.2f}x the dataset\nfrom the "
+                     f"bucket each epoch ({alone['steady']['epoch_s_per_job']:.2f} s an "
+                     f"epoch), as it would whichever way it read.")
     return "\n".join(lines)
 
 
@@ -363,11 +372,11 @@ def run(size: DemoSize, chart: str) -> None:
     s = size.sweep
     with tempfile.TemporaryDirectory(prefix="quiver-demo-") as work, \
             running_emulator(concurrent=True) as emulator, \
-            throttled(emulator.host, s.bucket_rate, latency=TTFB_S) as proxy:
+            throttled(emulator.host, s.bucket_rate, latency=size.ttfb_s) as proxy:
         emulator.create_bucket(BUCKET)
         print(f"the bucket: gs://{BUCKET} on a local GCS emulator behind a proxy at "
-              f"{proxy.url}:\n{TTFB_S * 1000:.0f} ms to each response's first byte, all "
-              f"downloads together capped at {s.bucket_rate / 1e6:g} MB/s", flush=True)
+              f"{proxy.url}:\n{size.ttfb_s * 1000:.0f} ms to each response's first byte, "
+              f"all downloads together capped at {s.bucket_rate / 1e6:g} MB/s", flush=True)
         first_training(work, emulator, proxy, size)
         records = sweep(work, emulator, proxy, s, ways)
     print(f"\n{SWEEP_JOBS} jobs reading one dataset at once, cache {CACHE_FRACTION:.0%}; "
@@ -375,7 +384,7 @@ def run(size: DemoSize, chart: str) -> None:
           f"later epochs' (all jobs together)")
     print(table(records))
     print(summary(records))
-    plot(records, s, chart)
+    plot(records, size, chart)
     print(f"chart: {chart}", flush=True)
 
 
