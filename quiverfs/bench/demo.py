@@ -61,7 +61,9 @@ CACHE_FRACTION = 0.2  # the comparison's cache, of the dataset's bytes
 SWEEP_JOBS = 4
 FIRST_STOP_TIMEOUT = 30.0  # seconds for the background mountd to unmount after SIGTERM
 CODES = {int(code) for code in ExitCode}
-DEFAULT_CHART = os.path.join(tempfile.gettempdir(), "quiver-demo.png")
+# In the current directory (make demo: the checkout), not in /tmp: the demo runs as root,
+# and a fixed name in a directory every user writes to is a file another user can plant.
+DEFAULT_CHART = "quiver-demo.png"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,7 +387,7 @@ def run(size: DemoSize, chart: str) -> None:
     print(table(records))
     print(summary(records))
     plot(records, size, chart)
-    print(f"chart: {chart}", flush=True)
+    print(f"chart: {os.path.abspath(chart)}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
