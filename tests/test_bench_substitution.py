@@ -21,7 +21,8 @@ SUMMARY_KEYS = {
     "order_spearman_global", "label_hist_dev_sub", "label_hist_dev_global", "accuracy_global",
     "accuracy_sub", "accuracy_view", "accuracy_global_std", "accuracy_sub_std",
     "accuracy_view_std", "accuracy_gap", "accuracy_gap_ci95", "accuracy_gap_view",
-    "accuracy_gap_view_ci95", "max_resident_chunks", "sub_vs_exact_cached"}
+    "accuracy_gap_view_ci95", "max_resident_chunks", "sub_vs_exact_cached",
+    "view_vs_exact_cached"}
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
@@ -53,6 +54,7 @@ def test_tiny_run_reports_the_summary_and_every_item_exactly_once(tmp_path):
     assert summary["accuracy_gap_ci95"] is None and summary["accuracy_gap_view_ci95"] is None
     cached = report["cached"]  # the whole dataset cached: the sampler was handed segments
     assert summary["sub_vs_exact_cached"] > 0
+    assert summary["view_vs_exact_cached"] > 0
     assert cached["runs"]["sub"]["cache_mode"] == "full"
     assert cached["runs"]["sub"]["counters"]["segments"] >= 1
     for config in report["configs"]:  # lru jobs read exactly: their misses are exact

@@ -10,6 +10,7 @@ connection's root is CONTROL_INODE.
 """
 from __future__ import annotations
 
+import collections
 import errno
 import itertools
 import os
@@ -21,6 +22,7 @@ import pyfuse3
 from mountd.datasets.dataset import MountedDataset
 from mountd.datasets.mount_table import MountTable
 from mountd.fetch.item_reader import ItemReader, ReadFailed
+from mountd.fs.datasets_fs import DATASET_TIMEOUT
 from mountd.fs.job_files import CONTROL_INODE, ControlFiles, ControlHandle
 from mountd.view.view_jobs import ViewJobs
 from quiverfs.counters import FetchCause
@@ -28,6 +30,12 @@ from quiverfs.job_protocol import VIEWS_NAME
 
 VIEWS_INODE = 4  # ROOT/.quiver/views
 VIEW_TIMEOUT = 1.0  # seconds the kernel may cache names here: views come and go
+# Bytes of a cached item handed over with the open of a view file that serves it: the
+# process that forwards this connection's requests answers the file's READs with them.
+HANDOVER_MAX = 1 << 20
+# Bytes handed over for one uid's view files open at once: past it, its opens' bytes
+# are read at their first READ and kept here, as they are above HANDOVER_MAX.
+HANDOVER_PER_UID = 64 << 20
 # On a view's open file: what the opening process was served (its SHA-256, hex, and path).
 XATTR_SERVED_HASH = b"user.quiver.served.sha256"
 XATTR_SERVED_PATH = b"user.quiver.served.path"
@@ -45,14 +53,17 @@ class Requester(Protocol):
 class _ViewFile:
     """An open view file: the item this open was given, and its bytes once read."""
 
-    __slots__ = ("ds", "index", "cause", "keep", "opener", "data", "failed")
+    __slots__ = ("ds", "index", "cause", "keep", "hit", "opener", "uid", "data", "failed",
+                 "handed")
 
     def __init__(self, ds: MountedDataset, index: int, cause: FetchCause, keep: bool,
-                 opener: tuple[int, int]) -> None:
-        self.ds, self.index, self.cause, self.keep = ds, index, cause, keep
+                 hit: bool, opener: tuple[int, int], uid: int) -> None:
+        self.ds, self.index, self.cause, self.keep, self.hit = ds, index, cause, keep, hit
         self.opener = opener  # (pid, inode) of the open
+        self.uid = uid  # of the opener
         self.data: bytes | None = None
         self.failed = False
+        self.handed = 0  # bytes handed over with the open (HANDOVER_PER_UID)
 
 
 class ControlFS:
@@ -70,6 +81,7 @@ class ControlFS:
         self._fh = itertools.count(1)
         self._dir_handles: dict[int, list[tuple[bytes, int]]] = {}
         self._files: dict[int, _ViewFile | ControlHandle] = {}
+        self._handed: collections.Counter[int] = collections.Counter()  # uid -> bytes
 
     # -- names and attributes ---------------------------------------------------------
     def _views_attr(self) -> pyfuse3.EntryAttributes:
@@ -92,17 +104,30 @@ class ControlFS:
         ns = int(ds.reg.registered_at * 1e9)
         attr.st_atime_ns = attr.st_mtime_ns = attr.st_ctime_ns = ns
         attr.st_blksize = 1 << 17
+        # A view's own name may go at any time; below it, names and inodes are its
+        # digest's, as long as it is mounted (and inodes are never used again), as in
+        # the exact mount.
+        timeout = VIEW_TIMEOUT if node == 0 else DATASET_TIMEOUT
         if ds.tree.is_dir(node):
             attr.st_mode = stat.S_IFDIR | (0o700 if node == 0 else 0o555)
             attr.st_nlink = 2
-            attr.attr_timeout = attr.entry_timeout = VIEW_TIMEOUT
+            attr.attr_timeout = attr.entry_timeout = timeout
         else:
             size = ds.digest.sizes[ds.tree.entry_index(node)]
             attr.st_mode = stat.S_IFREG | 0o444
             attr.st_nlink = 1
             attr.st_size, attr.st_blocks = size, (size + 511) // 512
-            attr.entry_timeout = VIEW_TIMEOUT
+            attr.entry_timeout = timeout
             attr.attr_timeout = 0  # a view file's size is the served item's: ask each time
+        return attr
+
+    @classmethod
+    def _served_attr(cls, f: _ViewFile, inode: int) -> pyfuse3.EntryAttributes:
+        """What fstat of the open view file ``f`` at ``inode`` says: the size of the item
+        it serves."""
+        attr = cls._view_attr(f.ds, inode - f.ds.inode_base)
+        attr.st_size = f.ds.digest.sizes[f.index]
+        attr.st_blocks = (attr.st_size + 511) // 512
         return attr
 
     def _attr(self, inode: int) -> pyfuse3.EntryAttributes:
@@ -118,13 +143,22 @@ class ControlFS:
         f = self._files.get(self._served.get((pid, inode), 0))
         return f if isinstance(f, _ViewFile) else None
 
+    def fixed(self, inode: int, ctx: Requester) -> bool:
+        """Whether what GETATTR of ``inode`` answers ``ctx`` now is what it will answer
+        every process that has no view file open there, as long as the inode lives: a
+        view file's own attributes (its digest's)."""
+        if (inode == VIEWS_INODE or self.control.owns(inode)
+                or (ctx.pid, inode) in self._served):
+            return False
+        found = self.table.resolve(inode)
+        return found is not None and found[0].pools is not None and not found[0].tree.is_dir(
+            found[1])
+
     async def getattr(self, inode: int, ctx: Requester) -> pyfuse3.EntryAttributes:
-        attr = self._attr(inode)
         served = self._served_file(ctx.pid, inode)
         if served is not None:  # fstat of an open view file: the size of what it reads
-            attr.st_size = served.ds.digest.sizes[served.index]
-            attr.st_blocks = (attr.st_size + 511) // 512
-        return attr
+            return self._served_attr(served, inode)
+        return self._attr(inode)
 
     async def lookup(self, parent_inode: int, name: bytes,
                      ctx: Requester) -> pyfuse3.EntryAttributes:
@@ -198,16 +232,36 @@ class ControlFS:
         # bytes under the same inode, so none of them may go to the page cache.
         choice = await self.views.choose(ds, ds.tree.entry_index(node), ctx.pid, ctx.uid)
         opener = (ctx.pid, inode)
-        self._files[fh] = _ViewFile(ds, choice.index, choice.cause, choice.keep, opener)
+        self._files[fh] = _ViewFile(ds, choice.index, choice.cause, choice.keep, choice.hit,
+                                    opener, ctx.uid)
         self._served[opener] = fh
         return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
 
-    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+    async def handover(self, fh: int) -> tuple[pyfuse3.EntryAttributes, bytes | None] | None:
+        """For the open view file ``fh`` (just opened): what its fstat says, and the
+        bytes it serves where they are cached (a hit), at most HANDOVER_MAX and within
+        the opener's HANDOVER_PER_UID, read now and kept here no more (its READs are
+        answered with them where it was opened); None for a control file. A failed read
+        is the open's one attempt: its READs then fail, as they would have."""
         f = self._files.get(fh)
-        if f is None:
-            raise pyfuse3.FUSEError(errno.EBADF)
-        if isinstance(f, ControlHandle):
-            return await f.read(off, size)
+        if not isinstance(f, _ViewFile):
+            return None
+        attr = self._served_attr(f, f.opener[1])
+        size = f.ds.digest.sizes[f.index]
+        if (not f.hit or size > HANDOVER_MAX
+                or self._handed[f.uid] + size > HANDOVER_PER_UID):
+            return attr, None
+        self._handed[f.uid] += size
+        f.handed = size
+        try:
+            return attr, await self._data(f)
+        except pyfuse3.FUSEError:
+            return attr, None
+        finally:
+            f.data = None
+
+    async def _data(self, f: _ViewFile) -> bytes:
+        """The bytes of the item ``f`` serves, read once per open."""
         if f.data is None:
             if f.failed:  # one fetch attempt per open, however often the kernel retries
                 raise pyfuse3.FUSEError(errno.EIO)
@@ -216,7 +270,15 @@ class ControlFS:
             except ReadFailed:
                 f.failed = True
                 raise pyfuse3.FUSEError(errno.EIO) from None
-        return memoryview(f.data)[off:off + size]
+        return f.data
+
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+        f = self._files.get(fh)
+        if f is None:
+            raise pyfuse3.FUSEError(errno.EBADF)
+        if isinstance(f, ControlHandle):
+            return await f.read(off, size)
+        return memoryview(await self._data(f))[off:off + size]
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         f = self._files.get(fh)
@@ -226,8 +288,22 @@ class ControlFS:
 
     async def release(self, fh: int) -> None:
         f = self._files.pop(fh, None)
-        if isinstance(f, _ViewFile) and self._served.get(f.opener) == fh:
+        if not isinstance(f, _ViewFile):
+            return
+        if self._served.get(f.opener) == fh:
             del self._served[f.opener]
+        if f.handed:
+            self._handed[f.uid] -= f.handed
+            if not self._handed[f.uid]:
+                del self._handed[f.uid]
+
+    def connection_ended(self) -> None:
+        """The connection's files and directories are closed with it: nothing of them
+        is kept (what was handed over went with the process that served it)."""
+        self._files.clear()
+        self._served.clear()
+        self._handed.clear()
+        self._dir_handles.clear()
 
     async def mkdir(self, parent_inode: int, name: bytes, mode: int,
                     ctx: Requester) -> pyfuse3.EntryAttributes:

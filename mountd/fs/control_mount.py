@@ -23,7 +23,7 @@ import pyfuse3
 import trio
 
 from mountd.fs.control_fs import ControlFS
-from mountd.fs.control_mount_process import MAX_MESSAGE, attr_to_wire
+from mountd.fs.control_mount_process import MAX_MESSAGE, NOTE_ID, NOTES, attr_to_wire
 from mountd.fs.job_files import CONTROL_INODE
 from quiverfs.errors import ExitCode, QuietError
 from quiverfs.failure_runs import FailureRuns
@@ -114,6 +114,7 @@ class ControlMount:
                     return
                 log.error("the process serving %s ended (exit status %s): mounting it again",
                           self.mountpoint, code)
+            self.fs.connection_ended()
             await self._detach()
             await trio.sleep(RESTART_DELAY)
             if self._stopping:
@@ -206,6 +207,9 @@ class ControlMount:
                                 self._mounted = True
                                 said.set()
                             continue
+                        if rid == NOTE_ID:  # done before the requests that follow it
+                            await self._noted(op, args)
+                            continue
                         nursery.start_soon(self._reply, stream, send_lock, rid, op, args, who)
             except (trio.BrokenResourceError, ValueError, TypeError) as exc:
                 log.error("the link to the process serving %s failed: %s",
@@ -236,12 +240,29 @@ class ControlMount:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the child is gone; its kernel request went with it
 
+    async def _noted(self, op: str, args: list[Any]) -> None:
+        """A request the child answered itself and told of (a release): done here, with
+        no reply. It waits for nothing (a release drops what mountd kept)."""
+        self.requests[f"control.{op}"] += 1
+        if op not in NOTES:
+            log.error("the process serving %s sent a note of %r: ignored", self.mountpoint,
+                      op)
+            return
+        try:
+            await self._dispatch(op, args, None)
+        except pyfuse3.FUSEError:
+            pass  # the kernel has its answer already
+        except Exception:
+            log.exception("FUSE control.%s (noted) failed", op)
+
     async def _dispatch(self, op: str, args: list[Any], who: _Who | None) -> Any:
         fs = self.fs
         if op == "lookup":
-            return _attr(await fs.lookup(_inode(args[0]), args[1], who))
+            attr = await fs.lookup(_inode(args[0]), args[1], who)
+            return [_attr(attr), who is not None and fs.fixed(attr.st_ino, who)]
         if op == "getattr":
-            return _attr(await fs.getattr(_inode(args[0]), who))
+            attr = await fs.getattr(_inode(args[0]), who)
+            return [_attr(attr), who is not None and fs.fixed(attr.st_ino, who)]
         if op == "setattr":
             return _attr(await fs.setattr(_inode(args[0]), who))
         if op == "opendir":
@@ -253,7 +274,9 @@ class ControlMount:
             return await fs.releasedir(args[0])
         if op == "open":
             info = await fs.open(_inode(args[0]), args[1], who)
-            return [info.fh, info.direct_io, info.keep_cache]
+            served = await fs.handover(info.fh)
+            return [info.fh, info.direct_io, info.keep_cache,
+                    None if served is None else [_attr(served[0]), served[1]]]
         if op == "read":
             return bytes(await fs.read(args[0], args[1], args[2]))
         if op == "write":

@@ -10,7 +10,19 @@ replies with the answer. It holds no state of its own and trusts nothing but mou
 
 Wire: msgpack, each way a stream of arrays. Requests ``[id, op, args, who]`` (``who``
 is ``[uid, gid, pid, umask]`` or None), replies ``[id, errno, result]`` (errno 0 for a
-result). This process says ``[0, "mounted", []]`` once the mount is made.
+result). This process says ``[0, "mounted", []]`` once the mount is made, and tells of
+a view file's release as a note, ``[NOTE_ID, "release", [fh], None]``, which has no
+reply.
+
+Each request to mountd is a round trip between two processes, the costliest part of a
+view file's open. So the reply to an OPEN of a view file carries what its fstat says
+and, where it serves a cached item, its bytes: this process answers that file's
+GETATTRs from the opening process (by pid and inode, as mountd does) and its READs
+itself until its release. A LOOKUP's or GETATTR's reply is ``[attributes, fixed]``:
+where mountd says they are fixed (a view file's own), this process answers the
+inode's GETATTRs with them from then on (the kernel asks before every open: a view
+file's attributes are never cached there, since an open file's are the served
+item's).
 """
 from __future__ import annotations
 
@@ -36,6 +48,10 @@ ATTR_FIELDS = ("st_ino", "generation", "entry_timeout", "attr_timeout", "st_mode
                "st_blocks", "st_atime_ns", "st_ctime_ns", "st_mtime_ns")
 READDIR_BATCH = 256  # entries asked of mountd per READDIR
 MAX_MESSAGE = 64 << 20  # a reply larger than this is mountd's bug: end the connection
+NOTE_ID = -1  # the id of a request that has no reply
+NOTES = frozenset({"release"})  # the requests sent as notes
+NOTE_DELAY = 0.05  # seconds a note may wait to go with a request (else it goes alone)
+MAX_FIXED = 1 << 17  # view files' attributes kept here; past that, all are forgotten
 
 
 def attr_to_wire(attr: pyfuse3.EntryAttributes) -> list[Any]:
@@ -61,6 +77,15 @@ class _Link:
         self._ids = itertools.count(1)
         self._waiting: dict[int, trio.MemorySendChannel] = {}
         self._send_lock = trio.Lock()
+        self._notes: list[bytes] = []  # notes not sent yet, packed
+        self._noted = trio.Event()  # set while there are some
+
+    def _with_notes(self, message: bytes) -> bytes:
+        """``message`` after the notes not sent yet: mountd does them first."""
+        if not self._notes:
+            return message
+        notes, self._notes = self._notes, []
+        return b"".join(notes) + message
 
     async def call(self, op: str, *args: Any, ctx: pyfuse3.RequestContext | None = None
                    ) -> Any:
@@ -69,8 +94,8 @@ class _Link:
         self._waiting[rid] = send
         try:
             async with self._send_lock:
-                await self.stream.send_all(msgpack.packb(
-                    [rid, op, list(args), None if ctx is None else _who(ctx)]))
+                await self.stream.send_all(self._with_notes(msgpack.packb(
+                    [rid, op, list(args), None if ctx is None else _who(ctx)])))
             _, err, result = await receive.receive()
         except (trio.BrokenResourceError, trio.EndOfChannel, trio.ClosedResourceError):
             raise pyfuse3.FUSEError(errno.ENOTCONN) from None
@@ -96,6 +121,38 @@ class _Link:
         async with self._send_lock:
             await self.stream.send_all(msgpack.packb([0, what, [], None]))
 
+    def note(self, op: str, *args: Any) -> None:
+        """Tell mountd of ``op`` (one of NOTES), expecting no reply: with the next
+        request, or alone after NOTE_DELAY (send_notes). A view file's release costs a
+        message of its own no more than every NOTE_DELAY."""
+        self._notes.append(msgpack.packb([NOTE_ID, op, list(args), None]))
+        self._noted.set()
+
+    async def send_notes(self) -> None:
+        """The notes that no request took along within NOTE_DELAY, until mountd is gone."""
+        while True:
+            await self._noted.wait()
+            await trio.sleep(NOTE_DELAY)
+            self._noted = trio.Event()
+            try:
+                async with self._send_lock:
+                    if self._notes:
+                        await self.stream.send_all(self._with_notes(b""))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return  # mountd is gone: so is what the notes were about
+
+
+class _Opened:
+    """An open view file, as mountd's reply to its OPEN described it."""
+
+    __slots__ = ("opener", "attr", "data")
+
+    def __init__(self, opener: tuple[int, int], attr: pyfuse3.EntryAttributes,
+                 data: bytes | None) -> None:
+        self.opener = opener  # (pid, inode) of the open
+        self.attr = attr  # what its fstat says
+        self.data = data  # the bytes it serves, where mountd handed them over
+
 
 class ForwardingOperations(pyfuse3.Operations):
     """Every request of this connection, asked of mountd."""
@@ -107,17 +164,41 @@ class ForwardingOperations(pyfuse3.Operations):
     def __init__(self) -> None:
         super().__init__()
         self.initialized = trio.Event()  # the kernel's INIT answered: its settings are made
+        self._opened: dict[int, _Opened] = {}  # fh -> an open view file
+        # (pid, inode) -> the handle of that process's latest open of a view file: its
+        # fstat (a GETATTR by inode) answers for the item it got (mountd's rule)
+        self._served: dict[tuple[int, int], int] = {}
+        # inode -> a view file's own attributes, which mountd said are fixed (as long as
+        # the inode lives: mountd never uses an inode again); asked again after MAX_FIXED
+        self._fixed: dict[int, pyfuse3.EntryAttributes] = {}
+
+    def _entry(self, reply: list[Any]) -> pyfuse3.EntryAttributes:
+        """The attributes of a LOOKUP's or GETATTR's reply, kept where mountd says they
+        are fixed."""
+        values, fixed = reply
+        attr = attr_from_wire(values)
+        if fixed:
+            if len(self._fixed) >= MAX_FIXED:
+                self._fixed.clear()
+            self._fixed[attr.st_ino] = attr
+        return attr
 
     def init(self) -> None:
         self.initialized.set()
 
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
                      ) -> pyfuse3.EntryAttributes:
-        return attr_from_wire(await self.link.call("lookup", parent_inode, name, ctx=ctx))
+        return self._entry(await self.link.call("lookup", parent_inode, name, ctx=ctx))
 
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext
                       ) -> pyfuse3.EntryAttributes:
-        return attr_from_wire(await self.link.call("getattr", inode, ctx=ctx))
+        opened = self._opened.get(self._served.get((ctx.pid, inode), 0))
+        if opened is not None:
+            return opened.attr
+        fixed = self._fixed.get(inode)
+        if fixed is not None:
+            return fixed
+        return self._entry(await self.link.call("getattr", inode, ctx=ctx))
 
     async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes,
                       fields: pyfuse3.SetattrFields, fh: int | None,
@@ -142,17 +223,31 @@ class ForwardingOperations(pyfuse3.Operations):
 
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext
                    ) -> pyfuse3.FileInfo:
-        fh, direct_io, keep_cache = await self.link.call("open", inode, flags, ctx=ctx)
+        fh, direct_io, keep_cache, served = await self.link.call("open", inode, flags,
+                                                                 ctx=ctx)
+        if served is not None:  # a view file
+            opener = (ctx.pid, inode)
+            self._opened[fh] = _Opened(opener, attr_from_wire(served[0]), served[1])
+            self._served[opener] = fh
         return pyfuse3.FileInfo(fh=fh, direct_io=direct_io, keep_cache=keep_cache)
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
+        opened = self._opened.get(fh)
+        if opened is not None and opened.data is not None:
+            return opened.data[off:off + size]
         return await self.link.call("read", fh, off, size)
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         return await self.link.call("write", fh, off, buf)
 
     async def release(self, fh: int) -> None:
-        await self.link.call("release", fh)
+        opened = self._opened.pop(fh, None)
+        if opened is None:  # a control file
+            await self.link.call("release", fh)
+            return
+        if self._served.get(opened.opener) == fh:
+            del self._served[opened.opener]
+        self.link.note("release", fh)  # a view file's: the kernel need not wait
 
     async def mkdir(self, parent_inode: int, name: bytes, mode: int,
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
@@ -184,6 +279,7 @@ async def _serve(ops: ForwardingOperations, sock: socket.socket, mountpoint: str
     link = ops.link = _Link(trio.SocketStream(trio.socket.from_stdlib_socket(sock)))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_until_closed, link)
+        nursery.start_soon(link.send_notes)
         nursery.start_soon(_on_signals)
         nursery.start_soon(_tune_kernel, ops, mountpoint)
         await link.say("mounted")

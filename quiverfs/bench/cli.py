@@ -26,6 +26,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
              "exact reads through the mount vs local files (warm) and the bucket (cold)"),
     "substitution": ("quiverfs.bench.substitution:run",
                      "substitutable vs exact reads, cache 10-20%"),
+    "item-cost": ("quiverfs.bench.item_cost:run",
+                  "ms and mountd CPU per cached item: exact reads, sampler, view"),
     "cluster": ("quiverfs.bench.cluster:run",
                 "coordinated chunks on 3 nodes vs direct and LRU reads, cache 20%"),
     "allocation": ("quiverfs.bench.allocation:run",

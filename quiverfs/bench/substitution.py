@@ -24,9 +24,10 @@ be read per epoch; epoch 0 (cold cache) is left out of the steady-state numbers.
 
 A small extra configuration, ``cached``, measures what substitution costs where there
 is nothing to substitute: a cache that holds the whole dataset (allotted ``full``),
-every item read once beforehand, then one ``sub`` job and one ``lru`` job in turn, with
-no compute. ``sub_vs_exact_cached`` is the first's items/s over the second's, after
-each job's warm-up epoch.
+every item read once beforehand, then one ``sub`` job, one ``lru`` job and one ``view``
+job (through a substitutable view of the same digest) in turn, with no compute.
+``sub_vs_exact_cached`` is the ``sub`` job's items/s over the ``lru`` job's, and
+``view_vs_exact_cached`` the ``view`` job's, after each job's warm-up epoch.
 
 Then a small CNN (``quiverfs.bench.demo.small_cnn``) is trained on the scikit-learn
 digits over a real mount, with a global shuffle, with ``QuiverBatchSampler``, and with a
@@ -306,22 +307,26 @@ def check_served(asked: list[list[list[str]]], served: list[list[list[list[Any]]
 
 def run_cached(data: Dataset, proxy: ThrottleProxy, size: Size, workdir: str
                ) -> dict[str, Any]:
-    """The cached configuration: a ``sub`` job, then an ``lru`` job, each alone with no
-    compute, on one mountd whose cache holds the whole dataset, read once beforehand."""
+    """The cached configuration: a ``sub`` job, an ``lru`` job, then a ``view`` job,
+    each alone with no compute, on one mountd whose cache holds the whole dataset, read
+    once beforehand (the view is a second mount of the same digest)."""
     cache_bytes = int(CACHED_CACHE * data.bytes)
     runs: dict[str, dict[str, Any]] = {}
     with running_mountd(workdir, cache_size=str(cache_bytes), name="cached",
                         extra_args=("--probe-batches", str(PROBE_BATCHES))) as m:
         m.call({"op": "mount", "name": DATASET, "digest": data.digest,
                 "emulator_host": proxy.url})
-        root = os.path.join(m.root, DATASET)
-        source = MountSource(root)
+        m.call({"op": "mount", "name": VIEW, "digest": data.digest,
+                "emulator_host": proxy.url, "view": "substitutable"})
+        source = MountSource(os.path.join(m.root, DATASET))
         with concurrent.futures.ThreadPoolExecutor(READERS) as pool:
             sum(pool.map(source.read, source.paths()))
-        for mode in ("sub", "lru"):
+        for mode in ("sub", "lru", "view"):
+            root = os.path.join(m.root, VIEW if mode == "view" else DATASET)
             spec = JobSpec(mode, root, 0, size.batch_size, 0.0, size.cached_epochs)
-            with running_jobs(reading_job.__name__, {f"cached-{mode}": spec}, workdir,
-                              EPOCH_TIMEOUT) as jobs:
+            name = f"cached-{mode}"
+            with running_jobs(reading_job.__name__, {name: spec}, workdir, EPOCH_TIMEOUT,
+                              {name: {JOB_ENV: name}}) as jobs:
                 replies = [run_epoch(jobs, EPOCH_TIMEOUT)[0][0]]  # the warm-up
                 if mode == "sub":  # it told the coordinator of the job: it allots full
                     m.wait_for_mode("full", MODE_TIMEOUT)
@@ -330,18 +335,25 @@ def run_cached(data: Dataset, proxy: ThrottleProxy, size: Size, workdir: str
                 status = m.status()
                 jobs[0].finish(JOB_STOP_TIMEOUT)
             steady = replies[1:]
-            job = next((j for j in status["jobs"] if j["job"] == jobs[0].job_id), None)
+            if mode == "view":  # what each open served: every item once an epoch
+                job = next((j for j in status["view_jobs"]
+                            if j["identity"] == f"env:{name}"), None)
+                served = [[path for _, path, _ in r["served"]] for r in replies]
+            else:
+                job = next((j for j in status["jobs"] if j["job"] == jobs[0].job_id), None)
+                served = [r["paths"] for r in replies]
             runs[mode] = {
                 "epoch_seconds": [round(r["seconds"], 3) for r in replies],
                 "items_per_s": sum(len(r["paths"]) for r in steady)
                 / sum(r["seconds"] for r in steady),
-                "exactly_once": all(sorted(r["paths"]) == sorted(data.paths)
-                                    for r in replies),
+                "exactly_once": all(sorted(paths) == sorted(data.paths) for paths in served),
                 "counters": job["counters"] if job else None,
-                "cache_mode": job["chunks"]["mode"] if job and job["chunks"] else None}
+                "cache_mode": job["chunks"]["mode"] if job and job.get("chunks") else None}
     shutil.rmtree(os.path.join(workdir, "cached-cache"), ignore_errors=True)
+    exact = runs["lru"]["items_per_s"]
     return {"cache_bytes": cache_bytes, "epochs": size.cached_epochs, "runs": runs,
-            "sub_vs_exact": runs["sub"]["items_per_s"] / runs["lru"]["items_per_s"]}
+            "sub_vs_exact": runs["sub"]["items_per_s"] / exact,
+            "view_vs_exact": runs["view"]["items_per_s"] / exact}
 
 
 # -- order statistics ------------------------------------------------------------------
@@ -593,8 +605,10 @@ def run(quick: bool, workdir: str, size: str | None = None) -> dict[str, Any]:
         "items_per_s_view": round(view.report["steady"]["items_per_s"], 1),
         "exactly_once": (all(c.report["exactly_once"] for c in configs.values()
                              if c.report["mode"] != "view")
-                         and all(r["exactly_once"] for r in cached["runs"].values())),
-        "exactly_once_view": view.report["exactly_once"],
+                         and all(r["exactly_once"] for mode, r in cached["runs"].items()
+                                 if mode != "view")),
+        "exactly_once_view": (view.report["exactly_once"]
+                              and cached["runs"]["view"]["exactly_once"]),
         "order_spearman_sub": round(order_spearman(sub.orders, data), 4),
         "order_spearman_global": round(order_spearman(lru.orders, data), 4),
         "label_hist_dev_sub": round(label_hist_dev(sub.orders, data, s.window), 4),
@@ -602,6 +616,7 @@ def run(quick: bool, workdir: str, size: str | None = None) -> dict[str, Any]:
         **accuracy_summary(acc),
         "max_resident_chunks": sub.report["max_resident_chunks"],
         "sub_vs_exact_cached": round(cached["sub_vs_exact"], 3),
+        "view_vs_exact_cached": round(cached["view_vs_exact"], 3),
     }
     return {
         "dataset": {"items": len(data.paths), "bytes": data.bytes,
@@ -632,7 +647,9 @@ def run(quick: bool, workdir: str, size: str | None = None) -> dict[str, Any]:
                                  "item once, each of the opened path's label (directory "
                                  "and extension), with the digest's SHA-256 as "
                                  "user.quiver.served.sha256 said, and the bytes read hashed "
-                                 "to it (configs[view].served_check counts the failures)",
+                                 "to it (configs[view].served_check counts the failures); "
+                                 "and the cached view job was served every item once an "
+                                 "epoch",
             "order_spearman": "mean |Spearman rho| of (position in epoch, digest index) over "
                               "job-epochs; global = the lru jobs' plain global shuffle",
             "label_hist_dev": f"mean total variation distance between the label histogram "
@@ -648,7 +665,10 @@ def run(quick: bool, workdir: str, size: str | None = None) -> dict[str, Any]:
                             "freedom; null with one seed)",
             "sub_vs_exact_cached": "items/s of a sub job over an lru job (exact reads), "
                                    "each alone with no compute, the whole dataset cached "
-                                   "(allotted full), epochs after each job's first"},
+                                   "(allotted full), epochs after each job's first",
+            "view_vs_exact_cached": "the same for a view job (a plain shuffle of every "
+                                    "path, read through a substitutable view of the "
+                                    "dataset) over the lru job"},
         "configs": [c.report for c in configs.values()],
         "cached": cached,
         "accuracy": acc,
