@@ -246,3 +246,30 @@ def test_a_pass_keeps_hot_pages_and_leaves_cold_ones_uncached(mountd_factory, tm
     assert [_cached_bytes(p) for p in cold] == [0, 0]
     assert _cached_bytes(hot) == hot_bytes
     assert m.status()["cache"]["scrub_failures"] == 0
+
+
+def test_a_store_of_small_items_is_walked_at_most_scrub_mb_s_over_entry_cost(
+        mountd_factory, tmp_path):
+    """Each entry costs 128 KiB of the rate besides its bytes: small items are walked
+    at most rate / 128 KiB entries a second, give or take the bucket's burst and the
+    step under way at each end (before: 4 KiB an entry, 2,000 small entries a second at
+    the default rate, a fifth of mountd's CPU)."""
+    rng = random.Random(57)
+    n, rate = 200, 20e6  # entries a second: 152, a pass of 200 in about 1.3 s
+    src = tmp_path / "small"
+    items = {f"{i % 10}/{i}.bin": rng.randbytes(rng.randrange(300, 2000)) for i in range(n)}
+    for rel, data in items.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(data)
+    m = mountd_factory(extra_args=("--scrub-mb-s", str(rate / 1e6)))
+    mount(m, make_digest(str(src), "small"), "a")
+    _stored(m, items)
+    passes = m.status()["cache"]["scrub_passes"]
+    _wait("a pass", lambda: m.status()["cache"]["scrub_passes"] > passes, m)
+    start, started = m.status()["cache"]["scrub_passes"], time.monotonic()
+    _wait("two passes", lambda: m.status()["cache"]["scrub_passes"] >= start + 2, m)
+    elapsed = time.monotonic() - started
+    walked = 2 * n  # whole passes: every entry twice
+    entry_cost = 128 << 10
+    slack = 2 * STEP_BYTES // entry_cost  # the burst, and the step under way
+    assert walked <= rate / entry_cost * elapsed + slack, (walked, elapsed)
