@@ -27,12 +27,12 @@ LARGE = (1 << 20) * 3 + 12345  # several READs of the kernel's 1 MiB
 
 @pytest.fixture(scope="module")
 def mixed_tree(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, str]]:
-    """1,200 files of random bytes in 12 directories, from 100 B to 3 MiB (several
+    """2,400 files of random bytes in 12 directories, from 100 B to 3 MiB (several
     READs); the sha256 of each."""
     root = str(tmp_path_factory.mktemp("mixed"))
     rng = random.Random(54)
     hashes = {}
-    for i in range(1200):
+    for i in range(2400):
         rel = f"d{i % 12}/f{i:04d}.bin"
         size = LARGE if i % 100 == 7 else rng.choice((100, 3000, 5000, 40_000, 150_000))
         data = rng.randbytes(size)
