@@ -179,7 +179,9 @@ def test_mounting_a_bucket_dataset_starts_the_serving_processes(mountd_factory, 
     assert pools["serving"] == {"processes": MIN_SERVING_PROCESSES,
                                 "running": MIN_SERVING_PROCESSES,
                                 "ready": MIN_SERVING_PROCESSES,
-                                "threads": THREADS_PER_PROCESS, "niceness": SERVING}
+                                "threads": THREADS_PER_PROCESS, "niceness": SERVING,
+                                "slots": MIN_SERVING_PROCESSES * THREADS_PER_PROCESS,
+                                "in_flight": 0, "waiting": 0}
     assert pools["ahead"]["running"] == 0  # chunk loads start theirs at the first load
     assert len(loader_pids(m, SERVING)) == MIN_SERVING_PROCESSES
     assert dataset_counters(m, "bucket").get("loader_process_misses", 0) == 0
