@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from quiverfs.bench.data import Tree
 from quiverfs.bench.processes import CoordinatorProcess, free_port
 from tests.mountd_helpers import make_digest, mount, mountd_factory  # noqa: F401
-from tests.test_metrics import read_tree, scrape, value
+from tests.test_metrics import read_tree, scrape, start_job, value
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana" / "quiver.json"
 DATASOURCE = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
@@ -181,13 +181,7 @@ def test_every_metric_the_dashboard_names_is_exported(coordinator, mountd_factor
         "--cluster-secret-file", co.secret_file, "--metrics", f"127.0.0.1:{node_port}"))
     mount(m, make_digest(synthetic_tree.root, "syn"), "syn")
     assert read_tree(Path(m.root) / "syn") == 40
-    job = Path(m.root) / ".quiver" / "jobs" / "j1"  # a job: the dataset gets a chunk cycle
-    job.mkdir()
-    fd = os.open(job / "config", os.O_WRONLY)
-    try:
-        os.write(fd, json.dumps({"dataset": "syn", "batch_size": 8}).encode())
-    finally:
-        os.close(fd)
+    job = start_job(Path(m.root), "syn")  # a job: the dataset gets a chunk cycle
     deadline = time.monotonic() + SCRAPE_DEADLINE
     while not any(name == "quiver_coordinator_chunks" and ("dataset", "syn") in labels
                   for name, labels in scrape(co_port)):

@@ -153,18 +153,25 @@ def test_read_and_cache_metrics_count_real_reads(documented_mountd, quiver, synt
     assert status["counters"]["local_hits"] == value(m, "quiver_hits_total", tier="local")
 
 
+def start_job(root: Path, dataset: str) -> Path:
+    """Job j1 of ``dataset`` under the mount ``root`` (a chunk cycle for it); its
+    directory."""
+    job = root / ".quiver" / "jobs" / "j1"
+    job.mkdir()
+    fd = os.open(job / "config", os.O_WRONLY)
+    try:
+        os.write(fd, json.dumps({"dataset": dataset, "batch_size": 8}).encode())
+    finally:
+        os.close(fd)
+    return job
+
+
 @needs_fuse
 def test_job_and_chunk_metrics(documented_mountd, quiver, synthetic_tree: Tree, tmp_path):
     cfg, port = documented_mountd()
     digest = str(tmp_path / "syn.qd")
     register(quiver, cfg, synthetic_tree.root, digest, "syn")
-    job = tmp_path / "mnt" / ".quiver" / "jobs" / "j1"
-    job.mkdir()
-    fd = os.open(job / "config", os.O_WRONLY)
-    try:
-        os.write(fd, json.dumps({"dataset": "syn", "batch_size": 8}).encode())
-    finally:
-        os.close(fd)
+    job = start_job(tmp_path / "mnt", "syn")
     manifest = json.loads((job / "e0-b0").read_bytes())
     fd = os.open(job / "report", os.O_WRONLY)
     try:
