@@ -314,8 +314,8 @@ static PyObject *Plane_counters(PlaneObject *self, PyObject *unused)
 	plane_counters(self->plane, &c);
 	return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsK}", "lookups", c.lookups, "getattrs",
 			     c.getattrs, "reads", c.reads, "read_bytes", c.read_bytes, "copied",
-			     c.copied, "hits",
-			     c.hits, "forwarded", c.forwarded, "fallbacks", c.fallbacks,
+			     c.copied, "hits", c.hits, "forwarded", c.forwarded, "fallbacks",
+			     c.fallbacks,
 			     "hits_dropped", c.hits_dropped, "forgets", c.forgets, "opens",
 			     c.opens, "releases", c.releases, "backing_failures",
 			     c.backing_failures);

@@ -144,7 +144,8 @@ static void value_path(const struct plane *p, const char *name, char *path)
 struct worker {
 	char *buf, *data;
 	int pipe[2]; /* -1: none (it could not be made, or broke): pread and writev */
-	uint64_t pipe_pages; /* the pipe's buffers: each holds a page, or part of one */
+	uint64_t page, pipe_pages; /* the page size; the pipe's buffers, a page (or part)
+				    * each */
 };
 
 static void pipe_close(struct worker *w)
@@ -156,14 +157,10 @@ static void pipe_close(struct worker *w)
 	w->pipe[0] = w->pipe[1] = -1;
 }
 
-static uint64_t page_size(void)
-{
-	return (uint64_t)sysconf(_SC_PAGESIZE);
-}
-
 static void pipe_open(struct worker *w)
 {
 	w->pipe[0] = w->pipe[1] = -1;
+	w->page = (uint64_t)sysconf(_SC_PAGESIZE);
 	if (pipe2(w->pipe, O_CLOEXEC)) {
 		w->pipe[0] = w->pipe[1] = -1;
 		return;
@@ -171,13 +168,13 @@ static void pipe_open(struct worker *w)
 	/* a whole reply in the pipe: its header and DATA_BUF bytes; a pipe above
 	 * fs.pipe-max-size (1 MiB by default) needs CAP_SYS_RESOURCE, which a root in a
 	 * container may lack: then the largest READs are copied (splice_fits) */
-	int size = fcntl(w->pipe[1], F_SETPIPE_SZ, DATA_BUF + (int)page_size());
+	int size = fcntl(w->pipe[1], F_SETPIPE_SZ, DATA_BUF + (int)w->page);
 	if (size < 0)
 		size = fcntl(w->pipe[1], F_SETPIPE_SZ, DATA_BUF);
-	if (size < 0 || (uint64_t)size < 4 * page_size())
+	if (size < 0 || (uint64_t)size < 4 * w->page)
 		pipe_close(w);
 	else
-		w->pipe_pages = (uint64_t)size / page_size();
+		w->pipe_pages = (uint64_t)size / w->page;
 }
 
 /* Whether the reply to a READ of n bytes at off fits in the thread's pipe: its header
@@ -185,8 +182,8 @@ static void pipe_open(struct worker *w)
  * the only thread that empties it). */
 static int splice_fits(const struct worker *w, uint64_t off, uint64_t n)
 {
-	uint64_t page = page_size();
-	return w->pipe[0] >= 0 && n && 1 + (off + n - 1) / page - off / page + 1 <= w->pipe_pages;
+	return w->pipe[0] >= 0 && n &&
+	       1 + (off + n - 1) / w->page - off / w->page + 1 <= w->pipe_pages;
 }
 
 /* The reply to READ `unique` put in the pipe: its header, and n bytes of fd from off

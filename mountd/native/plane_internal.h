@@ -130,8 +130,8 @@ struct plane {
 	struct plane_hit hits[HIT_RING];
 	size_t hit_start, hit_count;
 
-	atomic_uint_fast64_t lookups, getattrs, reads, read_bytes, copied, served_files, forwarded,
-		fallbacks, hits_dropped, forgets, opens, releases, backing_failures;
+	atomic_uint_fast64_t lookups, getattrs, reads, read_bytes, copied, served_files,
+		forwarded, fallbacks, hits_dropped, forgets, opens, releases, backing_failures;
 };
 
 /* tables.c */

@@ -6,11 +6,16 @@ import time
 from collections import Counter
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a live process, all its threads."""
-    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+def _stat_cpu_seconds(path: str) -> float:
+    """User + system CPU seconds in a /proc ``stat`` file (a process's or a thread's)."""
+    with open(path, encoding="ascii") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process, all its threads."""
+    return _stat_cpu_seconds(f"/proc/{pid}/stat")
 
 
 def thread_cpu_seconds(pid: int) -> Counter[str]:
@@ -22,11 +27,9 @@ def thread_cpu_seconds(pid: int) -> Counter[str]:
         try:
             with open(f"/proc/{pid}/task/{tid}/comm", encoding="utf-8") as f:
                 name = f.read().strip()
-            with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            out[name] += _stat_cpu_seconds(f"/proc/{pid}/task/{tid}/stat")
         except OSError:
             continue
-        out[name] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return out
 
 

@@ -70,9 +70,9 @@ from collections import Counter
 from collections.abc import Callable
 
 from digest_tools.create import create_digest
-from quiverfs.bench import floor
 from quiverfs.backends import StorageOptions
 from quiverfs.backends.gcs import GCSBackend
+from quiverfs.bench import floor
 from quiverfs.bench.compare import rclone_available, rclone_mount
 from quiverfs.bench.cpu_time import process_cpu_seconds, thread_cpu_seconds
 from quiverfs.bench.data import Tree, write_synthetic_tree
