@@ -329,13 +329,15 @@ def _quiver_counters(m: MountdProcess, mode: str) -> MountdCounters:
 
 @contextlib.contextmanager
 def quiver_mount(mode: str, data: Dataset, proxy: ThrottleProxy, cache_bytes: int,
-                 workdir: str, name: str) -> Iterator[Target]:
+                 workdir: str, name: str, probe_batches: int | None = PROBE_BATCHES
+                 ) -> Iterator[Target]:
     """A mountd with an LRU store of ``cache_bytes`` and the dataset mounted through the
     proxy (as a substitutable view for ``view``), its loader processes ready (they start
     at the mount, as a daemon's are long before a training job starts); stopped,
     unmounted and its cache removed on exit."""
+    probing = ("--probe-batches", str(probe_batches)) if probe_batches is not None else ()
     with running_mountd(workdir, cache_size=str(cache_bytes), name=name,
-                        extra_args=("--probe-batches", str(PROBE_BATCHES))) as m:
+                        extra_args=probing) as m:
         request = {"op": "mount", "name": DATASET, "digest": data.digest,
                    "emulator_host": proxy.url}
         if mode == "view":
@@ -533,9 +535,11 @@ def aggregate(records: list[dict[str, Any]], data: Dataset, rate: float) -> dict
 
 
 def run_config(mode: str, fraction: float | None, jobs: list[JobChild], data: Dataset,
-               proxy: ThrottleProxy, size: Size, workdir: str) -> dict[str, Any]:
+               proxy: ThrottleProxy, size: Size, workdir: str,
+               probe_batches: int | None = PROBE_BATCHES) -> dict[str, Any]:
     """One configuration: ``mode`` with a cache of ``fraction`` of the dataset (None: no
-    cache), read by every job in ``jobs``."""
+    cache), read by every job in ``jobs``, mountd probing jobs for ``probe_batches``
+    batches (None: mountd's default)."""
     # Rounded up: mountd sizes a lone node's chunks at an eighth of its cache, and a
     # budget a byte short of 10% would make 81 chunks instead of 80.
     cache_bytes = math.ceil(fraction * data.bytes) if fraction is not None else 0
@@ -546,7 +550,8 @@ def run_config(mode: str, fraction: float | None, jobs: list[JobChild], data: Da
     elif mode == "rclone":
         target_cm = rclone_mount(proxy.url, cache_bytes, workdir, name)
     else:
-        target_cm = quiver_mount(mode, data, proxy, cache_bytes, workdir, name)
+        target_cm = quiver_mount(mode, data, proxy, cache_bytes, workdir, name,
+                                 probe_batches)
     n_epochs = size.epochs_direct if mode == "direct" else size.epochs
     with target_cm as target, PeakUsage(target.cache_used) as usage:
         records = measure(mode, target, jobs, n_epochs, size, proxy)
