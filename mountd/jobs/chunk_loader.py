@@ -111,6 +111,7 @@ class ChunkLoader:
                 or previous.users != view.users):  # who is alone may have changed
             group.poke()
         group.ds.cache_mode = view.mode
+        probes = False
         for job in group.jobs.values():
             if not isinstance(job, Job):
                 continue  # a view's job: those are not probed
@@ -121,8 +122,11 @@ class ChunkLoader:
                 holds = view.mode is CacheMode.FULL or view.capacity >= view.chunks
                 model = self._miss_model(group, job) if holds else None
                 job.probe.begin(seq, view.probe_batches, model)
+                probes = True
                 log.info("job %s: probe %d of %d batches%s", job.id, seq,
                          view.probe_batches, " (no forced misses)" if holds else "")
+        if probes:  # a lone job waiting for chunks stops: its probe holds their loads
+            group.poke()
         for load in view.loads:
             new = group.cached.hold(group.plan.members[load.chunk])
             self.recency.wanted(group.ds.digest.hash(int(i)) for i in new)

@@ -368,11 +368,14 @@ class BatchPlanner:
         node is loading), so the bucket's bandwidth is better left to the loaders. A
         job with items left in the marked chunk never waits: its batches release it.
         Before the coordinator's first view, every job waits for it: batches planned
-        then would all be misses, read again when their chunks load."""
+        then would all be misses, read again when their chunks load. Nor does a lone
+        job being probed: the dataset's loads wait for its probe (``ChunkLoader``), so
+        the chunks it would wait for come only after its next batches end the probe."""
         started = trio.current_time()
         key = group.cycle_key()
         with trio.move_on_after(CHUNK_WAIT) as scope:
-            while group.mode is CacheMode.COOP and key != plan.gave_up_on:
+            while (group.mode is CacheMode.COOP and key != plan.gave_up_on
+                   and not (job.probe.active and group.alone(self.cluster.me) is job)):
                 changed = group.changed  # before the look, which may await: see ViewJobs
                 if group.view is None:
                     await changed.wait()
