@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from mountd.cluster.coordinators import ALONE_CALL_TIMEOUT
 from quiverfs.bench.processes import CoordinatorProcess, MountdProcess, free_port
 from quiverfs.errors import ExitCode
 from quiverfs.heartbeat import (HeartbeatReply, Leader, Member, NotLeader, heartbeat_answer,
@@ -184,6 +186,31 @@ def test_a_node_follows_the_next_coordinator_when_its_own_is_killed(
     assert json.loads(shown.stdout)["cluster"]["coordinators"]["in_use"] == second.address
     cluster = quiver("status", "--cluster", *where)
     assert f"coordinator in use: {second.address} (reachable)" in cluster.stdout
+
+
+@needs_fuse
+def test_a_node_passes_over_a_coordinator_that_hangs(mountd_factory, coordinators,
+                                                     secret_file):
+    """A coordinator that is stopped (SIGSTOP) keeps its connections open and answers
+    nothing: the node gives up on it within the try's timeout, not the 5 s of a lone
+    coordinator's, and follows the next."""
+    first = coordinators("first", free_port())
+    second = coordinators("second", free_port())
+    node = mountd_factory("node", extra_args=node_args(
+        secret_file, "--coordinator", f"{first.address},{second.address}"))
+    wait_for(lambda: alive_at(first) == ["a"], "the node to join first")
+    first.proc.send_signal(signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        wait_for(lambda: followed(node)["in_use"] == second.address,
+                 "the node to follow second", within=FAILOVER_BOUND)
+        took = time.monotonic() - stopped
+    finally:
+        first.proc.send_signal(signal.SIGCONT)
+    # the goal: a coordinator that hangs costs about a try's timeout, not a lone one's
+    assert took < ALONE_CALL_TIMEOUT, took
+    assert alive_at(second) == ["a"]
+    assert followed(node)["switches"] == 1
 
 
 @needs_fuse
