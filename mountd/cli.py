@@ -10,7 +10,8 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from mountd.control.replies import ClusterReply, MountReply, PrefetchReply, StatusReply
+from mountd.control.replies import (ClusterReply, CoordinatorsStatus, MountReply,
+                                    PrefetchReply, StatusReply)
 from quiverfs import control_client
 from quiverfs import digest as digest_format
 from quiverfs.chunk_cycle import ChunkState
@@ -21,7 +22,7 @@ from quiverfs.errors import ExitCode, QuietError
 from quiverfs.gcs_endpoint import GcsEndpoints
 from quiverfs.job_protocol import VIEWS
 from quiverfs.backends.base import FETCH_DEADLINE
-from quiverfs.option_types import Address, ByteSize, FloatAtLeast, IntAtLeast
+from quiverfs.option_types import Address, Addresses, ByteSize, FloatAtLeast, IntAtLeast
 from quiverfs.peer_network import PeerNetworks
 from quiverfs.sizes import human
 from quiverfs.storage_cli import add_storage_options, storage_options
@@ -145,8 +146,11 @@ def add_parsers(sub: argparse._SubParsersAction,
                    "--coordinator, an eighth of --cache-size)")
     add_cycle_options(d, applies=", without --coordinator")
     c = d.add_argument_group("cluster (without --coordinator, mountd is a single node)")
-    c.add_argument("--coordinator", metavar="HOST:PORT",
-                   type=Address("--coordinator", connect=True), help="the coordinator to join")
+    c.add_argument("--coordinator", metavar="HOST:PORT[,HOST:PORT...]",
+                   type=Addresses("--coordinator"),
+                   help="the coordinator to join; several, comma-separated (in the config "
+                   "file, an array of strings): the node follows the one that leads, "
+                   "and tries the others in order when it stops answering")
     c.add_argument("--listen", metavar="HOST:PORT", type=Address("--listen"),
                    help="address of this node's peer server (default 127.0.0.1:0)")
     c.add_argument("--node-id", help="this node's name in the cluster (default: hostname)")
@@ -338,6 +342,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             else f"{human(m.uid_in_use)} of {human(m.per_uid_limit)}")
     print(f"memory of registrations: uid {m.uid} {mine}, all users {human(m.in_use)} "
           f"of {human(m.total_limit)}")
+    if reply.cluster is not None and reply.cluster.coordinators is not None:
+        print(_coordinators(reply.cluster.coordinators, reply.cluster.coordinator_ok))
     if not cache.writable:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(cache.write_error_since))
         print(f"cache NOT WRITABLE since {since}: {cache.write_error}; reads are served "
@@ -380,6 +386,8 @@ def _cluster_status(args: argparse.Namespace) -> int:
         return _print_json(raw, "cluster")
     state = "reachable" if reply.coordinator_ok else "UNREACHABLE"
     print(f"node {reply.node}, membership {reply.version}, coordinator {state}")
+    if reply.coordinators is not None:
+        print(_coordinators(reply.coordinators, reply.coordinator_ok))
     for n in reply.nodes:
         print(f"  {n.id:<16} {n.peer:<22} {'live' if n.live else 'down':<5} "
               f"owns {100 * n.share:.1f}% of keys")
@@ -394,6 +402,16 @@ def _cluster_status(args: argparse.Namespace) -> int:
               f"{job.batches_per_epoch}, hits {job.counters.get(SamplerJobCounter.HITS, 0)}, "
               f"fetched {job.counters.get(SamplerJobCounter.FETCHED, 0)}")
     return ExitCode.OK
+
+
+def _coordinators(c: CoordinatorsStatus, ok: bool) -> str:
+    """One line: the coordinator in use among --coordinator's, and the switches."""
+    state = "reachable" if ok else "UNREACHABLE"
+    used = f"{c.in_use} ({state})" if c.in_use is not None else "none answered yet"
+    last = ("" if c.last_switch is None else ", the last at "
+            + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.last_switch)))
+    return (f"coordinator in use: {used}, of {', '.join(c.addresses)}; "
+            f"switches {c.switches}{last}")
 
 
 def _print_json(reply: dict, op: str) -> int:

@@ -13,7 +13,8 @@ import subprocess
 import pyfuse3
 import trio
 
-from mountd.cluster.membership import Cluster, EmbeddedFactory, RemoteCoordinator
+from mountd.cluster.coordinators import RemoteCoordinators
+from mountd.cluster.membership import Cluster, EmbeddedFactory
 from mountd.cluster.peers import PeerService, PeerSet
 from mountd.control.controller import Controller
 from mountd.control.metrics import MountdCollector
@@ -49,7 +50,7 @@ from quiverfs.metrics_server import MetricsServer
 from quiverfs.mount_point import is_mounted
 from quiverfs.peer_network import Networks, host_refusal
 from quiverfs.process_limits import raise_open_file_limit, return_large_blocks
-from quiverfs.rpc import RpcClient, RpcServer, load_secret
+from quiverfs.rpc import RpcServer, load_secret
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,8 @@ class MountdConfig:
     force_evict_after: float  # seconds a marked chunk may outlive its first release
     probe_batches: int  # for the embedded coordinator
     chunk_bytes: int | None  # None: 10% of a dataset or 15 GiB, the smaller
-    coordinator: tuple[str, int] | None  # None runs the coordinator logic embedded
+    # HOST, PORT of each coordinator, in order; None runs the coordinator logic embedded
+    coordinator: tuple[tuple[str, int], ...] | None
     listen: tuple[str, int] | None  # the peer server's address (with a coordinator)
     cluster_secret_file: str | None
     metrics: tuple[str, int] | None  # where to serve Prometheus metrics
@@ -145,7 +147,7 @@ class Mountd:
         self.scrubber = Scrubber(self.store, self._withdraw) if cfg.scrub_mb_s > 0 else None
         self.peer_service: PeerService | None = None
         self.peer_server: RpcServer | None = None
-        self.coordinator_client: RpcClient | None = None
+        self.coordinators: RemoteCoordinators | None = None
         self.cluster = self._cluster(embedded_coordinator)
         # Loader processes: one pool for the misses readers wait on, one for chunk loads.
         n = cfg.loader_processes
@@ -183,7 +185,8 @@ class Mountd:
             self.services.stats.fuse_requests)
         # Bound now, so that a taken port fails before mounting.
         collector = MountdCollector(self.services, self.table, self.jobs,
-                                    loader_pools=self.controller.loader_pools)
+                                    loader_pools=self.controller.loader_pools,
+                                    coordinators=self.coordinators)
         self.metrics = MetricsServer(cfg.metrics, collector) if cfg.metrics else None
         self.control = ControlServer(cfg.control_socket, self.controller.handlers())
         self.control.bind()
@@ -232,7 +235,7 @@ class Mountd:
             if self.peer_server is not None:
                 await nursery.start(self.peer_server.serve)
                 await nursery.start(self.cluster.peers.tasks.run)
-                await nursery.start(self.coordinator_client.tasks.run)
+                await nursery.start(self.coordinators.run)
             await nursery.start(self.loader.run)
             if self.metrics is not None:
                 await nursery.start(self.metrics.serve)
@@ -279,12 +282,10 @@ class Mountd:
         self.peer_server = self.peer_service.server(secret)
         host, port = cfg.listen or DEFAULT_LISTEN
         address = self.peer_server.bind(host, port, "--listen")
-        chost, cport = cfg.coordinator
-        self.coordinator_client = RpcClient(chost, cport, secret, timeout=10.0)
-        log.info("node %s: peer server on %s, coordinator %s:%d", cfg.node_id, address,
-                 chost, cport)
-        return Cluster(cfg.node_id, address, cfg.cache_size,
-                       RemoteCoordinator(self.coordinator_client),
+        self.coordinators = RemoteCoordinators(cfg.coordinator, secret)
+        log.info("node %s: peer server on %s, coordinator %s", cfg.node_id, address,
+                 ",".join(self.coordinators.addresses))
+        return Cluster(cfg.node_id, address, cfg.cache_size, self.coordinators,
                        PeerSet(secret, self.limiter, cfg.peer_networks))
 
     async def _tune_kernel(self) -> None:

@@ -4,10 +4,11 @@ coordinator answers, as typed records both sides import from here.
 A node sends a ``Heartbeat`` every fraction of a second (over RPC, or as a function
 call to the coordinator embedded in a lone mountd); the answer is a ``HeartbeatReply``:
 the live members and, for each dataset the node reported, a ``CycleView`` of its chunk
-cycle. On the wire each record is msgpack of its plain form (``to_wire``); the
-receiver rebuilds it with every field's type and range checked, and the fields that
-must agree compared (``from_wire``), so a malformed message is refused as a whole,
-never half-read. A node checks its reports the same way before sending them
+cycle; or, from a standby coordinator (one of several, not the leader), a
+``NotLeader`` naming the one that leads. On the wire each record is msgpack of its
+plain form (``to_wire``); the receiver rebuilds it with every field's type and range
+checked, and the fields that must agree compared (``from_wire``), so a malformed
+message is refused as a whole, never half-read. A node checks its reports the same way before sending them
 (``refusal``), so one dataset out of range cannot get its whole heartbeat refused.
 """
 from __future__ import annotations
@@ -190,6 +191,43 @@ class HeartbeatReply:
     version: int  # of the membership
     nodes: tuple[Member, ...]
     cycles: dict[str, CycleView] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Leader:
+    """The coordinator a standby knows to lead: HOST:PORT, or None when it knows none."""
+
+    leader: Annotated[str, msgspec.Meta(min_length=3, max_length=MAX_PEER)] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class NotLeader:
+    """A standby coordinator's answer to a heartbeat, instead of a HeartbeatReply; on
+    the wire exactly ``{"not_leader": {"leader": "HOST:PORT" | None}}``."""
+
+    not_leader: Leader
+
+    def disagreement(self) -> str | None:
+        """Why the leader named is no HOST:PORT a node could dial, if it is not."""
+        leader = self.not_leader.leader
+        if leader is None:
+            return None
+        host, sep, port = leader.rpartition(":")
+        if not (sep and host and port.isascii() and port.isdigit() and len(port) <= 5
+                and 0 < int(port) < 65536 and host.isprintable() and " " not in host):
+            return f"leader {leader[:64]!r} is not HOST:PORT"
+        return None
+
+
+def heartbeat_answer(data: Any) -> HeartbeatReply | NotLeader:
+    """A coordinator's answer to a heartbeat: the leader's HeartbeatReply, or a
+    standby's NotLeader, with nothing else in it; ValueError if it is neither."""
+    if isinstance(data, dict) and "not_leader" in data:
+        inner = data["not_leader"]
+        if len(data) != 1 or not isinstance(inner, dict) or set(inner) != {"leader"}:
+            raise ValueError("malformed NotLeader: not {'not_leader': {'leader': ...}}")
+        return from_wire(data, NotLeader)
+    return from_wire(data, HeartbeatReply)
 
 
 def to_wire(record: Any) -> Any:

@@ -101,6 +101,30 @@ class Address:
         return host, port
 
 
+@dataclasses.dataclass(frozen=True)
+class Addresses:
+    """``HOST:PORT[,HOST:PORT...]`` to connect to, in order, each checked as ``Address``
+    does: comma-separated on the command line, a string or an array of strings in the
+    config file. A repeated address counts once."""
+
+    option: str
+    toml_types: ClassVar[tuple[type, ...]] = (str, list)
+
+    def __call__(self, value: str | list) -> tuple[tuple[str, int], ...]:
+        texts = value.split(",") if isinstance(value, str) else value
+        one = Address(self.option, connect=True)
+        out = []
+        for text in texts:
+            if not isinstance(text, str):
+                raise QuietError(f"{self.option} must list strings, not {text!r}",
+                                 ExitCode.USAGE)
+            out.append(one(text.strip()))
+        if not out:
+            raise QuietError(f"{self.option} must name at least one HOST:PORT",
+                             ExitCode.USAGE)
+        return tuple(dict.fromkeys(out))
+
+
 def listen_error(option: str, host: str, port: int, exc: OSError) -> QuietError:
     """The one-line error of a daemon that cannot listen where ``option`` says."""
     return QuietError(f"cannot listen on {host}:{port}: {exc.strerror or exc}: stop what uses "

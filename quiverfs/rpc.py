@@ -215,10 +215,12 @@ class RpcClient:
     nursery (the connection's reader lives there)."""
 
     def __init__(self, host: str, port: int, secret: bytes, timeout: float = 30.0,
-                 max_frame: int = MAX_FRAME) -> None:
+                 max_frame: int = MAX_FRAME,
+                 connect_timeout: float = HANDSHAKE_TIMEOUT) -> None:
         self.host, self.port = host, port
         self.secret = secret
         self.timeout = timeout
+        self.connect_timeout = connect_timeout  # seconds to connect and authenticate
         self.max_frame = max_frame
         self._stream: trio.SocketStream | None = None
         self._ids = itertools.count(1)
@@ -234,7 +236,7 @@ class RpcClient:
             if not self.tasks.running:
                 raise Unavailable("client not running")
             try:
-                with trio.fail_after(HANDSHAKE_TIMEOUT):
+                with trio.fail_after(self.connect_timeout):
                     stream = await trio.open_tcp_stream(self.host, self.port)
                     stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     await client_handshake(stream, self.secret)

@@ -1,8 +1,9 @@
 """This node's place in the cluster: members, key ownership, and coordinator heartbeats.
 
 Without ``--coordinator`` the coordinator's logic runs embedded, for one node, so the
-same chunk cycle drives a single VM. With one, a coordinator outage does not stop
-reads: the node keeps its last view and retries.
+same chunk cycle drives a single VM. With one (or several, of which the node follows
+the leader: ``coordinators``), a coordinator outage does not stop reads: the node
+keeps its last view and retries.
 """
 from __future__ import annotations
 
@@ -12,15 +13,14 @@ from typing import Any, Protocol
 
 import trio
 
+from mountd.cluster.coordinators import RemoteCoordinators
 from quiverfs import ownership
 from quiverfs.failure_runs import FailureRuns
 from quiverfs.heartbeat import (MAX_BANDWIDTH, CycleView, DatasetReport, Heartbeat,
-                                HeartbeatReply, from_wire, refusal, to_wire)
-from quiverfs.rpc import RpcClient, RpcError, Unavailable
+                                HeartbeatReply, refusal)
+from quiverfs.rpc import Unavailable
 
 log = logging.getLogger(__name__)
-
-HEARTBEAT = 0.5  # seconds between heartbeats to a remote coordinator
 
 
 class CoordinatorLink(Protocol):
@@ -37,22 +37,6 @@ class CoordinatorLink(Protocol):
 EmbeddedFactory = Callable[[str, float, int, trio.CapacityLimiter], CoordinatorLink]
 
 
-class RemoteCoordinator:
-    """``quiver coordinator`` over RPC."""
-
-    interval = HEARTBEAT
-
-    def __init__(self, client: RpcClient) -> None:
-        self.client = client
-
-    async def heartbeat(self, beat: Heartbeat) -> HeartbeatReply:
-        try:
-            reply = await self.client.call("heartbeat", to_wire(beat), timeout=5.0)
-            return from_wire(reply, HeartbeatReply)
-        except (RpcError, ValueError) as exc:  # refused, or an answer we cannot read
-            raise Unavailable(str(exc)) from None
-
-
 class Cluster:
     """Membership as the coordinator last reported it, minus peers seen failing."""
 
@@ -62,6 +46,8 @@ class Cluster:
         self.peer_address = peer_address
         self.capacity = capacity
         self.link = link
+        # the coordinators' addresses and the one in use, for status; None when embedded
+        self.remote = link if isinstance(link, RemoteCoordinators) else None
         self.peers = peers  # PeerSet, or None for a single node
         self.members: dict[str, str] = {node_id: peer_address}
         self.version = -1
@@ -161,7 +147,13 @@ class Cluster:
     def status(self) -> dict[str, Any]:
         return {"node": self.me, "peer": self.peer_address, "version": self.version,
                 "members": sorted(self.members), "live": self.live(),
-                "coordinator_ok": self.coordinator_ok}
+                **self.coordinator_status()}
+
+    def coordinator_status(self) -> dict[str, Any]:
+        """Whether the last heartbeat was answered and, with --coordinator, the
+        coordinators (``RemoteCoordinators.status``)."""
+        return {"coordinator_ok": self.coordinator_ok,
+                "coordinators": None if self.remote is None else self.remote.status()}
 
 
 def _bandwidth(rate: float | None) -> float | None:

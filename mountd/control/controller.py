@@ -347,7 +347,7 @@ class Controller:
         shares = await trio.to_thread.run_sync(ownership.shares, hashes, live,
                                                limiter=self.limiter)
         total = max(1, len(hashes))
-        return {"node": cluster.me, "coordinator_ok": cluster.coordinator_ok,
+        return {"node": cluster.me, **cluster.coordinator_status(),
                 "version": cluster.version,
                 "nodes": [{"id": n, "peer": cluster.members[n], "live": n in live,
                            "share": round(shares.get(n, 0) / total, 3)}

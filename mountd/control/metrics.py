@@ -22,6 +22,7 @@ from quiverfs.counters import ReadCounter, SamplerJobCounter
 from quiverfs.metrics_server import LoopUnavailable, TrioLoop
 
 if TYPE_CHECKING:
+    from mountd.cluster.coordinators import RemoteCoordinators
     from mountd.fetch.loader_pool import LoaderPool
     from mountd.fetch.services import ReadServices
     from mountd.jobs.registry import JobRegistry
@@ -72,17 +73,20 @@ NATIVE_COUNTERS = {
 
 class MountdCollector:
     """Metric families of a running mountd: its live state read on the trio loop
-    through ``loop``, its store read in the scrape's thread; ``loader_pools`` by name."""
+    through ``loop``, its store read in the scrape's thread; ``loader_pools`` by name;
+    ``coordinators``: those of --coordinator (None: the coordinator is embedded)."""
 
     def __init__(self, services: ReadServices, table: MountTable, jobs: JobRegistry,
                  loop: TrioLoop | None = None,
-                 loader_pools: Mapping[str, LoaderPool] | None = None) -> None:
+                 loader_pools: Mapping[str, LoaderPool] | None = None,
+                 coordinators: RemoteCoordinators | None = None) -> None:
         self.stats = services.stats
         self.push = services.push
         self.store = services.store
         self.table = table
         self.jobs = jobs
         self.loader_pools = loader_pools or {}
+        self.coordinators = coordinators
         self.loop = loop or TrioLoop()
         self._store_lock = threading.Lock()  # concurrent scrapes read the store in turn
 
@@ -97,7 +101,8 @@ class MountdCollector:
         """Every family of the loop's state, built at one moment (runs on the loop)."""
         self.stats.gather()
         return [*self._reads(), *self.stats.latency.collect(), *self._datasets(),
-                *self._chunks(), *self._jobs(), *self._loaders(), *self._native()]
+                *self._chunks(), *self._jobs(), *self._loaders(), *self._native(),
+                *self._coordinators()]
 
     def _reads(self) -> Iterator[Metric]:
         c = self.stats.counters
@@ -241,6 +246,23 @@ class MountdCollector:
             if key in native:
                 family.add_metric([], native[key])
             yield family
+
+    def _coordinators(self) -> Iterator[Metric]:
+        """The coordinators of --coordinator, which one is in use and the switches;
+        families without a sample where the coordinator is embedded."""
+        in_use = GaugeMetricFamily("quiver_coordinator_in_use", "1 for the coordinator "
+                                   "whose answers the node follows (the leader, when it "
+                                   "last answered), 0 for the others of --coordinator",
+                                   labels=["address"])
+        switches = CounterMetricFamily("quiver_coordinator_switches", "Heartbeats answered "
+                                       "by another coordinator than the one before (a "
+                                       "takeover or an outage followed)")
+        if self.coordinators is not None:
+            status = self.coordinators.status()
+            for address in status["addresses"]:
+                in_use.add_metric([address], int(address == status["in_use"]))
+            switches.add_metric([], status["switches"])
+        yield from (in_use, switches)
 
     def _store(self) -> Iterator[Metric]:
         """The store's families (blocking: runs in the scrape's thread)."""

@@ -80,6 +80,22 @@ class MemoryStatus(msgspec.Struct):
     total_limit: int
 
 
+class CoordinatorsStatus(msgspec.Struct):
+    """The coordinators of --coordinator (mountd.cluster.coordinators)."""
+
+    addresses: list[str]
+    in_use: str | None  # whose answers the node follows; None before the first
+    switches: int  # heartbeats answered by another one than the one before
+    last_switch: float | None  # Unix time of the last switch
+
+
+class MembershipStatus(msgspec.Struct):
+    """``status``'s cluster part: the coordinator as the last heartbeat found it."""
+
+    coordinator_ok: bool
+    coordinators: CoordinatorsStatus | None = None  # None: the coordinator is embedded
+
+
 class StatusReply(msgspec.Struct):
     """``status``: the cache, the read counters and the datasets."""
 
@@ -91,6 +107,7 @@ class StatusReply(msgspec.Struct):
     counters: Counters
     bucket_fetch_causes: dict[str, CauseStatus]
     datasets: list[DatasetStatus]
+    cluster: MembershipStatus | None = None
 
 
 class NodeStatus(msgspec.Struct):
@@ -129,3 +146,4 @@ class ClusterReply(msgspec.Struct):
     nodes: list[NodeStatus]
     cycles: dict[str, CycleStatus]  # by digest identity
     jobs: list[JobStatus]
+    coordinators: CoordinatorsStatus | None = None  # None: the coordinator is embedded
