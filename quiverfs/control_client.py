@@ -39,6 +39,10 @@ def call(socket_path: str, request: dict[str, Any], root: str = "",
     except PermissionError:
         raise QuietError(f"cannot connect to {socket_path}: permission denied",
                          ExitCode.PERMISSION) from None
+    except OSError as exc:  # e.g. a path longer than a socket address holds (107 bytes)
+        raise QuietError(f"cannot connect to mountd for {where} at {socket_path}: "
+                         f"{exc.strerror or exc}: give --control-socket a shorter path",
+                         ExitCode.DAEMON) from None
     try:
         with sock:
             sock.sendall(wire.pack(request))

@@ -63,6 +63,15 @@ def test_command_line_beats_environment_beats_file(quiver, tmp_path, monkeypatch
                  ExitCode.DAEMON, f"for {tmp_path}/cli ")
 
 
+def test_a_root_too_long_for_its_default_socket_is_one_line(quiver, tmp_path):
+    """The default control socket's path holds the root's; past what a socket address
+    holds, connecting fails before any mountd is asked. Before: a traceback (OSError:
+    AF_UNIX path too long)."""
+    root = f"{tmp_path}/{'r' * 120}"
+    assert_error(quiver("status", "--root", root), ExitCode.DAEMON,
+                 "AF_UNIX path too long: give --control-socket a shorter path")
+
+
 def test_a_command_table_beats_the_top_level(quiver, tmp_path):
     cfg = write(tmp_path, f"""
         root = "{tmp_path}/top"
