@@ -1,0 +1,283 @@
+"""Two real ``quiver coordinator`` processes sharing a real etcd on loopback (--etcd):
+one leads, the other stands by and takes over with the state; a leader cut off from etcd
+steps down; a deposed leader's writes are refused; a malformed key is never led on."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from quiverfs.bench.processes import CoordinatorProcess, free_port, terminate
+from quiverfs.heartbeat import (DatasetReport, Heartbeat, HeartbeatReply, JobReport,
+                                LoadedShare, from_wire, to_wire)
+from tests.test_cluster import SECRET, rpc_call
+
+TTL = 2  # seconds of lease: etcd's own minimum at its default election timeout
+HEARTBEAT_TIMEOUT = 10.0  # no node dies while a test drives its heartbeats by hand
+DEADLINE = 30.0  # seconds to wait for a condition that has no latency goal
+CHUNKS = 4
+PREFIX = "/quiver/default/"
+
+
+class Etcd:
+    """A one-member etcd on two free loopback ports, its data in ``base``."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.peer = f"http://127.0.0.1:{free_port()}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with open(os.path.join(self.base, "etcd.log"), "ab") as log:
+            self.proc = subprocess.Popen(
+                ["etcd", "--name", "ha", "--data-dir", os.path.join(self.base, "etcd"),
+                 "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
+                 "--listen-peer-urls", self.peer, "--initial-advertise-peer-urls", self.peer,
+                 "--initial-cluster", f"ha={self.peer}"],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        deadline = time.monotonic() + DEADLINE
+        while not self._healthy():
+            assert self.proc.poll() is None, f"etcd exited with {self.proc.returncode}"
+            assert time.monotonic() < deadline, "etcd did not come up"
+            time.sleep(0.05)
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=1) as reply:
+                return json.load(reply).get("health") == "true"
+        except (OSError, ValueError):
+            return False
+
+    def ctl(self, *args: str) -> str:
+        """etcdctl against this etcd: its output."""
+        return subprocess.run(["etcdctl", "--endpoints", self.url, *args], check=True,
+                              capture_output=True, text=True,
+                              env={**os.environ, "ETCDCTL_API": "3"}).stdout
+
+    def keys(self) -> dict[str, tuple[str, int]]:
+        """Every key under the cluster's prefix: (value, mod_revision)."""
+        import base64
+        reply = json.loads(self.ctl("get", "--prefix", PREFIX, "-w", "json"))
+        return {base64.b64decode(kv["key"]).decode():
+                (base64.b64decode(kv.get("value", "")).decode(errors="replace"),
+                 int(kv["mod_revision"]))
+                for kv in reply.get("kvs", [])}
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # a test may leave it stopped
+        terminate(self.proc)
+
+
+@pytest.fixture
+def etcd(tmp_path) -> Iterator[Etcd]:
+    e = Etcd(str(tmp_path))
+    e.start()
+    yield e
+    e.stop()
+
+
+def coordinator(tmp_path, etcd: Etcd, name: str) -> CoordinatorProcess:
+    secret = tmp_path / "secret"
+    secret.write_bytes(SECRET)
+    return CoordinatorProcess(None, str(secret), str(tmp_path / f"{name}.log"),
+                              heartbeat_timeout=HEARTBEAT_TIMEOUT,
+                              extra_args=("--etcd", etcd.url, "--lease-ttl", str(TTL)))
+
+
+@pytest.fixture
+def pair(tmp_path, etcd) -> Iterator[tuple[CoordinatorProcess, CoordinatorProcess]]:
+    """Two coordinators: the first started leads, the second stands by."""
+    first, second = coordinator(tmp_path, etcd, "c1"), coordinator(tmp_path, etcd, "c2")
+    first.start()
+    wait_until(lambda: role(first) == "leader", "the first coordinator to lead")
+    second.start()
+    wait_until(lambda: status(second)["coordinator"]["leader"] == first.address,
+               "the second coordinator to know the leader")
+    yield first, second
+    for c in (first, second):
+        if c.proc is not None and c.proc.poll() is None:
+            c.proc.send_signal(signal.SIGCONT)
+        c.stop()
+
+
+def wait_until(condition, what: str, deadline: float = DEADLINE) -> None:
+    end = time.monotonic() + deadline
+    while not condition():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def port(c: CoordinatorProcess) -> int:
+    return int(c.address.rsplit(":", 1)[1])
+
+
+def status(c: CoordinatorProcess) -> dict:
+    return rpc_call(port(c), SECRET, "status", {})
+
+
+def role(c: CoordinatorProcess) -> str:
+    return status(c)["coordinator"]["role"]
+
+
+def beat(c: CoordinatorProcess, node: str, loaded: tuple[LoadedShare, ...] = ()) -> dict:
+    """One heartbeat from ``node`` (a job on dataset "ident") over RPC: the raw reply."""
+    job = JobReport(id=f"{node}-job", gen=0, gpus=1, remaining=(5,) * CHUNKS, probe_seq=0)
+    report = DatasetReport(name="ds", chunks=CHUNKS, size=4000, chunk_bytes=500,
+                           loaded=loaded, jobs=(job,))
+    return rpc_call(port(c), SECRET, "heartbeat", to_wire(Heartbeat(
+        node, f"127.0.0.1:{9000 + len(node)}", 1500, {"ident": report})))
+
+
+def drive(c: CoordinatorProcess) -> dict:
+    """Nodes a and b beat on the leader ``c`` until a chunk was loaded and the cycle
+    moved on; the leader's status then."""
+    first = from_wire(beat(c, "a"), HeartbeatReply).cycles["ident"].loads
+    beat(c, "b")
+    beat(c, "a", loaded=first)  # a alone loaded the first chunks: a and b load the next
+    s = status(c)
+    loaders = s["datasets"][0]["loaders"]
+    assert loaders and all(n == ["a", "b"] for n in loaders.values()), loaders
+    return s
+
+
+def cycles(s: dict) -> dict:
+    """What must survive a takeover of each dataset: its cycle and its loaders."""
+    keep = ("states", "resident", "marked", "generation", "marked_generation", "next",
+            "capacity", "max_resident", "loaders", "mode")
+    return {d["identity"]: {k: d[k] for k in keep} for d in s["datasets"]}
+
+
+def log_of(c: CoordinatorProcess) -> str:
+    with open(c.log_path, encoding="utf-8") as f:
+        return f.read()
+
+
+def test_a_standby_answers_heartbeats_with_the_leaders_address(pair):
+    leader, standby = pair
+    assert beat(standby, "a") == {"not_leader": {"leader": leader.address}}
+    reply = from_wire(beat(leader, "a"), HeartbeatReply)
+    assert [m.id for m in reply.nodes] == ["a"]
+    assert status(standby) == {"coordinator": {
+        "role": "standby", "leader": leader.address, "advertise": standby.address,
+        "lease_ttl": TTL, "takeovers": 0, "last_takeover": None}}
+    assert status(leader)["coordinator"]["takeovers"] == 1
+
+
+def test_sigkill_of_the_leader_a_standby_leads_within_two_ttls_with_its_state(pair):
+    leader, standby = pair
+    before = drive(leader)
+    killed = time.monotonic()
+    leader.proc.kill()
+    leader.proc.wait()
+    wait_until(lambda: role(standby) == "leader", "the standby to lead")
+    assert time.monotonic() - killed <= 2 * TTL
+    after = status(standby)
+    assert cycles(after) == cycles(before)
+    assert {n["id"]: n["alive"] for n in after["nodes"]} == {"a": True, "b": True}
+    assert after["version"] == before["version"] + 1
+    assert after["coordinator"]["takeovers"] == 1
+    reply = from_wire(beat(standby, "a"), HeartbeatReply)
+    assert [m.id for m in reply.nodes] == ["a", "b"]
+    assert "declared dead" not in log_of(standby)
+
+
+def test_a_leader_cut_off_from_etcd_steps_down_within_its_lease(pair, etcd):
+    leader, standby = pair
+    etcd.proc.send_signal(signal.SIGSTOP)
+    cut = time.monotonic()
+    try:
+        wait_until(lambda: role(leader) == "standby", "the leader to step down")
+        assert time.monotonic() - cut <= TTL + 1.0  # its lease, and a status call's time
+        assert beat(leader, "z") == {"not_leader": {"leader": None}}
+        assert role(standby) == "standby"  # nobody leads without etcd
+    finally:
+        etcd.proc.send_signal(signal.SIGCONT)
+    wait_until(lambda: "leader" in (role(leader), role(standby)), "a leader again")
+    assert "stepped down as the leader: the lease was not renewed" in log_of(leader)
+
+
+def test_a_deposed_leader_that_was_stopped_never_writes_again(pair, etcd):
+    leader, standby = pair
+    drive(leader)
+    leader.proc.send_signal(signal.SIGSTOP)
+    try:
+        wait_until(lambda: role(standby) == "leader", "the standby to lead")
+    finally:
+        leader.proc.send_signal(signal.SIGCONT)
+    reply = beat(leader, "z")
+    assert set(reply) == {"not_leader"}, reply
+    assert PREFIX + "nodes/z" not in etcd.keys()
+    wait_until(lambda: status(leader)["coordinator"]["leader"] == standby.address,
+               "the old leader to follow the new one")
+    assert role(leader) == "standby"
+    assert "z" not in {n["id"] for n in status(standby)["nodes"]}
+
+
+def test_etcd_refuses_the_write_of_a_leader_whose_key_was_replaced(pair, etcd):
+    """The leader key replaced under a leader whose lease still renews: its next write
+    fails the transaction's compare, it steps down, and etcd holds nothing of it."""
+    leader, standby = pair
+    drive(leader)
+    before = etcd.keys()
+    standby.proc.send_signal(signal.SIGSTOP)  # it would campaign while the key is gone
+    try:
+        etcd.ctl("del", PREFIX + "leader")
+        etcd.ctl("put", PREFIX + "leader", "127.0.0.1:1")
+        assert beat(leader, "z") == {"not_leader": {"leader": None}}
+    finally:
+        standby.proc.send_signal(signal.SIGCONT)
+    after = etcd.keys()
+    assert PREFIX + "nodes/z" not in after
+    assert {k: v for k, v in after.items() if k != PREFIX + "leader"} == {
+        k: v for k, v in before.items() if k != PREFIX + "leader"}
+    assert "etcd refused a write" in log_of(leader)
+    wait_until(lambda: status(leader)["coordinator"]["leader"] == "127.0.0.1:1",
+               "the old leader to name the key's holder")
+
+
+def test_a_malformed_key_is_reported_once_and_never_led_on(tmp_path, etcd):
+    key = PREFIX + "nodes/a"
+    etcd.ctl("put", key, "{not json")
+    written = etcd.keys()[key]
+    c = coordinator(tmp_path, etcd, "c1")
+    c.start()
+    try:
+        wait_until(lambda: "is malformed" in log_of(c), "the malformed key's log line")
+        end = time.monotonic() + 3 * TTL  # three of its tries to lead
+        while time.monotonic() < end:
+            assert role(c) == "standby"
+            assert beat(c, "b") == {"not_leader": {"leader": None}}
+        assert etcd.keys()[key] == written
+        lines = [line for line in log_of(c).splitlines() if "is malformed" in line]
+        assert len(lines) == 1, lines
+        assert f"etcd key {key} is malformed (JSONDecodeError" in lines[0]
+        assert "Traceback" not in log_of(c)
+        etcd.ctl("del", key)
+        wait_until(lambda: role(c) == "leader", "the coordinator to lead")
+    finally:
+        assert c.stop() == 0
+
+
+def test_a_restart_of_every_coordinator_resumes_from_etcd(pair):
+    leader, standby = pair
+    before = drive(leader)
+    assert leader.stop() == 0  # the leader resigns: the standby takes over at once
+    wait_until(lambda: role(standby) == "leader", "the standby to lead")
+    assert standby.stop() == 0
+    for c in (leader, standby):
+        c.start()
+    wait_until(lambda: "leader" in (role(leader), role(standby)), "a leader")
+    now = leader if role(leader) == "leader" else standby
+    after = status(now)
+    assert cycles(after) == cycles(before)
+    assert {n["id"]: n["alive"] for n in after["nodes"]} == {"a": True, "b": True}
+    assert after["version"] == before["version"] + 2  # two takeovers since
