@@ -26,28 +26,42 @@ PREFIX = "/quiver/default/"
 
 
 class Etcd:
-    """A one-member etcd on two free loopback ports, its data in ``base``."""
+    """An etcd member on two free loopback ports, its data in ``base``; alone, or one of
+    the members ``cluster`` names (NAME=PEER_URL, comma-separated)."""
 
-    def __init__(self, base: str) -> None:
+    def __init__(self, base: str, name: str = "ha") -> None:
         self.base = base
+        self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.peer = f"http://127.0.0.1:{free_port()}"
+        self.cluster = f"{name}={self.peer}"
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> None:
-        with open(os.path.join(self.base, "etcd.log"), "ab") as log:
+    def start(self, wait: bool = True) -> None:
+        with open(os.path.join(self.base, f"{self.name}.log"), "ab") as log:
             self.proc = subprocess.Popen(
-                ["etcd", "--name", "ha", "--data-dir", os.path.join(self.base, "etcd"),
+                ["etcd", "--name", self.name,
+                 "--data-dir", os.path.join(self.base, f"{self.name}.etcd"),
                  "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
                  "--listen-peer-urls", self.peer, "--initial-advertise-peer-urls", self.peer,
-                 "--initial-cluster", f"ha={self.peer}"],
+                 "--initial-cluster", self.cluster],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        if wait:
+            self.wait()
+
+    def wait(self) -> None:
         deadline = time.monotonic() + DEADLINE
         while not self._healthy():
             assert self.proc.poll() is None, f"etcd exited with {self.proc.returncode}"
             assert time.monotonic() < deadline, "etcd did not come up"
             time.sleep(0.05)
+
+    def quorum(self) -> bool:
+        """Whether a linearizable read through this member succeeds."""
+        return subprocess.run(["etcdctl", "--endpoints", self.url, "--command-timeout=1s",
+                               "get", "quorum"], capture_output=True,
+                              env={**os.environ, "ETCDCTL_API": "3"}).returncode == 0
 
     def _healthy(self) -> bool:
         try:
@@ -85,12 +99,13 @@ def etcd(tmp_path) -> Iterator[Etcd]:
     e.stop()
 
 
-def coordinator(tmp_path, etcd: Etcd, name: str) -> CoordinatorProcess:
+def coordinator(tmp_path, etcd: Etcd | list[Etcd], name: str) -> CoordinatorProcess:
     secret = tmp_path / "secret"
     secret.write_bytes(SECRET)
+    urls = ",".join(e.url for e in (etcd if isinstance(etcd, list) else [etcd]))
     return CoordinatorProcess(None, str(secret), str(tmp_path / f"{name}.log"),
                               heartbeat_timeout=HEARTBEAT_TIMEOUT,
-                              extra_args=("--etcd", etcd.url, "--lease-ttl", str(TTL)))
+                              extra_args=("--etcd", urls, "--lease-ttl", str(TTL)))
 
 
 @pytest.fixture
@@ -281,3 +296,64 @@ def test_a_restart_of_every_coordinator_resumes_from_etcd(pair):
     assert cycles(after) == cycles(before)
     assert {n["id"]: n["alive"] for n in after["nodes"]} == {"a": True, "b": True}
     assert after["version"] == before["version"] + 2  # two takeovers since
+
+
+@pytest.fixture
+def etcd3(tmp_path) -> Iterator[list[Etcd]]:
+    """A three-member etcd."""
+    members = [Etcd(str(tmp_path), f"m{i}") for i in range(3)]
+    cluster = ",".join(m.cluster for m in members)
+    for m in members:
+        m.cluster = cluster
+        m.start(wait=False)
+    for m in members:
+        m.wait()
+    yield members
+    for m in members:
+        m.stop()
+
+
+def test_a_three_member_etcd_goes_on_without_one_and_stops_takeovers_without_two(
+        tmp_path, etcd3):
+    first, second = coordinator(tmp_path, etcd3, "c1"), coordinator(tmp_path, etcd3, "c2")
+    first.start()
+    second.start()
+    try:
+        wait_until(lambda: "leader" in (role(first), role(second)), "a leader")
+        leader, standby = (first, second) if role(first) == "leader" else (second, first)
+        drive(leader)
+        etcd3[0].proc.kill()
+        etcd3[0].proc.wait()
+        # Two members go on (once they elected a leader among them, if m0 was it): a
+        # write, and a takeover, whichever URL each coordinator tried first.
+        wait_until(lambda: etcd3[1].quorum(), "etcd's two members to have a leader")
+        wait_until(lambda: "leader" in (role(first), role(second)), "a leader")
+        leader, standby = (first, second) if role(first) == "leader" else (second, first)
+        from_wire(beat(leader, "c"), HeartbeatReply)
+        before = status(leader)
+        leader.proc.kill()
+        leader.proc.wait()
+        wait_until(lambda: role(standby) == "leader", "the standby to lead on two members")
+        assert {n["id"] for n in status(standby)["nodes"]} == {"a", "b", "c"}
+        assert cycles(status(standby)) == cycles(before)
+        kept = etcd3[1].keys()
+        etcd3[1].proc.kill()
+        etcd3[1].proc.wait()
+        # No bound here: etcd's leader may grant renewals for its election timeout
+        # before it notices it lost its quorum.
+        wait_until(lambda: role(standby) == "standby", "the leader to step down")
+        assert beat(standby, "z") == {"not_leader": {"leader": None}}
+        assert "stepped down as the leader: the lease was not renewed" in log_of(standby)
+        assert "etcd: " in log_of(standby)
+        for m in etcd3[:2]:  # back to three: the state is as it was, and is led on
+            m.start(wait=False)
+        for m in etcd3[:2]:
+            m.wait()
+        wait_until(lambda: role(standby) == "leader", "the coordinator to lead again")
+        now = etcd3[2].keys()
+        for key in (PREFIX + "leader", PREFIX + "version"):  # a new term, a new version
+            now.pop(key), kept.pop(key)
+        assert now == kept
+    finally:
+        for c in (first, second):
+            c.stop()
