@@ -3,10 +3,12 @@ one leads, the other stands by and takes over with the state; a leader cut off f
 steps down; a deposed leader's writes are refused; a malformed key is never led on."""
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -16,7 +18,9 @@ import pytest
 from quiverfs.bench.processes import CoordinatorProcess, free_port, terminate
 from quiverfs.heartbeat import (DatasetReport, Heartbeat, HeartbeatReply, JobReport,
                                 LoadedShare, from_wire, to_wire)
+from quiverfs.rpc import Unavailable
 from tests.test_cluster import SECRET, rpc_call
+from tests.test_metrics import scrape, value
 
 TTL = 2  # seconds of lease: etcd's own minimum at its default election timeout
 HEARTBEAT_TIMEOUT = 10.0  # no node dies while a test drives its heartbeats by hand
@@ -78,7 +82,6 @@ class Etcd:
 
     def keys(self) -> dict[str, tuple[str, int]]:
         """Every key under the cluster's prefix: (value, mod_revision)."""
-        import base64
         reply = json.loads(self.ctl("get", "--prefix", PREFIX, "-w", "json"))
         return {base64.b64decode(kv["key"]).decode():
                 (base64.b64decode(kv.get("value", "")).decode(errors="replace"),
@@ -99,13 +102,15 @@ def etcd(tmp_path) -> Iterator[Etcd]:
     e.stop()
 
 
-def coordinator(tmp_path, etcd: Etcd | list[Etcd], name: str) -> CoordinatorProcess:
+def coordinator(tmp_path, etcd: Etcd | list[Etcd], name: str,
+                extra_args: tuple[str, ...] = ()) -> CoordinatorProcess:
     secret = tmp_path / "secret"
     secret.write_bytes(SECRET)
     urls = ",".join(e.url for e in (etcd if isinstance(etcd, list) else [etcd]))
     return CoordinatorProcess(None, str(secret), str(tmp_path / f"{name}.log"),
                               heartbeat_timeout=HEARTBEAT_TIMEOUT,
-                              extra_args=("--etcd", urls, "--lease-ttl", str(TTL)))
+                              extra_args=("--etcd", urls, "--lease-ttl", str(TTL),
+                                          *extra_args))
 
 
 @pytest.fixture
@@ -357,3 +362,70 @@ def test_a_three_member_etcd_goes_on_without_one_and_stops_takeovers_without_two
     finally:
         for c in (first, second):
             c.stop()
+
+
+def test_the_metrics_show_the_leader_the_lease_and_the_takeovers(tmp_path, etcd):
+    ports = [free_port(), free_port()]
+    first, second = (coordinator(tmp_path, etcd, f"c{i}", ("--metrics", f"127.0.0.1:{p}"))
+                     for i, p in enumerate(ports))
+    first.start()
+    try:
+        wait_until(lambda: role(first) == "leader", "the first coordinator to lead")
+        second.start()
+        wait_until(lambda: status(second)["coordinator"]["leader"] == first.address,
+                   "the second coordinator to know the leader")
+        drive(first)
+        leading, standing = scrape(ports[0]), scrape(ports[1])
+        assert value(leading, "quiver_coordinator_leader") == 1
+        assert value(leading, "quiver_coordinator_takeovers_total") == 1
+        assert value(leading, "quiver_coordinator_lease_ttl_seconds") == TTL
+        assert value(leading, "quiver_coordinator_last_takeover_timestamp_seconds") > 0
+        assert value(leading, "quiver_coordinator_etcd_writes_total") >= 3  # a, b, cycle
+        assert value(leading, "quiver_coordinator_nodes", state="live") == 2
+        assert value(standing, "quiver_coordinator_leader") == 0
+        assert value(standing, "quiver_coordinator_takeovers_total") == 0
+        assert value(standing, "quiver_coordinator_last_takeover_timestamp_seconds") == 0
+        # a standby exports its role alone, not a state it does not keep
+        assert not any(name == "quiver_coordinator_nodes" for name, _ in standing)
+        first.proc.kill()
+        first.proc.wait()
+        wait_until(lambda: role(second) == "leader", "the standby to lead")
+        took_over = scrape(ports[1])
+        assert value(took_over, "quiver_coordinator_leader") == 1
+        assert value(took_over, "quiver_coordinator_takeovers_total") == 1
+        assert value(took_over, "quiver_coordinator_nodes", state="live") == 2
+    finally:
+        for c in (first, second):
+            c.stop()
+
+
+def test_a_coordinator_takes_etcd_lease_ttl_and_advertise_from_the_config_file(
+        tmp_path, etcd):
+    """The keys docs/cluster.md shows in [coordinator] of /etc/quiver/quiver.toml."""
+    listen = f"127.0.0.1:{free_port()}"
+    secret = tmp_path / "secret"
+    secret.write_bytes(SECRET)
+    cfg = tmp_path / "quiver.toml"
+    cfg.write_text(f'cluster-secret-file = "{secret}"\n[coordinator]\nlisten = "{listen}"\n'
+                   f'advertise = "10.9.8.7:7070"\netcd = "{etcd.url}"\nlease-ttl = 3\n')
+    with open(tmp_path / "c.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "quiverfs.cli", "--config", str(cfg),
+                                 "coordinator"], stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=log)
+    c = CoordinatorProcess(None, str(secret), str(tmp_path / "c.log"),
+                           port=int(listen.rsplit(":", 1)[1]))
+    c.proc = proc
+
+    def leads() -> bool:
+        assert proc.poll() is None, f"the coordinator exited with {proc.returncode}"
+        try:
+            return role(c) == "leader"
+        except Unavailable:  # not listening yet
+            return False
+
+    try:
+        wait_until(leads, "it to lead")
+        assert status(c)["coordinator"]["lease_ttl"] == 3
+        assert etcd.keys()[PREFIX + "leader"][0] == "10.9.8.7:7070"
+    finally:
+        assert c.stop() == 0
