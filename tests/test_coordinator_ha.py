@@ -394,6 +394,10 @@ def test_the_metrics_show_the_leader_the_lease_and_the_takeovers(tmp_path, etcd)
         assert value(took_over, "quiver_coordinator_leader") == 1
         assert value(took_over, "quiver_coordinator_takeovers_total") == 1
         assert value(took_over, "quiver_coordinator_nodes", state="live") == 2
+        # What it loaded is what it would write: only the new membership version goes.
+        wait_until(lambda: value(scrape(ports[1]), "quiver_coordinator_etcd_writes_total")
+                   >= 1, "the new leader's first write")
+        assert value(scrape(ports[1]), "quiver_coordinator_etcd_keys_written_total") == 1
     finally:
         for c in (first, second):
             c.stop()
