@@ -103,12 +103,13 @@ def etcd(tmp_path) -> Iterator[Etcd]:
 
 
 def coordinator(tmp_path, etcd: Etcd | list[Etcd], name: str,
-                extra_args: tuple[str, ...] = ()) -> CoordinatorProcess:
+                extra_args: tuple[str, ...] = (),
+                heartbeat_timeout: float = HEARTBEAT_TIMEOUT) -> CoordinatorProcess:
     secret = tmp_path / "secret"
     secret.write_bytes(SECRET)
     urls = ",".join(e.url for e in (etcd if isinstance(etcd, list) else [etcd]))
     return CoordinatorProcess(None, str(secret), str(tmp_path / f"{name}.log"),
-                              heartbeat_timeout=HEARTBEAT_TIMEOUT,
+                              heartbeat_timeout=heartbeat_timeout,
                               extra_args=("--etcd", urls, "--lease-ttl", str(TTL),
                                           *extra_args))
 
@@ -148,11 +149,15 @@ def role(c: CoordinatorProcess) -> str:
     return status(c)["coordinator"]["role"]
 
 
-def beat(c: CoordinatorProcess, node: str, loaded: tuple[LoadedShare, ...] = ()) -> dict:
-    """One heartbeat from ``node`` (a job on dataset "ident") over RPC: the raw reply."""
-    job = JobReport(id=f"{node}-job", gen=0, gpus=1, remaining=(5,) * CHUNKS, probe_seq=0)
+def beat(c: CoordinatorProcess, node: str, loaded: tuple[LoadedShare, ...] = (),
+         jobs: int = 1) -> dict:
+    """One heartbeat from ``node`` (``jobs`` jobs on dataset "ident") over RPC: the raw
+    reply."""
     report = DatasetReport(name="ds", chunks=CHUNKS, size=4000, chunk_bytes=500,
-                           loaded=loaded, jobs=(job,))
+                           loaded=loaded, jobs=tuple(
+                               JobReport(id=f"{node}-job{i}", gen=0, gpus=1,
+                                         remaining=(5,) * CHUNKS, probe_seq=0)
+                               for i in range(jobs)))
     return rpc_call(port(c), SECRET, "heartbeat", to_wire(Heartbeat(
         node, f"127.0.0.1:{9000 + len(node)}", 1500, {"ident": report})))
 
@@ -431,5 +436,33 @@ def test_a_coordinator_takes_etcd_lease_ttl_and_advertise_from_the_config_file(
         wait_until(leads, "it to lead")
         assert status(c)["coordinator"]["lease_ttl"] == 3
         assert etcd.keys()[PREFIX + "leader"][0] == "10.9.8.7:7070"
+    finally:
+        assert c.stop() == 0
+
+
+def test_steady_heartbeats_of_three_nodes_and_six_jobs_write_nothing(tmp_path, etcd):
+    """Live nodes beating with nothing new to report change no record: a node's silence
+    is saved as 0 within a heartbeat timeout, so its key is not rewritten each time the
+    state is compared with etcd (twice a heartbeat timeout)."""
+    metrics = free_port()
+    c = coordinator(tmp_path, etcd, "c1", ("--metrics", f"127.0.0.1:{metrics}"),
+                    heartbeat_timeout=2.0)
+    c.start()
+    try:
+        wait_until(lambda: role(c) == "leader", "it to lead")
+        for node in ("a", "b", "c"):
+            beat(c, node, jobs=2)
+        written = value(scrape(metrics), "quiver_coordinator_etcd_keys_written_total")
+        revisions = etcd.keys()
+        end = time.monotonic() + 6.0  # three heartbeat timeouts of beats every 0.5 s
+        while time.monotonic() < end:
+            for node in ("a", "b", "c"):
+                beat(c, node, jobs=2)
+            time.sleep(0.5)  # the nodes' own heartbeat interval, the test's stimulus
+        assert value(scrape(metrics), "quiver_coordinator_etcd_keys_written_total") == written
+        assert etcd.keys() == revisions
+        assert {n["id"]: n["alive"] for n in status(c)["nodes"]} == {
+            "a": True, "b": True, "c": True}
+        assert len(status(c)["datasets"][0]["jobs"]) == 6
     finally:
         assert c.stop() == 0
