@@ -12,6 +12,7 @@ live when restored (it gets a full timeout) while a dead one stays dead.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from typing import Any
 
@@ -22,7 +23,12 @@ from coordinator.state_store import Saved
 
 TIMELINE_KEEP = 200  # chunk-state events kept per dataset (what ``status`` shows)
 MAX_OPS = 100  # keys per transaction: etcd refuses more than 128 by default
+# Bytes of values per transaction, and of one record: etcd refuses a request over 1.5 MiB
+# by default (--max-request-bytes), and a refused record must not hold back the others.
+MAX_BYTES = 1 << 20
 RESTORE_ERRORS = (KeyError, TypeError, ValueError, IndexError, AttributeError)
+
+log = logging.getLogger(__name__)
 
 
 class MalformedKey(Exception):
@@ -46,6 +52,7 @@ class EtcdState:
         self.written: dict[str, bytes] = {}  # key -> value, as etcd holds it
         self.transactions = 0  # writes that etcd applied
         self.keys_written = 0  # keys put or deleted by them
+        self._oversize: set[str] = set()  # records too large for etcd, logged once each
 
     def fetch(self) -> list[KeyValue]:
         """Every key under the prefix (blocking)."""
@@ -87,9 +94,19 @@ class EtcdState:
             records[f"{self.root}nodes/{n.id}"] = _encode(state_store.node_record(
                 n, self._rounded(now - n.last_seen)))
         for d in state.datasets.values():
-            records[f"{self.root}datasets/{d.identity}"] = _encode(
-                state_store.dataset_record(d, self._rounded(now - d.last_reported),
-                                           TIMELINE_KEEP))
+            key = f"{self.root}datasets/{d.identity}"
+            record = _encode(state_store.dataset_record(
+                d, self._rounded(now - d.last_reported), TIMELINE_KEEP))
+            if len(record) <= MAX_BYTES:
+                records[key] = record
+                self._oversize.discard(key)
+            elif key not in self._oversize:
+                # Not saved, and an older record deleted: a new leader starts this
+                # cycle afresh rather than going back to where it once was.
+                self._oversize.add(key)
+                log.warning("dataset %s: its state (%d bytes, %d chunks) is over %d bytes: "
+                            "not kept in etcd, a new leader starts its chunk cycle afresh",
+                            d.name, len(record), d.cycle.n_chunks, MAX_BYTES)
         puts = {k: v for k, v in records.items() if self.written.get(k) != v}
         return puts, [k for k in self.written if k not in records]
 
@@ -98,8 +115,7 @@ class EtcdState:
         False where the fence no longer holds: nothing more is written. Raises
         EtcdUnavailable."""
         ops: list[tuple[str, bytes | None]] = [*puts.items(), *((k, None) for k in deletes)]
-        for start in range(0, len(ops), MAX_OPS):
-            batch = ops[start:start + MAX_OPS]
+        for batch in _batches(ops):
             if not self.client.fenced(fence, {k: v for k, v in batch if v is not None},
                                       [k for k, v in batch if v is None]):
                 return False
@@ -116,6 +132,20 @@ class EtcdState:
         """A silence as saved: 0 within a heartbeat timeout, else whole timeouts up."""
         timeout = self.heartbeat_timeout
         return 0.0 if silence <= timeout else math.ceil(silence / timeout) * timeout
+
+
+def _batches(ops: list[tuple[str, bytes | None]]) -> list[list[tuple[str, bytes | None]]]:
+    """``ops`` cut into transactions of at most MAX_OPS keys and about MAX_BYTES."""
+    batches: list[list[tuple[str, bytes | None]]] = [[]]
+    size = 0
+    for key, value in ops:
+        n = len(key) + len(value or b"")
+        if batches[-1] and (len(batches[-1]) == MAX_OPS or size + n > MAX_BYTES):
+            batches.append([])
+            size = 0
+        batches[-1].append((key, value))
+        size += n
+    return batches
 
 
 def _encode(record: dict[str, Any]) -> bytes:

@@ -466,3 +466,25 @@ def test_steady_heartbeats_of_three_nodes_and_six_jobs_write_nothing(tmp_path, e
         assert len(status(c)["datasets"][0]["jobs"]) == 6
     finally:
         assert c.stop() == 0
+
+
+def test_a_dataset_too_large_for_etcd_is_left_out_and_holds_back_no_other(pair, etcd):
+    """A dataset whose record is over etcd's request limit (a huge digest planned into
+    300,000 chunks) is logged once and not kept in etcd; the heartbeat is answered and
+    the other records are written."""
+    leader, _ = pair
+    chunks = 300_000
+    big = DatasetReport(name="big", chunks=chunks, size=chunks * 500, chunk_bytes=500,
+                        jobs=(JobReport(id="a-big", gen=0, gpus=1, remaining=(5,) * chunks,
+                                        probe_seq=0),))
+    small = DatasetReport(name="ds", chunks=CHUNKS, size=4000, chunk_bytes=500, jobs=(
+        JobReport(id="a-job", gen=0, gpus=1, remaining=(5,) * CHUNKS, probe_seq=0),))
+    for _ in range(2):
+        reply = rpc_call(port(leader), SECRET, "heartbeat", to_wire(Heartbeat(
+            "a", "127.0.0.1:9001", 1500, {"ident": small, "bigident": big})))
+        assert set(from_wire(reply, HeartbeatReply).cycles) == {"ident", "bigident"}
+    keys = etcd.keys()
+    assert PREFIX + "datasets/ident" in keys and PREFIX + "nodes/a" in keys
+    assert PREFIX + "datasets/bigident" not in keys
+    lines = [line for line in log_of(leader).splitlines() if "dataset big: its state" in line]
+    assert len(lines) == 1, lines
