@@ -4,7 +4,9 @@
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
-APT_PACKAGES := fuse3 libfuse3-dev pkg-config gcc patch rclone systemd python3-dev
+# etcd-server and etcd-client: tests/test_coordinator_ha.py starts a real etcd on loopback.
+APT_PACKAGES := fuse3 libfuse3-dev pkg-config gcc patch rclone systemd python3-dev \
+  etcd-server etcd-client
 PYTEST_ARGS ?=
 
 .PHONY: all deps apt native sanitize demo test bench clean

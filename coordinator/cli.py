@@ -3,13 +3,24 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+from typing import TYPE_CHECKING
 
+from coordinator.etcd_client import EtcdEndpoints
 from coordinator.state import (FORGET_AFTER, FORGET_DATASETS_AFTER, HEARTBEAT_TIMEOUT,
                                REPROBE_AFTER)
 from quiverfs.cycle_cli import add_cycle_options
 from quiverfs.errors import ExitCode, QuietError
-from quiverfs.option_types import Address, ByteSize, FloatAtLeast
+from quiverfs.option_types import Address, ByteSize, FloatAtLeast, IntAtLeast
 from quiverfs.peer_network import PeerNetworks
+
+if TYPE_CHECKING:
+    from coordinator.leadership import Leadership
+    from coordinator.server import CoordinatorServer
+    from coordinator.state import CoordinatorState
+
+LEASE_TTL = 5  # seconds a leader leads on without renewing its lease in etcd
+PREFIX = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # an --etcd-prefix, in full
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -18,7 +29,22 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                        "and their chunk cycles; mountd nodes join with --coordinator.")
     p.add_argument("--listen", required=True, metavar="HOST:PORT", type=Address("--listen"),
                    help="where to listen")
-    p.add_argument("--state-dir", required=True, help="where state is persisted")
+    p.add_argument("--state-dir", help="where state is persisted (one coordinator; "
+                   "or --etcd)")
+    p.add_argument("--etcd", metavar="URL[,URL...]", type=EtcdEndpoints("--etcd"),
+                   help="keep the state in etcd at these client URLs (http://HOST:PORT, "
+                   "comma-separated) instead of --state-dir: several coordinators share "
+                   "it, one leads and the others stand by")
+    p.add_argument("--etcd-prefix", default="default", metavar="NAME",
+                   help="the cluster's keys in etcd are /quiver/NAME/... "
+                   "(default %(default)s)")
+    p.add_argument("--lease-ttl", default=LEASE_TTL, metavar="SECONDS",
+                   type=IntAtLeast("--lease-ttl", 1),
+                   help="with --etcd: seconds a leader that cannot renew its lease leads on, "
+                   "and a standby waits for a lost leader (default %(default)s)")
+    p.add_argument("--advertise", metavar="HOST:PORT", type=Address("--advertise", True),
+                   help="with --etcd: the address nodes reach this coordinator at, which a "
+                   "standby names as the leader's (default: the --listen address)")
     p.add_argument("--cluster-secret-file", help="shared secret of the cluster (or "
                    "$QUIVER_CLUSTER_SECRET); at least 16 bytes")
     p.add_argument("--heartbeat-timeout", default=HEARTBEAT_TIMEOUT,
@@ -67,20 +93,51 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         raise QuietError(f"--forget-after must be at least --heartbeat-timeout "
                          f"({args.heartbeat_timeout:g}), not {args.forget_after:g}",
                          ExitCode.USAGE)
+    if (args.state_dir is None) == (args.etcd is None):
+        raise QuietError("give --state-dir (one coordinator) or --etcd (several sharing "
+                         "etcd, one leading), not both or neither", ExitCode.USAGE)
+    if args.etcd is not None and not PREFIX.fullmatch(args.etcd_prefix):
+        raise QuietError(f"--etcd-prefix {args.etcd_prefix!r} is not valid: give letters, "
+                         "digits, '.', '_' and '-' (at most 64)", ExitCode.USAGE)
     secret = load_secret(args.cluster_secret_file)
     state = CoordinatorState(
-        os.path.abspath(args.state_dir), args.heartbeat_timeout, args.force_evict_after,
-        budget=args.cache_budget, probe_batches=args.probe_batches,
+        args.state_dir and os.path.abspath(args.state_dir), args.heartbeat_timeout,
+        args.force_evict_after, budget=args.cache_budget, probe_batches=args.probe_batches,
         reprobe_after=args.reprobe_after, forget_after=args.forget_after,
         forget_datasets_after=args.forget_datasets_after)
-    try:
-        state.save()  # an unwritable state directory fails now, not at the first join
-    except OSError as exc:
-        raise QuietError(f"cannot write coordinator state in {args.state_dir}: "
-                         f"{exc.strerror}", ExitCode.PERMISSION) from None
-    metrics = (MetricsServer(args.metrics, CoordinatorCollector(state))
-               if args.metrics else None)
+    if args.state_dir is not None:
+        try:
+            state.save()  # an unwritable state directory fails now, not at the first join
+        except OSError as exc:
+            raise QuietError(f"cannot write coordinator state in {args.state_dir}: "
+                             f"{exc.strerror}", ExitCode.PERMISSION) from None
     raise_open_file_limit()
-    server = CoordinatorServer(state, secret, args.listen, metrics, args.peer_network or ())
+    server = CoordinatorServer(state, secret, args.listen, None, args.peer_network or ())
+    if args.etcd is not None:
+        server.leadership = _leadership(args, state, server)
+    if args.metrics:
+        server.metrics = MetricsServer(args.metrics,
+                                       CoordinatorCollector(state, server.leadership))
     trio.run(server.serve)
     return ExitCode.OK
+
+
+def _leadership(args: argparse.Namespace, state: CoordinatorState,
+                server: CoordinatorServer) -> Leadership:
+    """The leader election and the state's keys in etcd, for ``server``."""
+    from coordinator.etcd_client import EtcdClient
+    from coordinator.etcd_store import EtcdState
+    from coordinator.leadership import RENEWS_PER_TTL, Leadership
+
+    if args.advertise is not None:
+        advertise = "%s:%d" % args.advertise
+    elif args.listen[0] in ("0.0.0.0", "::", ""):
+        raise QuietError(f"--listen {server.address} is no address a node can reach: "
+                         "give --advertise HOST:PORT", ExitCode.USAGE)
+    else:
+        advertise = server.address
+    # A call to etcd gives up within a renewal period: the leader tries again in time.
+    timeout = args.lease_ttl / RENEWS_PER_TTL
+    store = EtcdState(EtcdClient(args.etcd, timeout), args.etcd_prefix, args.heartbeat_timeout)
+    return Leadership(state, store, EtcdClient(args.etcd, timeout), advertise,
+                      args.lease_ttl, admit=server.admit)

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from coordinator.leadership import Leadership
 from coordinator.state import CoordinatorState
 from quiverfs.chunk_cycle import ChunkState
 from quiverfs.metrics_server import LoopUnavailable, TrioLoop
@@ -23,8 +24,10 @@ MODES = ("coop", "full", "none")
 class CoordinatorCollector:
     """Metric families read from the coordinator's state at scrape time, on its loop."""
 
-    def __init__(self, state: CoordinatorState, loop: TrioLoop | None = None) -> None:
+    def __init__(self, state: CoordinatorState, leadership: Leadership | None = None,
+                 loop: TrioLoop | None = None) -> None:
         self.state = state
+        self.leadership = leadership  # with --etcd
         self.loop = loop or TrioLoop()
 
     def collect(self) -> Iterator[Metric]:
@@ -34,7 +37,41 @@ class CoordinatorCollector:
             log.warning("metrics: %s: exporting no coordinator numbers", exc)
 
     def _families(self) -> list[Metric]:
-        """Every family, built at one moment (runs on the loop)."""
+        """Every family, built at one moment (runs on the loop): a standby's are its
+        role's alone."""
+        role = self._role()
+        if self.leadership is not None and not self.leadership.leading():
+            return role
+        return role + self._state()
+
+    def _role(self) -> list[Metric]:
+        """Whether this coordinator leads, its lease, its takeovers, its etcd writes."""
+        lead = self.leadership
+        leader = GaugeMetricFamily("quiver_coordinator_leader", "1 while this coordinator "
+                                   "leads, 0 while it stands by")
+        leader.add_metric([], 1.0 if lead is None or lead.leading() else 0.0)
+        if lead is None:
+            return [leader]
+        ttl = GaugeMetricFamily("quiver_coordinator_lease_ttl_seconds", "The TTL of the "
+                                "leader's lease in etcd")
+        ttl.add_metric([], lead.ttl)
+        takeovers = CounterMetricFamily("quiver_coordinator_takeovers", "Times this "
+                                        "coordinator became the leader")
+        takeovers.add_metric([], lead.takeovers)
+        last = GaugeMetricFamily("quiver_coordinator_last_takeover_timestamp_seconds",
+                                 "Wall-clock time this coordinator last became the leader "
+                                 "(0: never)")
+        last.add_metric([], lead.last_takeover or 0.0)
+        writes = CounterMetricFamily("quiver_coordinator_etcd_writes", "State transactions "
+                                     "etcd applied for this coordinator")
+        writes.add_metric([], lead.store.transactions)
+        keys = CounterMetricFamily("quiver_coordinator_etcd_keys_written", "Keys put or "
+                                   "deleted by those transactions")
+        keys.add_metric([], lead.store.keys_written)
+        return [leader, ttl, takeovers, last, writes, keys]
+
+    def _state(self) -> list[Metric]:
+        """The state's families."""
         state, now = self.state, self.state.now()
         live = {n.id for n in state.live(now)}
         nodes = GaugeMetricFamily("quiver_coordinator_nodes", "Members, live or dead",

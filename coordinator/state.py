@@ -39,9 +39,10 @@ FORGET_DATASETS_AFTER = 86400.0  # seconds no node reports a dataset before it i
 
 
 class CoordinatorState:
-    """Membership, datasets and chunk cycles; persisted in ``state_dir``."""
+    """Membership, datasets and chunk cycles; persisted in ``state_dir``, or by its owner
+    where that is None (``coordinator.etcd_store``)."""
 
-    def __init__(self, state_dir: str, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+    def __init__(self, state_dir: str | None, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
                  force_after: float = FORCE_EVICT_AFTER, budget: int | None = None,
                  probe_batches: int = PROBE_BATCHES, reprobe_after: float = REPROBE_AFTER,
                  forget_after: float | None = None,
@@ -65,17 +66,19 @@ class CoordinatorState:
         self.version = 0  # bumped when membership changes
         self._alive: set[str] = set()
         self._saved_at = 0.0  # the clock's reading at the last snapshot
-        self.store = state_store.StateStore(state_dir)
-        self.dirty = False  # changed since ``changes()`` last gave the state to save
-        self._load()
+        self.dirty = False  # changed since ``pending()`` last gave the state to save
+        self.store = None if state_dir is None else state_store.StateStore(state_dir)
+        if self.store is not None:
+            saved = self.store.load(self.force_after, self.now())
+            if saved is not None:
+                self.resume(saved)
 
     # -- persistence (the file is coordinator.state_store's) --------------------------
-    def _load(self) -> None:
+    def resume(self, saved: state_store.Saved) -> None:
+        """Go on from ``saved`` (restored at ``now()``): at a start, or when a standby
+        takes over; the membership version moves past the saved one."""
         now = self.now()
-        saved = self.store.load(self.force_after, now)
-        if saved is None:
-            return
-        self.nodes, self.datasets = saved.nodes, saved.datasets
+        self.nodes, self.datasets, self.bandwidth = saved.nodes, saved.datasets, {}
         self.version = saved.version + 1
         log.info("resumed: %d nodes, %d datasets", len(self.nodes), len(self.datasets))
         self.forget(now)
@@ -88,13 +91,18 @@ class CoordinatorState:
         return state_store.encode(self.version, self.nodes.values(), self.datasets.values(),
                                   now)
 
+    def pending(self) -> bool:
+        """Whether the state changed since the last call (which the caller then saves)."""
+        if not self.dirty:
+            return False
+        self.dirty = False
+        self._saved_at = self.now()
+        return True
+
     def changes(self) -> bytes | None:
         """The state file's contents if the state changed since the last call: the
         caller writes them with ``write``, off the event loop (it fsyncs)."""
-        if not self.dirty:
-            return None
-        self.dirty = False
-        return self.snapshot()
+        return self.snapshot() if self.pending() else None
 
     def save(self) -> None:
         """Write the state file now (atomically); raises OSError or QuietError."""

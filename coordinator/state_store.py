@@ -102,43 +102,65 @@ def encode(version: int, nodes: Iterable[Node], datasets: Iterable[DatasetState]
     """The state file's contents for this membership version, nodes and datasets, their
     silences as of ``now`` (on the RunClock)."""
     data = {"version": version,
-            "nodes": [{"id": n.id, "peer": n.peer, "capacity": n.capacity,
-                       "silent_s": max(now - n.last_seen, 0.0)}
-                      for n in nodes],
-            "datasets": [{"identity": d.identity, "name": d.name,
-                          "unreported_s": max(now - d.last_reported, 0.0),
-                          "cycle": d.cycle.snapshot(),
-                          "loaders": {str(c): n for c, n in d.loaders.items()},
-                          "done": {str(c): sorted(n) for c, n in d.done.items()},
-                          "mode": d.mode.value,
-                          "timeline": d.cycle.timeline[-TIMELINE_KEEP:]}
+            "nodes": [node_record(n, max(now - n.last_seen, 0.0)) for n in nodes],
+            "datasets": [dataset_record(d, max(now - d.last_reported, 0.0), TIMELINE_KEEP)
                          for d in datasets]}
     return json.dumps(data).encode()
+
+
+def node_record(n: Node, silent_s: float) -> dict[str, Any]:
+    """One node's JSON record, silent for ``silent_s`` seconds."""
+    return {"id": n.id, "peer": n.peer, "capacity": n.capacity, "silent_s": silent_s}
+
+
+def dataset_record(d: DatasetState, unreported_s: float, timeline_keep: int
+                   ) -> dict[str, Any]:
+    """One dataset's JSON record, unreported for ``unreported_s`` seconds, with the last
+    ``timeline_keep`` events of its cycle."""
+    return {"identity": d.identity, "name": d.name, "unreported_s": unreported_s,
+            "cycle": d.cycle.snapshot(),
+            "loaders": {str(c): n for c, n in d.loaders.items()},
+            "done": {str(c): sorted(n) for c, n in d.done.items()},
+            "mode": d.mode.value,
+            "timeline": d.cycle.timeline[-timeline_keep:]}
 
 
 def _restore(data: dict, force_after: float, now: float) -> Saved:
     """What the file's JSON ``data`` holds; KeyError, TypeError, ValueError... where it
     is not the shape this writes."""
-    nodes: dict[str, Node] = {}
-    datasets: dict[str, DatasetState] = {}
     silences = _silences(data["nodes"])
-    for n in data["nodes"]:
-        nodes[n["id"]] = Node(n["id"], n["peer"], n["capacity"], now - silences[n["id"]])
-    for d in data["datasets"]:
-        cycle = ChunkCycle.restore(d["cycle"], force_after)
-        cycle.timeline = [tuple(e) for e in d.get("timeline", [])]
-        loaders, done = d["loaders"], d["done"]
-        if isinstance(loaders, list):  # written by a two-chunk cycle: its one load
-            loaders = {str(c): loaders for c in cycle.loading}
-            done = {str(c): done for c in cycle.loading}
-        # Written before datasets were forgotten: its time counts from this start.
-        unreported = _seconds(d.get("unreported_s", 0.0), f"dataset {d['identity']}")
-        datasets[d["identity"]] = DatasetState(
-            d["identity"], d["name"], cycle,
-            {int(c): list(n) for c, n in loaders.items() if int(c) in cycle.loading},
-            {int(c): set(n) for c, n in done.items() if int(c) in cycle.loading},
-            mode=CacheMode(d.get("mode", CacheMode.COOP)), last_reported=now - unreported)
+    nodes = {n["id"]: restore_node(n, silences[n["id"]], now) for n in data["nodes"]}
+    datasets = {d["identity"]: restore_dataset(d, force_after, now)
+                for d in data["datasets"]}
     return Saved(int(data.get("version", 0)), nodes, datasets)
+
+
+def restore_node(n: dict, silent_s: float, now: float) -> Node:
+    """The node of record ``n``, silent for ``silent_s`` seconds at ``now``; TypeError
+    where its fields are not what ``node_record`` writes."""
+    if not (isinstance(n["id"], str) and isinstance(n["peer"], str)
+            and isinstance(n["capacity"], int) and not isinstance(n["capacity"], bool)):
+        raise TypeError("a node record's id, peer or capacity is of the wrong type")
+    return Node(n["id"], n["peer"], n["capacity"], now - silent_s)
+
+
+def restore_dataset(d: dict, force_after: float, now: float) -> DatasetState:
+    """The dataset of record ``d``, its cycle forcing evictions after ``force_after``
+    seconds, its silence ending at ``now``; KeyError, TypeError, ValueError... where
+    it is not the shape ``dataset_record`` writes."""
+    cycle = ChunkCycle.restore(d["cycle"], force_after)
+    cycle.timeline = [tuple(e) for e in d.get("timeline", [])]
+    loaders, done = d["loaders"], d["done"]
+    if isinstance(loaders, list):  # written by a two-chunk cycle: its one load
+        loaders = {str(c): loaders for c in cycle.loading}
+        done = {str(c): done for c in cycle.loading}
+    # Written before datasets were forgotten: its time counts from this start.
+    unreported = saved_silence(d.get("unreported_s", 0.0), f"dataset {d['identity']}")
+    return DatasetState(
+        d["identity"], d["name"], cycle,
+        {int(c): list(n) for c, n in loaders.items() if int(c) in cycle.loading},
+        {int(c): set(n) for c, n in done.items() if int(c) in cycle.loading},
+        mode=CacheMode(d.get("mode", CacheMode.COOP)), last_reported=now - unreported)
 
 
 def _silences(nodes: list[dict]) -> dict[str, float]:
@@ -148,7 +170,7 @@ def _silences(nodes: list[dict]) -> dict[str, float]:
     an infinite silence: never heard from (a live node joins again with its next
     heartbeat)."""
     if all("silent_s" in n for n in nodes):
-        return {n["id"]: _seconds(n["silent_s"], f"node {n['id']}") for n in nodes}
+        return {n["id"]: saved_silence(n["silent_s"], f"node {n['id']}") for n in nodes}
     seen = {n["id"]: float(n.get("last_seen", -math.inf)) for n in nodes}
     if any(math.isnan(t) or t == math.inf for t in seen.values()):
         raise ValueError("a node's last_seen is not a time")
@@ -156,7 +178,7 @@ def _silences(nodes: list[dict]) -> dict[str, float]:
     return {node: latest - t if math.isfinite(t) else math.inf for node, t in seen.items()}
 
 
-def _seconds(value: Any, what: str) -> float:
+def saved_silence(value: Any, what: str) -> float:
     """A saved silence: finite, at least 0; else ValueError (TypeError) naming ``what``."""
     seconds = float(value)
     if not math.isfinite(seconds) or seconds < 0:

@@ -100,6 +100,41 @@ def test_coordinator_state_dir_under_a_file(quiver, tmp_path, secret: str) -> No
     assert_error(r, ExitCode.PERMISSION, "cannot create state directory", "Not a directory")
 
 
+@pytest.mark.parametrize("args, words", [
+    ((), ("give --state-dir (one coordinator) or --etcd",)),
+    (("--state-dir", "STATE", "--etcd", "http://127.0.0.1:2379"), ("not both or neither",)),
+    (("--etcd", "https://127.0.0.1:2379"), ("invalid --etcd URL 'https://127.0.0.1:2379'",
+                                            "https is not supported yet")),
+    (("--etcd", "http://127.0.0.1:2379,127.0.0.1:2380"), ("invalid --etcd URL",)),
+    (("--etcd", "http://127.0.0.1"), ("invalid --etcd URL 'http://127.0.0.1'",)),
+    (("--etcd", "http://127.0.0.1:2379", "--etcd-prefix", "a/b"),
+     ("--etcd-prefix 'a/b' is not valid",)),
+    (("--etcd", "http://127.0.0.1:2379", "--lease-ttl", "0"),
+     ("--lease-ttl must be at least 1, not 0",)),
+    (("--etcd", "http://127.0.0.1:2379", "--advertise", "127.0.0.1:0"),
+     ("--advertise port must be at least 1",)),
+])
+def test_coordinator_state_options(quiver, tmp_path, secret: str, args: tuple[str, ...],
+                                   words: tuple[str, ...]) -> None:
+    args = tuple(str(tmp_path / "state") if a == "STATE" else a for a in args)
+    r = quiver("coordinator", "--listen", "127.0.0.1:0", *args)
+    assert_error(r, ExitCode.USAGE, *words)
+
+
+def test_coordinator_with_etcd_on_a_wildcard_address_needs_advertise(
+        quiver, tmp_path, secret: str) -> None:
+    r = quiver("coordinator", "--listen", "0.0.0.0:0", "--etcd", "http://127.0.0.1:2379")
+    assert_error(r, ExitCode.USAGE, "is no address a node can reach",
+                 "give --advertise HOST:PORT")
+
+
+def test_coordinator_etcd_url_in_the_config_file(quiver, tmp_path, secret: str) -> None:
+    cfg = tmp_path / "quiver.toml"
+    cfg.write_text('[coordinator]\netcd = "https://10.0.0.1:2379"\n')
+    r = quiver("--config", str(cfg), "coordinator", "--listen", "127.0.0.1:0")
+    assert_error(r, ExitCode.CONFIG, str(cfg), "etcd", "https is not supported yet")
+
+
 def test_coordinator_unwritable_state_dir(quiver, tmp_path, secret: str,
                                           unprivileged: tuple[str, ...]) -> None:
     state = tmp_path / "state"

@@ -161,7 +161,7 @@ def running_mountd(workdir: str, cache_size: str = "1G", name: str = "node",
 class CoordinatorProcess:
     """A ``quiver coordinator`` child process on a free loopback port."""
 
-    def __init__(self, state_dir: str, secret_file: str, log_path: str,
+    def __init__(self, state_dir: str | None, secret_file: str, log_path: str,
                  heartbeat_timeout: float = 2.0, force_evict_after: float = 30.0,
                  port: int = 0, extra_args: tuple[str, ...] = ()) -> None:
         self.state_dir = state_dir
@@ -175,8 +175,9 @@ class CoordinatorProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
+        state = ("--state-dir", self.state_dir) if self.state_dir is not None else ()
         argv = [sys.executable, "-m", "quiverfs.cli", "coordinator", "--listen", self.address,
-                "--state-dir", self.state_dir, "--cluster-secret-file", self.secret_file,
+                *state, "--cluster-secret-file", self.secret_file,
                 "--heartbeat-timeout", str(self.heartbeat_timeout),
                 "--force-evict-after", str(self.force_evict_after), *self.extra_args]
         with open(self.log_path, "ab") as log:
