@@ -10,7 +10,7 @@ import trio
 from coordinator.etcd_client import EtcdUnavailable
 from coordinator.leadership import Leadership, NotLeader
 from coordinator.state import CoordinatorState
-from quiverfs import sd_notify
+from quiverfs import heartbeat, sd_notify
 from quiverfs.heartbeat import Heartbeat, from_wire, to_wire
 from quiverfs.metrics_server import MetricsServer
 from quiverfs.peer_network import Networks, peer_refusal
@@ -68,7 +68,8 @@ class CoordinatorServer:
 
     def _not_leader(self) -> dict[str, Any]:
         """A standby's answer to a heartbeat: who leads (None where it knows of none)."""
-        return {"not_leader": {"leader": self.leadership and self.leadership.known_leader()}}
+        leader = self.leadership.known_leader() if self.leadership is not None else None
+        return to_wire(heartbeat.NotLeader(heartbeat.Leader(leader)))
 
     async def _tick(self) -> None:
         """Read the state's clock every ``tick`` seconds, so that a longer gap is time
