@@ -559,7 +559,8 @@ def test_a_restarted_control_mount_is_refused_as_a_datasets_source(shared_workdi
     device = mount_device(control)
     holder = os.path.join(shared_workdir, "holder")
     os.mkdir(holder)
-    found = subprocess.run(["pgrep", "-f", "mountd.fs.control_mount_process"],
+    # this mountd's child only: other mountds on the machine keep theirs
+    found = subprocess.run(["pgrep", "-f", f"mountd.fs.control_mount_process .* {control}$"],
                            capture_output=True, text=True, check=True)
     for pid in found.stdout.split():
         os.kill(int(pid), 9)
