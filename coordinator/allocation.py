@@ -25,6 +25,16 @@ datasets whose jobs hide their I/O: in full where they fit, else in two chunks w
 several jobs share them (their cooperative misses read each item once for all of them).
 Finally the budget no mode uses deepens the cooperative datasets' chunk pipelines
 (``resident_chunks``), in proportion to G, those worth caching first.
+
+Either way, decisions start from a prior. A dataset with a job not measured yet, and
+none known to hide its misses, is cached whole where it fits in its share, as LRU would
+in effect hold it: its jobs read at hit speed from their second epoch instead of from
+chunks while their probes run. Its share is the budget less what the allocation gives
+the datasets worth caching that gain more (by G, then the smaller first); the datasets
+after it are allotted what it leaves. Measurements move the decision from there: a job
+that hides its misses takes its dataset out of the prior (a probe of a dataset held
+whole measures its cold epoch's batches, ``mountd.jobs.probing``), and the space goes
+where it gains. Where no dataset fits its share, the allocation is as without a prior.
 """
 from __future__ import annotations
 
@@ -88,14 +98,44 @@ class DatasetDemand:
     def worth_caching(self) -> bool:
         return any(j.benefit is None or j.benefit >= NO_BENEFIT for j in self.jobs)
 
+    @property
+    def unproven(self) -> bool:
+        """Whether a job of it is not measured yet and none is known to hide its misses:
+        the prior caches it whole where it fits its share (the module docstring)."""
+        benefits = [j.benefit for j in self.jobs]
+        return None in benefits and all(b is None or b >= NO_BENEFIT for b in benefits)
+
 
 def allocate(demands: list[DatasetDemand], budget: int, bandwidth: float | None = None
              ) -> dict[str, CacheMode]:
     """identity -> the dataset's CacheMode, within ``budget`` bytes: by the model where
-    the bucket's ``bandwidth`` (bytes per second) is known, else by the probes alone."""
-    if bandwidth is None or bandwidth <= 0:
-        return _by_probes(demands, budget)
-    return dict(_search(tuple(demands), budget, float(f"{bandwidth:.2g}")))
+    the bucket's ``bandwidth`` (bytes per second) is known, else by the probes alone,
+    from the prior (the module docstring)."""
+    rate = None if bandwidth is None or bandwidth <= 0 else float(f"{bandwidth:.2g}")
+    modes = _decide(demands, budget, rate, {})
+    ranked = sorted((d for d in demands if d.jobs and d.worth_caching),
+                    key=lambda d: (-d.gain, d.size, d.identity))
+    held: dict[str, CacheMode] = {}  # the modes of the datasets ranked so far
+    for d in ranked:
+        share = budget - sum(_cost(e, held[e.identity]) for e in ranked if e.identity in held)
+        if d.unproven and modes[d.identity] is not CacheMode.FULL and d.size <= share:
+            held[d.identity] = CacheMode.FULL
+            modes = _decide(demands, budget, rate, held)
+        else:
+            held[d.identity] = modes[d.identity]
+    return modes
+
+
+def _decide(demands: list[DatasetDemand], budget: int, rate: float | None,
+            held: dict[str, CacheMode]) -> dict[str, CacheMode]:
+    """The modes within ``budget``, those of ``held`` as given there (they fit): by the
+    model at the bucket's ``rate`` where known, else by the probes alone."""
+    if rate is not None:
+        return dict(_search(tuple(demands), budget, rate, tuple(held.items())))
+    rest = [d for d in demands if d.identity not in held]
+    spent = sum(_cost(d, held[d.identity]) for d in demands if d.identity in held)
+    decided = {**_by_probes(rest, budget - spent), **held}
+    return {d.identity: decided[d.identity] for d in demands}
 
 
 def _cost(d: DatasetDemand, mode: CacheMode) -> int:
@@ -110,14 +150,16 @@ def _options(d: DatasetDemand) -> tuple[CacheMode, ...]:
 
 
 @functools.lru_cache(maxsize=64)
-def _search(demands: tuple[DatasetDemand, ...], budget: int, bandwidth: float
-            ) -> dict[str, CacheMode]:
-    """The best set of modes within ``budget`` in the model (the module docstring);
-    memoized: callers copy it."""
+def _search(demands: tuple[DatasetDemand, ...], budget: int, bandwidth: float,
+            held: tuple[tuple[str, CacheMode], ...] = ()) -> dict[str, CacheMode]:
+    """The best set of modes within ``budget`` in the model (the module docstring), with
+    the datasets in ``held`` in the modes given there; memoized: callers copy it."""
     modes = {d.identity: CacheMode.NONE for d in demands}
-    with_jobs = [d for d in demands if d.jobs]
+    modes.update(held)
     model = BatchModel([ModelJob(d.identity, j.gpus, j.batch_bytes, j.t_miss, j.t_hit)
-                        for d in with_jobs for j in d.jobs], bandwidth)
+                        for d in demands for j in d.jobs], bandwidth)
+    fixed = dict(held)
+    with_jobs = [d for d in demands if d.jobs and d.identity not in fixed]
 
     def alone(d: DatasetDemand) -> float:  # the GPU shares it saves in full, per byte
         return model.gain({**modes, d.identity: CacheMode.FULL})[0] / max(1, d.size)

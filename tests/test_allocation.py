@@ -123,6 +123,34 @@ def test_an_unmeasured_job_does_not_keep_an_io_bound_dataset_from_fitting_whole(
                                                   "heavy": "none"}
 
 
+@pytest.mark.parametrize("bandwidth", [None, BUCKET])  # by the probes alone; by the model
+@pytest.mark.parametrize("io_size, budget, expected", [
+    (15 * MB, 11 * MB, ("coop", "coop", "none")),  # io does not fit: as without the prior
+    (15 * MB, 22 * MB, ("full", "coop", "none")),  # io fits whole, not beside two chunks each
+    (48 * MB, 22 * MB, ("coop", "full", "none")),  # medium fits beside io's two chunks
+    (48 * MB, 64 * MB, ("full", "coop", "coop")),
+])
+def test_before_its_jobs_are_measured_a_dataset_that_fits_its_share_is_cached_whole(
+        io_size, budget, bandwidth, expected):
+    """The prior: datasets by G (io's four jobs first), each cached whole where it fits
+    the budget that the ones before it leave; the settled allocation of the benchmark's
+    budgets from the start (heavy's lone job still has the benefit of the doubt)."""
+    demands = three(io_size, io=jobs(4, None), medium=jobs(2, None), heavy=jobs(1, None))
+    modes = allocate(demands, budget, bandwidth)
+    assert tuple(modes[n].value for n in ("io", "medium", "heavy")) == expected
+    assert cost(demands, modes) <= budget
+
+
+@pytest.mark.parametrize("bandwidth", [None, BUCKET])
+def test_a_job_measured_to_hide_its_misses_takes_its_dataset_out_of_the_prior(bandwidth):
+    """One of io's jobs measured to hide its misses, the others not yet: io is no longer
+    cached whole on the prior, and medium, which fits, is."""
+    demands = three(15 * MB, io=jobs(1, 1.0, 1.0) + jobs(3, None), medium=jobs(2, None),
+                    heavy=jobs(1, None))
+    modes = allocate(demands, 22 * MB, bandwidth)
+    assert modes["io"] is not CacheMode.FULL and modes["medium"] is CacheMode.FULL
+
+
 def test_the_search_never_allots_more_than_the_budget():
     rng = random.Random(35)
     for _ in range(300):

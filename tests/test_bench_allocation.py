@@ -1,17 +1,19 @@
 """``quiver bench allocation`` keeps working: a tiny run end to end, real mountd and jobs."""
 from __future__ import annotations
 
+import datetime
 import os
 
 import pytest
 
 from quiverfs.bench.allocation import (CACHED, GOAL_NEVER_LOSES, GOAL_VS_LRU, SIZES,
-                                       _probe_fetches_cached, _summary, measure,
+                                       _probe_fetches_cached, _settle_s, _summary, measure,
                                        plot_throughput, workloads)
 from quiverfs.bench.emulator import emulator_available
 
 TINY = SIZES["tiny"]
-RATIOS = ("gain_vs_lru", "gain_vs_nocache", "lru_vs_nocache")
+RATIOS = ("gain_vs_lru", "gain_vs_lru_first60", "gain_vs_nocache", "lru_vs_nocache",
+          "allocation_settle_s")
 
 
 def needs_mount(test):
@@ -28,7 +30,8 @@ def test_a_goal_is_judged_on_the_unrounded_ratio():
     """0.998 of LRU misses a goal of 1.0, though it rounds to 1.00."""
     headline, wide = workloads(TINY)
     configs = [{"workload": w.name, "kind": kind, "budget": budget, "items_per_s": ips,
-                "exactly_once": True, "probe_fetches_cached": {}}
+                "items_per_s_first60": ips, "exactly_once": True, "probe_fetches_cached": {},
+                "allocation_settle_s": 0.0}
                for w, quiver in ((headline, 99.8), (wide, 100.0))
                for kind, budget, ips in (("nocache", 0.0, 10.0), ("lru", 0.3, 100.0),
                                          ("quiver", 0.3, quiver))]
@@ -71,6 +74,19 @@ def _sample(t: float, modes: dict[str, str], probes: dict[str, int]) -> dict:
             "fetch_causes": {n: {"probe": {"fetches": k, "bytes": 0}} for n, k in probes.items()}}
 
 
+def test_allocation_settle_s_is_the_last_mode_change_after_the_jobs_start():
+    lines = ["2026-12-05 10:00:01,250 INFO coordinator.state: dataset io: coop -> full (G 2.40)",
+             "2026-12-05 10:00:03,500 INFO coordinator.state: dataset heavy: coop -> none (G 1)",
+             "2026-12-05 10:00:07,000 INFO coordinator.state: dataset io: full -> coop (G 9)",
+             "2026-12-05 10:00:08,000 INFO coordinator.state: dataset io: 3 chunks may be "
+             "resident (was 2)"]
+    go = datetime.datetime(2026, 12, 5, 10, 0, 2).timestamp()
+    # io changed before the start and 5 s after it; heavy 1.5 s after it
+    assert _settle_s(lines, go, go + 10) == {"io": 5.0, "heavy": 1.5}
+    assert _settle_s(lines[:1], go, go + 10) == {"io": 0.0}
+    assert _settle_s(lines, go, go + 4) == {"io": 0.0, "heavy": 1.5}  # io's, after the end
+
+
 def test_probe_fetches_cached_counts_full_datasets_from_the_warm_up_on():
     samples = [_sample(1, {"a": "coop", "b": "full", "c": "full"}, {"a": 1, "b": 2, "c": 3}),
                _sample(5, {"a": "full", "b": "full", "c": "full"}, {"a": 4, "b": 5, "c": 3}),
@@ -109,11 +125,15 @@ def test_summary_has_every_workloads_ratios_and_goals(tiny_report):
         *(f"{key}_{round(b * 100)}{w.suffix}" for w in workloads(TINY)
           for b in w.size.budgets for key in RATIOS),
         *(f"items_per_s_nocache{w.suffix}" for w in workloads(TINY)),
-        "probe_fetches_cached", "exactly_once", "goals_met"}
+        "probe_fetches_cached", "allocation_settle_s", "exactly_once", "goals_met"}
     assert {"gain_vs_lru_30", "gain_vs_nocache_30", "gain_vs_lru_30_wide",
             "gain_vs_nocache_30_wide"} <= set(summary)
     assert set(summary["goals_met"]) == {"gain_vs_lru_30", "gain_vs_lru_30_wide",
-                                         "probe_fetches_cached"}
+                                         "gain_vs_lru_first60_30",
+                                         "gain_vs_lru_first60_30_wide",
+                                         "allocation_settle_s", "probe_fetches_cached"}
+    assert summary["allocation_settle_s"] == max(
+        c["allocation_settle_s"] for c in tiny_report[0]["configs"] if c["kind"] == "quiver")
     assert summary["probe_fetches_cached"] == sum(
         n for c in tiny_report[0]["configs"] if c["kind"] == "quiver"
         for n in c["probe_fetches_cached"].values())

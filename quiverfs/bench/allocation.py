@@ -33,11 +33,13 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import datetime
 import hashlib
 import json
 import logging
 import os
 import queue
+import re
 import shutil
 import sys
 import threading
@@ -70,6 +72,9 @@ JOB_REPORT_SLACK = 120.0  # seconds past its run time a job may take to finish i
 JOB_STOP_TIMEOUT = 30.0  # seconds a job may take to unregister and exit
 GOAL_VS_LRU = 1.3  # Quiver / LRU throughput wanted at a workload's constrained budgets
 GOAL_NEVER_LOSES = 1.0  # Quiver / LRU throughput wanted at every other budget
+FIRST_S = 60.0  # seconds from the jobs' start that gain_vs_lru_first60_N measures
+GOAL_FIRST = 0.9  # Quiver / LRU throughput wanted over the first FIRST_S, at every budget
+GOAL_SETTLE_S = 30.0  # allocation_settle_s wanted: a job's start to its last mode change
 IO_COMPUTE_PER_16 = 0.020  # seconds per 16 items: the io job's compute, a light model's
 
 
@@ -296,9 +301,10 @@ def _sample(m: MountdProcess | None, proxy: ThrottleProxy, t: float) -> dict[str
 
 
 def _watch(jobs: list[JobProcess], m: MountdProcess | None, proxy: ThrottleProxy,
-           seconds: float) -> tuple[float, list[dict[str, Any]]]:
-    """Start the jobs; sample every POLL_INTERVAL while they run. (go time, samples)."""
-    go = time.monotonic()
+           seconds: float) -> tuple[float, float, list[dict[str, Any]]]:
+    """Start the jobs; sample every POLL_INTERVAL while they run. (go time, the same on
+    the wall clock that mountd's log shows, samples)."""
+    go, go_wall = time.monotonic(), time.time()
     for job in jobs:
         job.send("go")
     samples = []
@@ -306,7 +312,7 @@ def _watch(jobs: list[JobProcess], m: MountdProcess | None, proxy: ThrottleProxy
         samples.append(_sample(m, proxy, now - go))
         time.sleep(min(POLL_INTERVAL, max(0.0, go + seconds - time.monotonic())))
     samples.append(_sample(m, proxy, time.monotonic() - go))
-    return go, samples
+    return go, go_wall, samples
 
 
 def _mode_changes(samples: list[dict[str, Any]]) -> list[list[Any]]:
@@ -325,6 +331,25 @@ def _allocation_log(log_path: str) -> list[str]:
     log (the embedded coordinator logs every change of a dataset's mode)."""
     with open(log_path, encoding="utf-8", errors="replace") as f:
         return [line.strip() for line in f if "coordinator.state: dataset " in line]
+
+
+# a change of a dataset's mode as the coordinator logs it (coordinator.state._allocate)
+_MODE_CHANGE = re.compile(r"^(\S+ \S+) \w+ coordinator\.state: dataset (\S+): \w+ -> \w+ ")
+
+
+def _settle_s(log_lines: list[str], go_wall: float, end_wall: float) -> dict[str, float]:
+    """{dataset: seconds from the jobs' start (``go_wall``, on the wall clock) to the last
+    change of its mode in ``log_lines`` until ``end_wall`` (then the jobs stop, and each
+    one's leaving moves the allocation); 0 where none changed after the start}."""
+    settle: dict[str, float] = {}
+    for line in log_lines:
+        match = _MODE_CHANGE.match(line)
+        if match is None:
+            continue
+        at = datetime.datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        if at <= end_wall:
+            settle[match[2]] = max(settle.get(match[2], 0.0), round(at - go_wall, 2))
+    return settle
 
 
 def _probe_fetches_cached(samples: list[dict[str, Any]], start: float) -> dict[str, int]:
@@ -349,13 +374,18 @@ def _window(samples: list[dict[str, Any]], start: float) -> tuple[dict[str, Any]
 
 
 def _job_report(job: JobProcess, reply: dict[str, Any], expected: str,
-                window: tuple[float, float], info: dict[str, Any]) -> dict[str, Any]:
-    """One job's throughput in the window, its epochs, and what mountd knew of it."""
+                window: tuple[float, float], first: tuple[float, float],
+                info: dict[str, Any]) -> dict[str, Any]:
+    """One job's throughput in the window and in the ``first`` seconds, its epochs, and
+    what mountd knew of it."""
     w0, w1 = window
     items = sum(n for t, n in reply["batches"] if w0 < t <= w1)
+    f0, f1 = first
+    first_items = sum(n for t, n in reply["batches"] if f0 < t <= f1)
     complete = [e for e in reply["epochs"] if e["complete"]]
     out = {"name": job.name, "seed": job.spec.seed, "compute_s": job.spec.compute_s,
            "items_per_s": items / (w1 - w0),
+           "items_per_s_first60": first_items / (f1 - f0),
            "items": sum(e["items"] for e in reply["epochs"]),
            "epochs_complete": len(complete),
            "exactly_once": all(e["paths_sha256"] == expected for e in complete)}
@@ -399,23 +429,28 @@ def run_config(kind: str, budget: float, data: dict[str, Dataset], proxy: Thrott
                                          t.compute_s, size.seconds)
                  for t in size.types for i in range(t.jobs)}
         jobs = stack.enter_context(running_jobs(__name__, specs, base, JOB_START_TIMEOUT))
-        go, samples = _watch(jobs, m, proxy, size.seconds)
+        go, go_wall, samples = _watch(jobs, m, proxy, size.seconds)
         replies = {job.name: job.receive(JOB_REPORT_SLACK) for job in jobs}
+        end_wall = time.time()  # every job has ended its run; none has left yet
         final = _sample(m, proxy, time.monotonic() - go)  # while the jobs are registered
         for job in jobs:
             job.finish(JOB_STOP_TIMEOUT)
     shutil.rmtree(os.path.join(base, "node-cache"), ignore_errors=True)
 
     window = (go + size.warmup_s, go + size.seconds)
+    first_window = (go, go + min(FIRST_S, size.seconds))
     first, last = _window(samples, size.warmup_s)
     per_job: dict[str, list[dict[str, Any]]] = {t: [] for t in types}
     for job in jobs:
         t = job.name.rstrip("0123456789")
         per_job[t].append(_job_report(job, replies[job.name], paths_digest(data[t].paths),
-                                      window, final.get("jobs", {}).get(job.job_id, {})))
+                                      window, first_window,
+                                      final.get("jobs", {}).get(job.job_id, {})))
     report: dict[str, Any] = {
         "kind": kind, "budget": budget, "workload": workload.name, "cache_bytes": cache_bytes,
         "items_per_s": sum(j["items_per_s"] for js in per_job.values() for j in js),
+        "items_per_s_first60": sum(j["items_per_s_first60"] for js in per_job.values()
+                                   for j in js),
         "bucket_bytes_per_s": (last["proxy_bytes"] - first["proxy_bytes"])
         / max(1e-9, last["t"] - first["t"]),
         "types": {t: {"items_per_s": sum(j["items_per_s"] for j in js), "jobs": js}
@@ -428,10 +463,13 @@ def run_config(kind: str, budget: float, data: dict[str, Dataset], proxy: Thrott
         report["cache_used_bytes"] = last["cache_used"]
         report["bucket_fetch_causes"] = final["fetch_causes"]
     if kind == "quiver":
+        decisions = _allocation_log(os.path.join(base, "node.log"))
+        settle = _settle_s(decisions, go_wall, end_wall)
         report.update(chunk_bytes=chunk_bytes, modes=final["modes"],
                       mode_changes=_mode_changes(samples),
                       probe_fetches_cached=_probe_fetches_cached(samples, size.warmup_s),
-                      allocation_log=_allocation_log(os.path.join(base, "node.log")),
+                      allocation_log=decisions, started_at=go_wall, settle_s=settle,
+                      allocation_settle_s=max(settle.values(), default=0.0),
                       gain={t: round(DatasetDemand(t, data[t].bytes, chunk_bytes, tuple(
                           JobBenefit(int(j.get("gpus") or 1), j.get("t_miss"), j.get("t_hit"))
                           for j in final["jobs"].values() if j["dataset"] == t)).gain, 3)
@@ -489,6 +527,12 @@ def _ratios(configs: list[dict[str, Any]], workload: Workload
         key = f"gain_vs_lru_{pct}{workload.suffix}"
         out[key] = round(quiver / lru, 3)
         met[key] = quiver / lru >= workload.goal(b)
+        first = by["quiver", b]["items_per_s_first60"] / by["lru", b]["items_per_s_first60"]
+        key = f"gain_vs_lru_first60_{pct}{workload.suffix}"
+        out[key] = round(first, 3)
+        met[key] = first >= GOAL_FIRST
+        out[f"allocation_settle_s_{pct}{workload.suffix}"] = by["quiver", b][
+            "allocation_settle_s"]
         out[f"gain_vs_nocache_{pct}{workload.suffix}"] = round(quiver / base, 2)
         out[f"lru_vs_nocache_{pct}{workload.suffix}"] = round(lru / base, 2)
     out[f"items_per_s_nocache{workload.suffix}"] = round(base, 1)
@@ -505,6 +549,9 @@ def _summary(configs: list[dict[str, Any]], loads: list[Workload]) -> dict[str, 
         goals.update(met)
     summary["probe_fetches_cached"] = sum(n for c in configs if c["kind"] == "quiver"
                                           for n in c["probe_fetches_cached"].values())
+    summary["allocation_settle_s"] = max(c["allocation_settle_s"] for c in configs
+                                         if c["kind"] == "quiver")
+    goals["allocation_settle_s"] = summary["allocation_settle_s"] <= GOAL_SETTLE_S
     summary["exactly_once"] = all(c["exactly_once"] for c in configs)
     goals["probe_fetches_cached"] = summary["probe_fetches_cached"] == 0
     summary["goals_met"] = goals
@@ -563,12 +610,23 @@ def measure(size: Size, workdir: str) -> dict[str, Any]:
                         "cannot hold it at 30%) has them with the suffix _wide",
             "items_per_s": "items all jobs finished (after their compute) per second, from "
                            "warmup_s to seconds after the jobs started",
+            "items_per_s_first60": "the same from the jobs' start to 60 s after it (to "
+                                   "seconds, where a run is shorter: --quick's whole run)",
             "normalized": "{workload: {kind: {budget %: items_per_s / items_per_s of "
                           "nocache}}} (nocache: no mount, the GCS client through the same "
                           "proxy, run again for each workload)",
             "gain_vs_lru": "items_per_s of quiver / of lru at the same budget (budget: "
                            "mountd's --cache-size as a percentage of the workload's "
                            "datasets' bytes)",
+            "gain_vs_lru_first60": "items_per_s_first60 of quiver / of lru at the same "
+                                   "budget",
+            "allocation_settle_s": "seconds from the jobs' start to the last change of "
+                                   "their dataset's mode before they ended (the "
+                                   "coordinator's log; 0 where none changed after the "
+                                   "start; started_at: the start, on the wall clock): "
+                                   "per dataset in settle_s, "
+                                   "the most of them per configuration, per budget in the "
+                                   "summary (allocation_settle_s_N), and the most of all",
             "modes": "the allocation per dataset when the run ended (full, coop: "
                      "chunks, none)",
             "gain": "G per dataset from the jobs' final t_miss / t_hit (allocation.py)",
@@ -581,7 +639,8 @@ def measure(size: Size, workdir: str) -> dict[str, Any]:
                                     "datasets allotted full all that time; the summary "
                                     "adds up every quiver configuration's",
             "goal": "gain_vs_lru of each workload and budget >= workloads.goals; "
-                    "probe_fetches_cached 0"},
+                    "gain_vs_lru_first60 >= 0.9 at each; allocation_settle_s <= 30 (in "
+                    "the full run); probe_fetches_cached 0"},
         "normalized": {load.name: _normalized(configs, load.name) for load in loads},
         "configs": configs,
         "summary": _summary(configs, loads),
