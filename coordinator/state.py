@@ -351,21 +351,13 @@ class CoordinatorState:
         if victim is not None:
             cycle.evicted(victim)
             changed = True
-        while ds.mode is CacheMode.COOP:
+        if ds.mode is CacheMode.COOP:
             # The cycle follows what the jobs still need: in ring order it would load
             # chunks at an epoch's end that are evicted before anyone reads them.
             for chunk in cycle.start_loading(refs):
                 ds.loaders[chunk], ds.done[chunk] = users, set()
                 changed = True
-            if cycle.mark(refs) is None:
-                break
-            changed = True
-            # Jobs ahead of the cycle finished the chunk before it was marked: it goes
-            # now, and its room loads the next, not a heartbeat later.
-            victim = cycle.evictable(refs, now)
-            if victim is None:
-                break
-            cycle.evicted(victim)
+            changed |= cycle.mark(refs) is not None
         return changed
 
     def _ask_for_probe(self, ds: DatasetState, now: float) -> None:

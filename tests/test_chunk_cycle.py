@@ -241,36 +241,3 @@ def test_the_coordinator_loads_only_chunks_jobs_still_need(tmp_path):
         cycle = heartbeat(loaded, float(t))
         loaded = loaded + cycle.loads
     assert sorted(cycle.resident) == list(range(6)) and cycle.marked is None
-
-
-def test_a_chunk_every_job_epoch_finished_goes_as_it_is_marked(tmp_path):
-    """A job ahead of the cycle (a slow bucket: it plans each chunk's items as the chunk
-    loads) has finished the oldest chunk by the time the cycle is full and marks it: the
-    same heartbeat evicts it and loads the next in its room. Before, the chunk stayed
-    marked until the next heartbeat (the embedded coordinator's come every 0.2 s unless
-    something wakes them): half of a lone job's chunk turns at a 5% cache took 200 ms."""
-    state = CoordinatorState(str(tmp_path), heartbeat_timeout=60.0, probe_batches=0)
-    left = [5] * 20
-
-    def heartbeat(loaded: tuple[LoadedShare, ...], now: float):
-        job = JobReport(id="j0", gen=0, gpus=1, remaining=tuple(left), probe_seq=0)
-        report = DatasetReport(name="ds", chunks=20, size=20_000, chunk_bytes=1000,
-                               loaded=loaded, jobs=(job,))
-        return state.heartbeat(Heartbeat("a", "127.0.0.1:1", 8000, {"ident": report}),
-                               now=now).cycles["ident"]
-
-    view = heartbeat((), 1.0)
-    loaded = tuple(view.loads)
-    evicted: list[int] = []
-    for t in range(2, 40):
-        for share in loaded:  # the job plans every chunk's items as soon as it loads
-            left[share.chunk] = 0
-        before = view.states
-        view = heartbeat(loaded, float(t))
-        loaded = loaded + view.loads
-        assert view.marked is None, (t, view.states)
-        evicted += [c for c, (old, new) in enumerate(zip(before, view.states))
-                    if old is not ChunkState.EVICTED and new is ChunkState.EVICTED]
-        if not any(left):
-            break
-    assert not any(left) and evicted == list(range(len(evicted))) and len(evicted) >= 14
