@@ -21,6 +21,9 @@ workers, one batch ahead) and sleeps a simulated compute time per batch. The par
 holds the jobs at every epoch boundary so the proxy's bytes can be counted per epoch;
 with a cache, epoch 0 (cold) is left out of the steady-state numbers. A thread polls
 the coordinator for the chunk timeline, which ``--plot`` draws like the paper's Figure 7.
+
+With ``--kill-coordinator`` (``measure_failover``) only the ``sub`` jobs run, on two
+coordinators sharing an etcd, and the leader is SIGKILLed in the middle of an epoch.
 """
 from __future__ import annotations
 
