@@ -4,7 +4,8 @@
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
-# etcd-server and etcd-client: tests/test_coordinator_ha.py starts a real etcd on loopback.
+# etcd-server and etcd-client: the HA tests and `quiver bench cluster --kill-coordinator`
+# start a real etcd on loopback (quiverfs/bench/etcd_process.py).
 APT_PACKAGES := fuse3 libfuse3-dev pkg-config gcc patch rclone systemd python3-dev \
   etcd-server etcd-client
 PYTEST_ARGS ?=

@@ -13,6 +13,7 @@ import pytest
 
 from quiverfs.bench.data import Tree, write_digits_tree, write_synthetic_tree
 from quiverfs.bench.emulator import Emulator, emulator_available, running_emulator, upload_tree
+from quiverfs.bench.etcd_process import Etcd, etcd_available
 
 SYNTHETIC_ITEMS = 40
 SYNTHETIC_CLASSES = 10
@@ -60,6 +61,17 @@ def synthetic_tree(tmp_path_factory: pytest.TempPathFactory) -> Tree:
     """40 JPEGs of 20-300 KB in 10 classes (read-only by convention)."""
     return write_synthetic_tree(str(tmp_path_factory.mktemp("synthetic")), SYNTHETIC_ITEMS,
                                 SYNTHETIC_CLASSES, seed=1)
+
+
+@pytest.fixture
+def etcd(tmp_path) -> Iterator[Etcd]:
+    """A one-member etcd on loopback ports, its data under ``tmp_path``."""
+    if not etcd_available():
+        pytest.skip("etcd is not installed (make apt: etcd-server, etcd-client)")
+    e = Etcd(str(tmp_path))
+    e.start()
+    yield e
+    e.stop()
 
 
 @pytest.fixture

@@ -1,12 +1,21 @@
-"""``quiver bench cluster`` keeps working: a tiny run end to end, real nodes and mounts."""
+"""``quiver bench cluster`` keeps working: a tiny run end to end, real nodes and mounts;
+with --kill-coordinator, a quick run on two coordinators whose leader is killed."""
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
-from quiverfs.bench.cluster import MODES, NODES, SIZES, measure, plot_timeline
+from quiverfs.bench.cluster import (FAILOVER_EPOCHS, MODES, NODES, SIZES, measure,
+                                    measure_failover, plot_timeline)
 from quiverfs.bench.emulator import emulator_available
+from quiverfs.bench.etcd_process import etcd_available
+from quiverfs.bench.ha_coordinators import ETCD_MISSING
+from quiverfs.errors import ExitCode
+from tests.test_digest_errors import assert_error
 
 pytestmark = [
     pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse"),
@@ -50,3 +59,54 @@ def test_tiny_run_reports_the_summary_and_keeps_chunks_and_exactly_once(tmp_path
     assert plot.read_bytes().startswith(b"\x89PNG")
     assert not any(os.path.ismount(os.path.join(root, d))
                    for root, dirs, _ in os.walk(tmp_path) for d in dirs)
+
+
+FAILOVER_KEYS = {"failover_s", "failover_s_last_node", "takeover_s", "lease_ttl_s",
+                 "speedup_failover_ratio", "items_per_s_calm", "items_per_s_failover",
+                 "bucket_bytes_ratio_calm", "bucket_bytes_ratio_failover",
+                 "generation_at_kill", "generation_after_takeover", "exactly_once",
+                 "goals_met"}
+
+
+@pytest.mark.skipif(not etcd_available(), reason="etcd is not installed")
+@pytest.mark.timeout(400)
+def test_quick_kill_coordinator_reports_the_failover_and_keeps_exactly_once(tmp_path):
+    """--kill-coordinator at --quick size: two coordinators on a real etcd, the leader
+    SIGKILLed in the middle of the third epoch; every job still reads each item once."""
+    result = measure_failover(SIZES["quick"], str(tmp_path))
+    summary = result.report["summary"]
+    assert set(summary) == FAILOVER_KEYS
+    assert set(summary["goals_met"]) == {"failover_s", "speedup_failover_ratio",
+                                         "bucket_bytes_ratio_failover", "cycle_kept",
+                                         "exactly_once"}
+    jobs = result.orders["sub"]
+    assert len(jobs) == SIZES["quick"].jobs
+    for job in jobs:
+        assert len(job) == FAILOVER_EPOCHS
+        for paths in job:
+            assert sorted(paths) == result.paths
+    assert summary["exactly_once"] is True
+    assert summary["lease_ttl_s"] == 5  # the default: the benchmark passes none
+    # the kill fell in the epoch, and the nodes switched to the new leader after it
+    assert 0 < summary["takeover_s"] <= summary["failover_s"] <= summary[
+        "failover_s_last_node"]
+    assert set(result.report["switches"]) == set(NODES)
+    assert summary["generation_after_takeover"] >= summary["generation_at_kill"] >= 1
+    assert not any(os.path.ismount(os.path.join(root, d))
+                   for root, dirs, _ in os.walk(tmp_path) for d in dirs)
+
+
+def test_kill_coordinator_without_etcd_is_skipped_in_one_line(tmp_path):
+    out = tmp_path / "out.json"
+    r = subprocess.run([sys.executable, "-m", "quiverfs.cli", "bench", "cluster",
+                        "--kill-coordinator", "--json", str(out)], capture_output=True,
+                       text=True, env={**os.environ, "PATH": str(tmp_path)}, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["summary"] == {"skipped": ETCD_MISSING}
+    assert "Traceback" not in r.stderr
+
+
+def test_kill_coordinator_draws_no_plot(tmp_path, quiver):
+    r = quiver("bench", "cluster", "--kill-coordinator", "--plot", str(tmp_path / "x.png"),
+               "--json", str(tmp_path / "out.json"))
+    assert_error(r, ExitCode.USAGE, "--plot", "--kill-coordinator")

@@ -3,19 +3,16 @@ one leads, the other stands by and takes over with the state; a leader cut off f
 steps down; a deposed leader's writes are refused; a malformed key is never led on."""
 from __future__ import annotations
 
-import base64
-import json
-import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 
 import pytest
 
-from quiverfs.bench.processes import CoordinatorProcess, free_port, terminate
+from quiverfs.bench.etcd_process import PREFIX, Etcd
+from quiverfs.bench.processes import CoordinatorProcess, free_port
 from quiverfs.heartbeat import (DatasetReport, Heartbeat, HeartbeatReply, JobReport,
                                 LoadedShare, from_wire, to_wire)
 from quiverfs.rpc import Unavailable
@@ -26,80 +23,6 @@ TTL = 2  # seconds of lease: etcd's own minimum at its default election timeout
 HEARTBEAT_TIMEOUT = 10.0  # no node dies while a test drives its heartbeats by hand
 DEADLINE = 30.0  # seconds to wait for a condition that has no latency goal
 CHUNKS = 4
-PREFIX = "/quiver/default/"
-
-
-class Etcd:
-    """An etcd member on two free loopback ports, its data in ``base``; alone, or one of
-    the members ``cluster`` names (NAME=PEER_URL, comma-separated)."""
-
-    def __init__(self, base: str, name: str = "ha") -> None:
-        self.base = base
-        self.name = name
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.peer = f"http://127.0.0.1:{free_port()}"
-        self.cluster = f"{name}={self.peer}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, wait: bool = True) -> None:
-        with open(os.path.join(self.base, f"{self.name}.log"), "ab") as log:
-            self.proc = subprocess.Popen(
-                ["etcd", "--name", self.name,
-                 "--data-dir", os.path.join(self.base, f"{self.name}.etcd"),
-                 "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-                 "--listen-peer-urls", self.peer, "--initial-advertise-peer-urls", self.peer,
-                 "--initial-cluster", self.cluster],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-        if wait:
-            self.wait()
-
-    def wait(self) -> None:
-        deadline = time.monotonic() + DEADLINE
-        while not self._healthy():
-            assert self.proc.poll() is None, f"etcd exited with {self.proc.returncode}"
-            assert time.monotonic() < deadline, "etcd did not come up"
-            time.sleep(0.05)
-
-    def quorum(self) -> bool:
-        """Whether a linearizable read through this member succeeds."""
-        return subprocess.run(["etcdctl", "--endpoints", self.url, "--command-timeout=1s",
-                               "get", "quorum"], capture_output=True,
-                              env={**os.environ, "ETCDCTL_API": "3"}).returncode == 0
-
-    def _healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=1) as reply:
-                return json.load(reply).get("health") == "true"
-        except (OSError, ValueError):
-            return False
-
-    def ctl(self, *args: str) -> str:
-        """etcdctl against this etcd: its output."""
-        return subprocess.run(["etcdctl", "--endpoints", self.url, *args], check=True,
-                              capture_output=True, text=True,
-                              env={**os.environ, "ETCDCTL_API": "3"}).stdout
-
-    def keys(self) -> dict[str, tuple[str, int]]:
-        """Every key under the cluster's prefix: (value, mod_revision)."""
-        reply = json.loads(self.ctl("get", "--prefix", PREFIX, "-w", "json"))
-        return {base64.b64decode(kv["key"]).decode():
-                (base64.b64decode(kv.get("value", "")).decode(errors="replace"),
-                 int(kv["mod_revision"]))
-                for kv in reply.get("kvs", [])}
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)  # a test may leave it stopped
-        terminate(self.proc)
-
-
-@pytest.fixture
-def etcd(tmp_path) -> Iterator[Etcd]:
-    e = Etcd(str(tmp_path))
-    e.start()
-    yield e
-    e.stop()
 
 
 def coordinator(tmp_path, etcd: Etcd | list[Etcd], name: str,

@@ -18,7 +18,8 @@ from quiverfs.option_types import FloatAtLeast
 # name -> ("module:function", help). Each function takes (quick: bool, workdir: str),
 # plot: str | None if it draws a figure, latency_ms: float if its bucket can have a
 # first-byte latency, model: str and device: str if it trains a model, data_path: str
-# if it chooses mountd's data path, and returns a dict holding at least "summary".
+# if it chooses mountd's data path, kill_coordinator: bool if it can kill its coordinator,
+# and returns a dict holding at least "summary".
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "digest": ("quiverfs.bench.digest:run",
                "digest load time and memory at 1.3 M entries, hashing throughput"),
@@ -40,7 +41,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
               "a torchvision model trained through the mount vs from local files"),
 }
 # options that only some benchmarks take: passed to those that do
-OPTIONAL = ("plot", "model", "device", "data_path")
+OPTIONAL = ("plot", "model", "device", "data_path", "kill_coordinator")
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -67,6 +68,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-path", choices=("native", "passthrough", "python"), help="read: the data path "
                    "that the mountds it starts serve cached files through, passed to them "
                    "as --data-path (default: mountd's own)")
+    p.add_argument("--kill-coordinator", action="store_true", default=None,
+                   help="cluster: run its jobs on two coordinators sharing an etcd it "
+                   "starts, SIGKILL the leader in the middle of an epoch, and report the "
+                   "failover (needs etcd)")
     p.set_defaults(func=cmd_bench)
 
 

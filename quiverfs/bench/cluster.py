@@ -21,6 +21,9 @@ workers, one batch ahead) and sleeps a simulated compute time per batch. The par
 holds the jobs at every epoch boundary so the proxy's bytes can be counted per epoch;
 with a cache, epoch 0 (cold) is left out of the steady-state numbers. A thread polls
 the coordinator for the chunk timeline, which ``--plot`` draws like the paper's Figure 7.
+
+With ``--kill-coordinator`` (``measure_failover``) only the ``sub`` jobs run, on two
+coordinators sharing an etcd, and the leader is SIGKILLed in the middle of an epoch.
 """
 from __future__ import annotations
 
@@ -45,13 +48,15 @@ from quiverfs.bench import fetch_causes, figures, reading_job
 from quiverfs.bench.bucket_dataset import Dataset, upload_synthetic
 from quiverfs.bench.cpu_time import BackgroundCpu
 from quiverfs.bench.emulator import running_emulator
+from quiverfs.bench.etcd_process import etcd_available
+from quiverfs.bench.ha_coordinators import ETCD_MISSING, HaCoordinators
 from quiverfs.bench.job_child import JobProcess, run_epoch, running_jobs
 from quiverfs.bench.processes import CoordinatorProcess, MountdProcess
 from quiverfs.bench.reading_job import PREFETCH_BATCHES, READERS, JobSpec, bucket_address
 from quiverfs.bench.throttle_proxy import ThrottleProxy, throttled
 from quiverfs.chunk_plan import CACHE_CHUNKS, make_plan
 from quiverfs.counters import ReadCounter
-from quiverfs.errors import QuietError
+from quiverfs.errors import ExitCode, QuietError
 from quiverfs.heartbeat import CacheMode
 from quiverfs.rpc import call_once
 
@@ -105,9 +110,10 @@ SIZES = {
 class Cluster:
     """A running coordinator and its nodes, each with the dataset mounted."""
 
-    coordinator: CoordinatorProcess
+    coordinator: CoordinatorProcess  # the one whose status is read: the leader
     secret: bytes
     nodes: dict[str, MountdProcess]
+    ha: HaCoordinators | None = None  # two coordinators on etcd (--kill-coordinator)
 
     def members_seen(self) -> bool:
         """Whether every node sees every node live."""
@@ -144,29 +150,40 @@ def _stop_node(m: MountdProcess) -> None:
 
 @contextlib.contextmanager
 def running_cluster(base: str, data: Dataset, node_cache: int, chunk_bytes: int,
-                    bucket_endpoint: str) -> Iterator[Cluster]:
-    """A coordinator and NODES under ``base``, each with the dataset mounted from
-    ``bucket_endpoint``; every process stopped and every mount gone on exit."""
+                    bucket_endpoint: str, ha: bool = False) -> Iterator[Cluster]:
+    """A coordinator (``ha``: two, on an etcd of their own, the nodes listing both) and
+    NODES under ``base``, each with the dataset mounted from ``bucket_endpoint``; every
+    process stopped and every mount gone on exit."""
     os.makedirs(base, exist_ok=True)
     secret = secrets.token_hex(32).encode()
     secret_file = os.path.join(base, "secret")
     with open(os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
         f.write(secret)
-    coordinator = CoordinatorProcess(os.path.join(base, "coordinator"), secret_file,
-                                     os.path.join(base, "coordinator.log"),
-                                     heartbeat_timeout=HEARTBEAT_TIMEOUT,
-                                     force_evict_after=FORCE_EVICT_AFTER,
-                                     extra_args=("--probe-batches", str(PROBE_BATCHES)))
+    coordinator_args = ("--probe-batches", str(PROBE_BATCHES))
     with contextlib.ExitStack() as stack:
-        stack.callback(coordinator.stop)
-        coordinator.start()
-        cluster = Cluster(coordinator, secret, {})
+        if ha:
+            pair = HaCoordinators(base, secret_file, secret, HEARTBEAT_TIMEOUT,
+                                  FORCE_EVICT_AFTER, coordinator_args)
+            stack.callback(pair.stop)
+            pair.start()
+            cluster = Cluster(pair.coordinators[0], secret, {}, pair)
+            addresses = pair.addresses
+        else:
+            coordinator = CoordinatorProcess(os.path.join(base, "coordinator"), secret_file,
+                                             os.path.join(base, "coordinator.log"),
+                                             heartbeat_timeout=HEARTBEAT_TIMEOUT,
+                                             force_evict_after=FORCE_EVICT_AFTER,
+                                             extra_args=coordinator_args)
+            stack.callback(coordinator.stop)
+            coordinator.start()
+            cluster = Cluster(coordinator, secret, {})
+            addresses = coordinator.address
         for name in NODES:
             root, cache = os.path.join(base, f"{name}-mnt"), os.path.join(base, f"{name}-cache")
             os.makedirs(root, exist_ok=True)
             os.makedirs(cache, exist_ok=True)
             m = MountdProcess(root, cache, str(node_cache), os.path.join(base, f"{name}.log"),
-                              extra_args=("--coordinator", coordinator.address,
+                              extra_args=("--coordinator", addresses,
                                           "--listen", "127.0.0.1:0", "--node-id", name,
                                           "--cluster-secret-file", secret_file,
                                           "--chunk-size", str(chunk_bytes),
@@ -217,7 +234,7 @@ class TimelineRecorder:
         except QuietError as exc:
             log.debug("coordinator status: %s", exc.message)
             return
-        for ds in status["datasets"]:
+        for ds in status.get("datasets", ()):  # a standby's status has none
             if ds["name"] == DATASET:
                 self.max_resident = max(self.max_resident, int(ds["max_resident"]))
                 if not self.modes or self.modes[-1][1] != ds["mode"]:
@@ -283,13 +300,13 @@ class ModeRun:
 
 
 def _epochs(jobs: list[JobProcess], n_epochs: int, proxy: ThrottleProxy,
-            counters: Callable[[], dict[str, Any]]) -> tuple[list[dict[str, Any]],
-                                                              list[list[list[str]]]]:
-    """Run the jobs epoch by epoch; a record per epoch, and each job's orders.
-    ``counters``: the nodes' (Cluster.counters), or none (``dict``)."""
+            counters: Callable[[], dict[str, Any]],
+            first: int = 0) -> tuple[list[dict[str, Any]], list[list[list[str]]]]:
+    """Run the jobs epoch by epoch (numbered from ``first``); a record per epoch, and
+    each job's orders. ``counters``: the nodes' (Cluster.counters), or none (``dict``)."""
     records: list[dict[str, Any]] = []
     orders: list[list[list[str]]] = [[] for _ in jobs]
-    for epoch in range(n_epochs):
+    for epoch in range(first, first + n_epochs):
         before, proxy_before = counters(), proxy.bytes_down
         start_wall = time.time()
         replies, seconds = run_epoch(jobs, EPOCH_TIMEOUT)
@@ -401,9 +418,22 @@ def _goals(summary: dict[str, Any]) -> dict[str, bool]:
             for k, (op, bound) in GOALS.items()}
 
 
-def measure(size: Size, workdir: str) -> Measurement:
-    """Upload the dataset, run every mode, and summarize."""
-    runs: dict[str, ModeRun] = {}
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """The dataset uploaded, behind the proxy, and the nodes' cache and chunk sizes."""
+
+    data: Dataset
+    proxy: ThrottleProxy
+    upload_s: float
+    node_cache: int
+    chunk_bytes: int
+    chunking: dict[str, Any]
+
+
+@contextlib.contextmanager
+def uploaded(size: Size, workdir: str) -> Iterator[Bucket]:
+    """The synthetic dataset of ``size`` in the GCS emulator, behind a proxy capped at
+    its bucket rate."""
     with running_emulator(concurrent=True) as emulator:
         emulator.create_bucket(BUCKET)
         started = time.monotonic()
@@ -413,12 +443,28 @@ def measure(size: Size, workdir: str) -> Measurement:
         node_cache = int(CACHE_FRACTION * data.bytes / len(NODES))
         chunk_bytes, chunking = choose_chunk_bytes(data, node_cache)
         with throttled(emulator.host, size.bucket_rate) as proxy:
-            for mode in MODES:
-                with BackgroundCpu() as background:
-                    runs[mode] = run_mode(mode, data, proxy, size, workdir, node_cache,
-                                          chunk_bytes)
-                # CPUs kept busy meanwhile by other sessions' work and the GCS emulator
-                runs[mode].report["background_cpu_cores"] = round(background.cores, 2)
+            yield Bucket(data, proxy, upload_s, node_cache, chunk_bytes, chunking)
+
+
+def _settings(size: Size) -> dict[str, Any]:
+    return {**dataclasses.asdict(size), "nodes": len(NODES), "cache_fraction": CACHE_FRACTION,
+            "readers_per_job": READERS, "prefetch_batches": PREFETCH_BATCHES,
+            "heartbeat_timeout_s": HEARTBEAT_TIMEOUT, "probe_batches": PROBE_BATCHES,
+            "force_evict_after_s": FORCE_EVICT_AFTER}
+
+
+def measure(size: Size, workdir: str) -> Measurement:
+    """Upload the dataset, run every mode, and summarize."""
+    runs: dict[str, ModeRun] = {}
+    with uploaded(size, workdir) as bucket:
+        data, upload_s, node_cache = bucket.data, bucket.upload_s, bucket.node_cache
+        chunking = bucket.chunking
+        for mode in MODES:
+            with BackgroundCpu() as background:
+                runs[mode] = run_mode(mode, data, bucket.proxy, size, workdir, node_cache,
+                                      bucket.chunk_bytes)
+            # CPUs kept busy meanwhile by other sessions' work and the GCS emulator
+            runs[mode].report["background_cpu_cores"] = round(background.cores, 2)
     steady = {mode: r.report["steady"] for mode, r in runs.items()}
     sub = runs["sub"].report
     expected = sorted(data.paths)
@@ -443,12 +489,7 @@ def measure(size: Size, workdir: str) -> Measurement:
         "dataset": {"items": len(data.paths), "bytes": data.bytes,
                     "upload_seconds": round(upload_s, 1)},
         "cache": {"node_cache_bytes": node_cache, **chunking},
-        "settings": {**dataclasses.asdict(size), "nodes": len(NODES),
-                     "cache_fraction": CACHE_FRACTION, "readers_per_job": READERS,
-                     "prefetch_batches": PREFETCH_BATCHES,
-                     "heartbeat_timeout_s": HEARTBEAT_TIMEOUT,
-                     "probe_batches": PROBE_BATCHES,
-                     "force_evict_after_s": FORCE_EVICT_AFTER},
+        "settings": _settings(size),
         "definitions": {
             "bucket_bytes_ratio": "bytes through the bucket's proxy (HTTP included) per "
                                   "steady-state epoch of all jobs / dataset bytes "
@@ -472,6 +513,154 @@ def measure(size: Size, workdir: str) -> Measurement:
         "summary": summary,
     }
     return Measurement(report, {mode: r.orders for mode, r in runs.items()}, expected)
+
+
+# -- --kill-coordinator ----------------------------------------------------------------
+FAILOVER_EPOCHS = 3  # a warm-up, an epoch without the kill, and the epoch of the kill
+MAX_FAILOVER_S = 10.0  # the issue's bound at the defaults; also at most 2 lease TTLs
+FAILOVER_GOALS = {"speedup_failover_ratio": (">=", 0.9),
+                  "bucket_bytes_ratio_failover": ("<=", 1.15)}
+
+
+def _generation(status: dict[str, Any]) -> int:
+    """The dataset's chunk-cycle generation in a leader's status."""
+    return next(int(ds["generation"]) for ds in status["datasets"] if ds["name"] == DATASET)
+
+
+class LeaderKill:
+    """SIGKILLs the leading coordinator ``after`` seconds from ``start`` (in a thread),
+    then waits for the other to lead, noting the cycle's generation on both sides."""
+
+    def __init__(self, cluster: Cluster, after: float) -> None:
+        self.cluster = cluster
+        self.ha = cluster.ha
+        self.leader = self.ha.leader()
+        self.noted: dict[str, Any] = {}
+        self.failed: BaseException | None = None
+        self._timer = threading.Timer(after, self._kill)
+
+    def __enter__(self) -> LeaderKill:
+        self._timer.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is not None:
+            self._timer.cancel()  # the epoch failed: no kill to measure
+        self._timer.join()
+        if self.failed is not None:
+            raise RuntimeError(f"killing the leader failed: {self.failed!r}")
+
+    def _kill(self) -> None:
+        try:
+            self.noted["generation_at_kill"] = _generation(self.ha.status(self.leader))
+            self.noted["killed"] = self.ha.kill(self.leader)
+            new = self.ha.wait_for_leader(other_than=self.leader)
+            status = self.ha.status(new)
+            self.noted["generation_after_takeover"] = _generation(status)
+            self.noted["takeover"] = status["coordinator"]["last_takeover"]
+            self.noted["lease_ttl_s"] = status["coordinator"]["lease_ttl"]
+            self.cluster.coordinator = new
+        except BaseException as exc:  # raised in the parent by __exit__
+            self.failed = exc
+
+
+def _switches(cluster: Cluster, address: str) -> dict[str, float]:
+    """When each node took its first answer from the coordinator at ``address``
+    (wall-clock), once every node follows it."""
+    deadline = time.monotonic() + MEMBERSHIP_TIMEOUT
+    while True:
+        followed = {n: m.status()["cluster"]["coordinators"] for n, m in cluster.nodes.items()}
+        if all(f["in_use"] == address for f in followed.values()):
+            return {n: float(f["last_switch"]) for n, f in followed.items()}
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the nodes did not all follow {address} within "
+                               f"{MEMBERSHIP_TIMEOUT:.0f} s: {followed}")
+        time.sleep(0.1)
+
+
+def measure_failover(size: Size, workdir: str) -> Measurement:
+    """The sub jobs on a cluster whose coordinator is two on etcd: a warm-up epoch, an
+    epoch without a failure, and the same epoch with the leader SIGKILLed half-way
+    through it (by the first epoch's time)."""
+    with uploaded(size, workdir) as bucket, BackgroundCpu() as background:
+        data = bucket.data
+        base = os.path.join(workdir, "failover")
+        os.makedirs(base, exist_ok=True)
+        load_before = os.getloadavg()[0]
+        with running_cluster(base, data, bucket.node_cache, bucket.chunk_bytes,
+                             bucket.proxy.url, ha=True) as cluster:
+            roots = [os.path.join(cluster.nodes[n].root, DATASET) for n in NODES]
+            specs = {f"{i}-sub": JobSpec("sub", roots[i % len(roots)], seed=i,
+                                         batch_size=size.batch_size, compute_s=size.compute_s,
+                                         epochs=FAILOVER_EPOCHS) for i in range(size.jobs)}
+            with running_jobs(reading_job.__name__, specs, base, EPOCH_TIMEOUT) as jobs, \
+                    TimelineRecorder(cluster) as recorder:
+                records, orders = _epochs(jobs, FAILOVER_EPOCHS - 1, bucket.proxy,
+                                          cluster.counters)
+                calm = records[-1]
+                with LeaderKill(cluster, calm["seconds"] / 2) as kill:
+                    last, last_orders = _epochs(jobs, 1, bucket.proxy, cluster.counters,
+                                                first=FAILOVER_EPOCHS - 1)
+                if kill.noted["killed"] >= last[0]["start"] + last[0]["seconds"]:
+                    raise RuntimeError("the epoch ended before the leader was killed")
+                switched = _switches(cluster, cluster.coordinator.address)
+                for job in jobs:
+                    job.finish(JOB_STOP_TIMEOUT)
+    noted = kill.noted
+    killed = noted["killed"]
+    failed = last[0]
+    expected = sorted(data.paths)
+    summary = {
+        "failover_s": round(min(switched.values()) - killed, 2),
+        "failover_s_last_node": round(max(switched.values()) - killed, 2),
+        "takeover_s": round(noted["takeover"] - killed, 2),
+        "lease_ttl_s": noted["lease_ttl_s"],
+        "speedup_failover_ratio": round(calm["seconds"] / failed["seconds"], 3),
+        "items_per_s_calm": round(calm["items"] / calm["seconds"], 1),
+        "items_per_s_failover": round(failed["items"] / failed["seconds"], 1),
+        "bucket_bytes_ratio_calm": round(calm["proxy_bytes"] / data.bytes, 3),
+        "bucket_bytes_ratio_failover": round(failed["proxy_bytes"] / data.bytes, 3),
+        "generation_at_kill": noted["generation_at_kill"],
+        "generation_after_takeover": noted["generation_after_takeover"],
+        "exactly_once": all(sorted(paths) == expected
+                            for job in (*orders, *last_orders) for paths in job),
+    }
+    goals = {k: (summary[k] <= bound if op == "<=" else summary[k] >= bound)
+             for k, (op, bound) in FAILOVER_GOALS.items()}
+    goals["failover_s"] = summary["failover_s"] <= min(2 * summary["lease_ttl_s"],
+                                                       MAX_FAILOVER_S)
+    goals["cycle_kept"] = (summary["generation_after_takeover"]
+                           >= summary["generation_at_kill"])
+    goals["exactly_once"] = summary["exactly_once"]
+    summary["goals_met"] = goals
+    report = {
+        "dataset": {"items": len(data.paths), "bytes": data.bytes,
+                    "upload_seconds": round(bucket.upload_s, 1)},
+        "cache": {"node_cache_bytes": bucket.node_cache, **bucket.chunking},
+        "settings": {**_settings(size), "epochs": FAILOVER_EPOCHS, "coordinators": 2},
+        "definitions": {
+            "failover_s": "from the leader's SIGKILL to the first heartbeat the new leader "
+                          "answered (the earliest of the nodes' switches to it; "
+                          "_last_node: the latest); takeover_s: to its leading",
+            "speedup_failover_ratio": "items/s of the epoch with the kill / of the epoch "
+                                      "before it, without (the same jobs, sub)",
+            "bucket_bytes_ratio_failover": "bytes through the bucket's proxy in the epoch "
+                                           "of the kill / dataset bytes (_calm: the epoch "
+                                           "before)",
+            "generation_at_kill": "the chunk cycle's generation at the killed leader just "
+                                  "before the kill; _after_takeover: at the new leader "
+                                  "when it first led (goals: cycle_kept, not lower)",
+            "goals": {**{k: f"{op} {bound}" for k, (op, bound) in FAILOVER_GOALS.items()},
+                      "failover_s": f"<= 2 x lease_ttl_s and <= {MAX_FAILOVER_S:g}"}},
+        "epochs": [*records, *last],
+        "switches": {n: round(t - killed, 2) for n, t in switched.items()},
+        "timeline": [list(e) for e in recorder.timeline()],
+        "load_average": [load_before, os.getloadavg()[0]],
+        "background_cpu_cores": round(background.cores, 2),
+        "summary": summary,
+    }
+    return Measurement(report, {"sub": [o + lo for o, lo in zip(orders, last_orders)]},
+                       expected)
 
 
 STATE_COLORS = {"loading": "tab:orange", "active": "tab:green", "marked": "tab:red"}
@@ -517,10 +706,22 @@ def plot_timeline(report: dict[str, Any], out: str) -> None:
     figures.save(fig, out)
 
 
-def run(quick: bool, workdir: str, plot: str | None = None, size: str | None = None) -> dict:
+def run(quick: bool, workdir: str, plot: str | None = None, size: str | None = None,
+        kill_coordinator: bool = False) -> dict:
     """The benchmark; ``size`` ("full", "quick", "tiny") overrides ``quick``; ``plot``
-    names a PNG to draw the chunk timeline in."""
+    names a PNG to draw the chunk timeline in; ``kill_coordinator``: the sub jobs alone,
+    on two coordinators whose leader is killed in an epoch (measure_failover)."""
     name = size or ("quick" if quick else "full")
+    if kill_coordinator:
+        if plot:
+            raise QuietError("--plot: the cluster benchmark draws no figure with "
+                             "--kill-coordinator; leave one of them out", ExitCode.USAGE)
+        if not etcd_available():
+            log.warning("%s: skipped", ETCD_MISSING)
+            return {"summary": {"skipped": ETCD_MISSING}}
+        report = measure_failover(SIZES[name], workdir).report
+        report["size"] = name
+        return report
     report = measure(SIZES[name], workdir).report
     report["size"] = name
     if plot:
