@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -147,3 +148,11 @@ def call_as(uid: int, gid: int, socket_path: str, request: dict) -> dict:
         except QuietError as exc:
             return {"ok": False, "error": exc.message, "code": int(exc.exitcode)}
     return run_as(uid, gid, call)
+
+
+def wait_for(condition: Callable[[], Any], what: str, within: float = 30.0) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)

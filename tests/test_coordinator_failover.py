@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,7 +18,7 @@ from quiverfs.bench.processes import CoordinatorProcess, MountdProcess, free_por
 from quiverfs.errors import ExitCode
 from quiverfs.heartbeat import (HeartbeatReply, Leader, Member, NotLeader, heartbeat_answer,
                                 to_wire)
-from tests.mountd_helpers import mountd_factory  # noqa: F401
+from tests.mountd_helpers import mountd_factory, wait_for  # noqa: F401
 from tests.test_cluster import SECRET, rpc_call
 from tests.test_digest_errors import assert_error
 from tests.test_metrics import scrape, value
@@ -32,11 +31,6 @@ DEADLINE = 30.0  # seconds to wait for a condition with no stated bound
 FAILOVER_BOUND = 10.0
 
 
-def wait_for(condition: Callable[[], Any], what: str, within: float = DEADLINE) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from quiverfs.bench.processes import CoordinatorProcess, free_port
 from quiverfs.heartbeat import (DatasetReport, Heartbeat, HeartbeatReply, JobReport,
                                 LoadedShare, from_wire, to_wire)
 from quiverfs.rpc import Unavailable
+from tests.mountd_helpers import wait_for
 from tests.test_cluster import SECRET, rpc_call
 from tests.test_metrics import scrape, value
 
@@ -42,9 +43,9 @@ def pair(tmp_path, etcd) -> Iterator[tuple[CoordinatorProcess, CoordinatorProces
     """Two coordinators: the first started leads, the second stands by."""
     first, second = coordinator(tmp_path, etcd, "c1"), coordinator(tmp_path, etcd, "c2")
     first.start()
-    wait_until(lambda: role(first) == "leader", "the first coordinator to lead")
+    wait_for(lambda: role(first) == "leader", "the first coordinator to lead")
     second.start()
-    wait_until(lambda: status(second)["coordinator"]["leader"] == first.address,
+    wait_for(lambda: status(second)["coordinator"]["leader"] == first.address,
                "the second coordinator to know the leader")
     yield first, second
     for c in (first, second):
@@ -53,11 +54,6 @@ def pair(tmp_path, etcd) -> Iterator[tuple[CoordinatorProcess, CoordinatorProces
         c.stop()
 
 
-def wait_until(condition, what: str, deadline: float = DEADLINE) -> None:
-    end = time.monotonic() + deadline
-    while not condition():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def port(c: CoordinatorProcess) -> int:
@@ -126,7 +122,7 @@ def test_sigkill_of_the_leader_a_standby_leads_within_two_ttls_with_its_state(pa
     killed = time.monotonic()
     leader.proc.kill()
     leader.proc.wait()
-    wait_until(lambda: role(standby) == "leader", "the standby to lead")
+    wait_for(lambda: role(standby) == "leader", "the standby to lead")
     assert time.monotonic() - killed <= 2 * TTL
     after = status(standby)
     assert cycles(after) == cycles(before)
@@ -143,13 +139,13 @@ def test_a_leader_cut_off_from_etcd_steps_down_within_its_lease(pair, etcd):
     etcd.proc.send_signal(signal.SIGSTOP)
     cut = time.monotonic()
     try:
-        wait_until(lambda: role(leader) == "standby", "the leader to step down")
+        wait_for(lambda: role(leader) == "standby", "the leader to step down")
         assert time.monotonic() - cut <= TTL + 1.0  # its lease, and a status call's time
         assert beat(leader, "z") == {"not_leader": {"leader": None}}
         assert role(standby) == "standby"  # nobody leads without etcd
     finally:
         etcd.proc.send_signal(signal.SIGCONT)
-    wait_until(lambda: "leader" in (role(leader), role(standby)), "a leader again")
+    wait_for(lambda: "leader" in (role(leader), role(standby)), "a leader again")
     assert "stepped down as the leader: the lease was not renewed" in log_of(leader)
 
 
@@ -158,13 +154,13 @@ def test_a_deposed_leader_that_was_stopped_never_writes_again(pair, etcd):
     drive(leader)
     leader.proc.send_signal(signal.SIGSTOP)
     try:
-        wait_until(lambda: role(standby) == "leader", "the standby to lead")
+        wait_for(lambda: role(standby) == "leader", "the standby to lead")
     finally:
         leader.proc.send_signal(signal.SIGCONT)
     reply = beat(leader, "z")
     assert set(reply) == {"not_leader"}, reply
     assert PREFIX + "nodes/z" not in etcd.keys()
-    wait_until(lambda: status(leader)["coordinator"]["leader"] == standby.address,
+    wait_for(lambda: status(leader)["coordinator"]["leader"] == standby.address,
                "the old leader to follow the new one")
     assert role(leader) == "standby"
     assert "z" not in {n["id"] for n in status(standby)["nodes"]}
@@ -188,7 +184,7 @@ def test_etcd_refuses_the_write_of_a_leader_whose_key_was_replaced(pair, etcd):
     assert {k: v for k, v in after.items() if k != PREFIX + "leader"} == {
         k: v for k, v in before.items() if k != PREFIX + "leader"}
     assert "etcd refused a write" in log_of(leader)
-    wait_until(lambda: status(leader)["coordinator"]["leader"] == "127.0.0.1:1",
+    wait_for(lambda: status(leader)["coordinator"]["leader"] == "127.0.0.1:1",
                "the old leader to name the key's holder")
 
 
@@ -199,7 +195,7 @@ def test_a_malformed_key_is_reported_once_and_never_led_on(tmp_path, etcd):
     c = coordinator(tmp_path, etcd, "c1")
     c.start()
     try:
-        wait_until(lambda: "is malformed" in log_of(c), "the malformed key's log line")
+        wait_for(lambda: "is malformed" in log_of(c), "the malformed key's log line")
         end = time.monotonic() + 3 * TTL  # three of its tries to lead
         while time.monotonic() < end:
             assert role(c) == "standby"
@@ -210,7 +206,7 @@ def test_a_malformed_key_is_reported_once_and_never_led_on(tmp_path, etcd):
         assert f"etcd key {key} is malformed (JSONDecodeError" in lines[0]
         assert "Traceback" not in log_of(c)
         etcd.ctl("del", key)
-        wait_until(lambda: role(c) == "leader", "the coordinator to lead")
+        wait_for(lambda: role(c) == "leader", "the coordinator to lead")
     finally:
         assert c.stop() == 0
 
@@ -219,11 +215,11 @@ def test_a_restart_of_every_coordinator_resumes_from_etcd(pair):
     leader, standby = pair
     before = drive(leader)
     assert leader.stop() == 0  # the leader resigns: the standby takes over at once
-    wait_until(lambda: role(standby) == "leader", "the standby to lead")
+    wait_for(lambda: role(standby) == "leader", "the standby to lead")
     assert standby.stop() == 0
     for c in (leader, standby):
         c.start()
-    wait_until(lambda: "leader" in (role(leader), role(standby)), "a leader")
+    wait_for(lambda: "leader" in (role(leader), role(standby)), "a leader")
     now = leader if role(leader) == "leader" else standby
     after = status(now)
     assert cycles(after) == cycles(before)
@@ -252,21 +248,21 @@ def test_a_three_member_etcd_goes_on_without_one_and_stops_takeovers_without_two
     first.start()
     second.start()
     try:
-        wait_until(lambda: "leader" in (role(first), role(second)), "a leader")
+        wait_for(lambda: "leader" in (role(first), role(second)), "a leader")
         leader, standby = (first, second) if role(first) == "leader" else (second, first)
         drive(leader)
         etcd3[0].proc.kill()
         etcd3[0].proc.wait()
         # Two members go on (once they elected a leader among them, if m0 was it): a
         # write, and a takeover, whichever URL each coordinator tried first.
-        wait_until(lambda: etcd3[1].quorum(), "etcd's two members to have a leader")
-        wait_until(lambda: "leader" in (role(first), role(second)), "a leader")
+        wait_for(lambda: etcd3[1].quorum(), "etcd's two members to have a leader")
+        wait_for(lambda: "leader" in (role(first), role(second)), "a leader")
         leader, standby = (first, second) if role(first) == "leader" else (second, first)
         from_wire(beat(leader, "c"), HeartbeatReply)
         before = status(leader)
         leader.proc.kill()
         leader.proc.wait()
-        wait_until(lambda: role(standby) == "leader", "the standby to lead on two members")
+        wait_for(lambda: role(standby) == "leader", "the standby to lead on two members")
         assert {n["id"] for n in status(standby)["nodes"]} == {"a", "b", "c"}
         assert cycles(status(standby)) == cycles(before)
         kept = etcd3[1].keys()
@@ -274,7 +270,7 @@ def test_a_three_member_etcd_goes_on_without_one_and_stops_takeovers_without_two
         etcd3[1].proc.wait()
         # No bound here: etcd's leader may grant renewals for its election timeout
         # before it notices it lost its quorum.
-        wait_until(lambda: role(standby) == "standby", "the leader to step down")
+        wait_for(lambda: role(standby) == "standby", "the leader to step down")
         assert beat(standby, "z") == {"not_leader": {"leader": None}}
         assert "stepped down as the leader: the lease was not renewed" in log_of(standby)
         assert "etcd: " in log_of(standby)
@@ -282,7 +278,7 @@ def test_a_three_member_etcd_goes_on_without_one_and_stops_takeovers_without_two
             m.start(wait=False)
         for m in etcd3[:2]:
             m.wait()
-        wait_until(lambda: role(standby) == "leader", "the coordinator to lead again")
+        wait_for(lambda: role(standby) == "leader", "the coordinator to lead again")
         now = etcd3[2].keys()
         for key in (PREFIX + "leader", PREFIX + "version"):  # a new term, a new version
             now.pop(key), kept.pop(key)
@@ -298,9 +294,9 @@ def test_the_metrics_show_the_leader_the_lease_and_the_takeovers(tmp_path, etcd)
                      for i, p in enumerate(ports))
     first.start()
     try:
-        wait_until(lambda: role(first) == "leader", "the first coordinator to lead")
+        wait_for(lambda: role(first) == "leader", "the first coordinator to lead")
         second.start()
-        wait_until(lambda: status(second)["coordinator"]["leader"] == first.address,
+        wait_for(lambda: status(second)["coordinator"]["leader"] == first.address,
                    "the second coordinator to know the leader")
         drive(first)
         leading, standing = scrape(ports[0]), scrape(ports[1])
@@ -317,13 +313,13 @@ def test_the_metrics_show_the_leader_the_lease_and_the_takeovers(tmp_path, etcd)
         assert not any(name == "quiver_coordinator_nodes" for name, _ in standing)
         first.proc.kill()
         first.proc.wait()
-        wait_until(lambda: role(second) == "leader", "the standby to lead")
+        wait_for(lambda: role(second) == "leader", "the standby to lead")
         took_over = scrape(ports[1])
         assert value(took_over, "quiver_coordinator_leader") == 1
         assert value(took_over, "quiver_coordinator_takeovers_total") == 1
         assert value(took_over, "quiver_coordinator_nodes", state="live") == 2
         # What it loaded is what it would write: only the new membership version goes.
-        wait_until(lambda: value(scrape(ports[1]), "quiver_coordinator_etcd_writes_total")
+        wait_for(lambda: value(scrape(ports[1]), "quiver_coordinator_etcd_writes_total")
                    >= 1, "the new leader's first write")
         assert value(scrape(ports[1]), "quiver_coordinator_etcd_keys_written_total") == 1
     finally:
@@ -356,7 +352,7 @@ def test_a_coordinator_takes_etcd_lease_ttl_and_advertise_from_the_config_file(
             return False
 
     try:
-        wait_until(leads, "it to lead")
+        wait_for(leads, "it to lead")
         assert status(c)["coordinator"]["lease_ttl"] == 3
         assert etcd.keys()[PREFIX + "leader"][0] == "10.9.8.7:7070"
     finally:
@@ -372,7 +368,7 @@ def test_steady_heartbeats_of_three_nodes_and_six_jobs_write_nothing(tmp_path, e
                     heartbeat_timeout=2.0)
     c.start()
     try:
-        wait_until(lambda: role(c) == "leader", "it to lead")
+        wait_for(lambda: role(c) == "leader", "it to lead")
         for node in ("a", "b", "c"):
             beat(c, node, jobs=2)
         written = value(scrape(metrics), "quiver_coordinator_etcd_keys_written_total")

@@ -7,14 +7,14 @@ import hashlib
 import os
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 
 from quiverfs.bench.processes import CoordinatorProcess, MountdProcess
 from quiverfs.torch import QuiverBatchSampler
-from tests.mountd_helpers import make_digest, mount, mountd_factory, tree_hashes  # noqa: F401
+from tests.mountd_helpers import (make_digest, mount, mountd_factory,  # noqa: F401
+                                  tree_hashes)
+from tests.mountd_helpers import wait_for
 from tests.slow_listener import slow_listener
 from tests.test_cluster import SECRET, rpc_call
 from tests.test_coordinator_ha import TTL, pair, role, status  # noqa: F401
@@ -29,11 +29,6 @@ KILL_EPOCH = 1
 CACHE_OF_DATASET = 10  # each node caches a tenth of the dataset: chunks must cycle
 
 
-def wait_for(condition: Callable[[], Any], what: str, within: float = DEADLINE) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def start_node(mountd_factory, name: str, coordinators: list[CoordinatorProcess],
@@ -72,8 +67,9 @@ def test_sigkill_of_the_leader_mid_epoch_the_standby_leads_and_jobs_read_on(
     nodes = {n: start_node(mountd_factory, n, orders[n], secret_file, cache, digest)
              for n in NODES}
     wait_for(lambda: all(in_use(m) == leader.address for m in nodes.values()),
-             "every node to follow the leader")
-    wait_for(lambda: alive(leader) == dict.fromkeys(NODES, True), "every node to join")
+             "every node to follow the leader", within=DEADLINE)
+    wait_for(lambda: alive(leader) == dict.fromkeys(NODES, True), "every node to join",
+             within=DEADLINE)
     expected = tree_hashes(digits_tree.root)
     everything = sorted(expected)
 
@@ -136,7 +132,7 @@ def test_sigkill_of_the_leader_mid_epoch_the_standby_leads_and_jobs_read_on(
     assert cycle(after)["chunks"] == cycle(before)["chunks"]
     assert alive(standby) == dict.fromkeys(NODES, True)
     wait_for(lambda: all(in_use(m) == standby.address for m in nodes.values()),
-             "every node to follow the new leader")
+             "every node to follow the new leader", within=DEADLINE)
     for m in nodes.values():
         assert m.status()["cluster"]["coordinators"]["switches"] == 1
 
@@ -166,7 +162,8 @@ def test_a_node_listing_the_standby_first_follows_its_redirect_to_the_leader(
             "127.0.0.1:0", "--node-id", "a", "--cluster-secret-file",
             str(tmp_path / "secret")))
         mount(node, make_digest(synthetic_tree.root, "syn"), "syn")
-        wait_for(lambda: alive(leader) == {"a": True}, "the node to join the leader")
+        wait_for(lambda: alive(leader) == {"a": True}, "the node to join the leader",
+                 within=DEADLINE)
         expected = tree_hashes(synthetic_tree.root)
         root = os.path.join(node.root, "syn")
         got = {}
@@ -175,7 +172,7 @@ def test_a_node_listing_the_standby_first_follows_its_redirect_to_the_leader(
                 got[p] = hashlib.sha256(f.read()).hexdigest()
         assert got == expected
         wait_for(lambda: node.call({"op": "cluster"})["coordinator_ok"],
-                 "the node's heartbeat to be answered")
+                 "the node's heartbeat to be answered", within=DEADLINE)
         assert node.status()["cluster"]["coordinators"] == {
             "addresses": [standby.address, hang, leader.address],
             "in_use": leader.address, "switches": 0, "last_switch": None}
