@@ -68,6 +68,8 @@ NATIVE_COUNTERS = {
                      "drained them too slowly"),
     "backing_failures": ("quiver_native_backing_failures", "Passthrough OPENs of served "
                          "items the kernel gave no backing file"),
+    "store_drops": ("quiver_native_store_drops", "Store files whose pages a native READ "
+                    "brought into the page cache and dropped after the file's last byte"),
 }
 
 

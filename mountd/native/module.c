@@ -312,13 +312,13 @@ static PyObject *Plane_counters(PlaneObject *self, PyObject *unused)
 	(void)unused;
 	struct plane_counters c;
 	plane_counters(self->plane, &c);
-	return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsK}", "lookups", c.lookups, "getattrs",
+	return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "lookups", c.lookups, "getattrs",
 			     c.getattrs, "reads", c.reads, "read_bytes", c.read_bytes, "copied",
 			     c.copied, "hits", c.hits, "forwarded", c.forwarded, "fallbacks",
 			     c.fallbacks,
 			     "hits_dropped", c.hits_dropped, "forgets", c.forgets, "opens",
 			     c.opens, "releases", c.releases, "backing_failures",
-			     c.backing_failures);
+			     c.backing_failures, "store_drops", c.store_drops);
 }
 
 static PyObject *Plane_set_passthrough(PlaneObject *self, PyObject *arg)

@@ -337,8 +337,8 @@ static int do_read(struct plane *p, const struct fuse_in_header *in,
 	}
 	int drop = off + n >= size && atomic_load_explicit(&s->fresh, memory_order_relaxed);
 	atomic_fetch_sub(&s->inflight, 1);
-	if (drop)
-		posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+	if (drop && posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED) == 0)
+		atomic_fetch_add_explicit(&p->store_drops, 1, memory_order_relaxed);
 	close(fd);
 	return 1;
 fallback:
@@ -639,4 +639,5 @@ void plane_counters(struct plane *p, struct plane_counters *out)
 	out->opens = atomic_load(&p->opens);
 	out->releases = atomic_load(&p->releases);
 	out->backing_failures = atomic_load(&p->backing_failures);
+	out->store_drops = atomic_load(&p->store_drops);
 }

@@ -34,6 +34,7 @@ struct plane_counters {
 	uint64_t opens;      /* passthrough: OPENs answered with a backing file */
 	uint64_t releases;   /* and their RELEASEs */
 	uint64_t backing_failures; /* OPENs of served items the kernel gave no backing id */
+	uint64_t store_drops; /* store files whose pages a READ brought in and then dropped */
 };
 
 /* A plane for the value files under store_dir, served by `threads` threads once

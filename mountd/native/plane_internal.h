@@ -131,7 +131,8 @@ struct plane {
 	size_t hit_start, hit_count;
 
 	atomic_uint_fast64_t lookups, getattrs, reads, read_bytes, copied, served_files,
-		forwarded, fallbacks, hits_dropped, forgets, opens, releases, backing_failures;
+		forwarded, fallbacks, hits_dropped, forgets, opens, releases, backing_failures,
+		store_drops;
 };
 
 /* tables.c */
