@@ -6,7 +6,7 @@ import os
 import re
 from typing import TYPE_CHECKING
 
-from coordinator.etcd_client import EtcdEndpoints
+from coordinator.etcd_client import EtcdAccess, EtcdEndpoints
 from coordinator.state import (FORGET_AFTER, FORGET_DATASETS_AFTER, HEARTBEAT_TIMEOUT,
                                REPROBE_AFTER)
 from quiverfs.cycle_cli import add_cycle_options
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from coordinator.state import CoordinatorState
 
 LEASE_TTL = 5  # seconds a leader leads on without renewing its lease in etcd
+_ETCD_ACCESS = ("etcd_ca", "etcd_cert", "etcd_key", "etcd_user", "etcd_password_file")
 PREFIX = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # an --etcd-prefix, in full
 
 
@@ -32,9 +33,23 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--state-dir", help="where state is persisted (one coordinator; "
                    "or --etcd)")
     p.add_argument("--etcd", metavar="URL[,URL...]", type=EtcdEndpoints("--etcd"),
-                   help="keep the state in etcd at these client URLs (http://HOST:PORT, "
-                   "comma-separated) instead of --state-dir: several coordinators share "
-                   "it, one leads and the others stand by")
+                   help="keep the state in etcd at these client URLs (https://HOST:PORT "
+                   "or http://, comma-separated) instead of --state-dir: several "
+                   "coordinators share it, one leads and the others stand by")
+    p.add_argument("--etcd-ca", metavar="FILE",
+                   help="with https --etcd URLs: the CA certificates (PEM) that etcd's "
+                   "certificate must be signed by (default: $REQUESTS_CA_BUNDLE, or the CAs "
+                   "of Python's requests)")
+    p.add_argument("--etcd-cert", metavar="FILE",
+                   help="with https --etcd URLs: this coordinator's client certificate "
+                   "(PEM), for an etcd that checks its clients' (--client-cert-auth)")
+    p.add_argument("--etcd-key", metavar="FILE", help="the --etcd-cert's key (PEM, no "
+                   "passphrase)")
+    p.add_argument("--etcd-user", metavar="NAME",
+                   help="for an etcd with auth enabled: the user to authenticate as (it "
+                   "needs read and write on /quiver/PREFIX/)")
+    p.add_argument("--etcd-password-file", metavar="FILE",
+                   help="the file holding --etcd-user's password")
     p.add_argument("--etcd-prefix", default="default", metavar="NAME",
                    help="the cluster's keys in etcd are /quiver/NAME/... "
                    "(default %(default)s)")
@@ -96,6 +111,11 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     if (args.state_dir is None) == (args.etcd is None):
         raise QuietError("give --state-dir (one coordinator) or --etcd (several sharing "
                          "etcd, one leading), not both or neither", ExitCode.USAGE)
+    etcd_only = [f"--{name.replace('_', '-')}" for name in _ETCD_ACCESS
+                 if getattr(args, name) is not None]
+    if args.etcd is None and etcd_only:
+        raise QuietError(f"{etcd_only[0]} is for --etcd: give --etcd URLs, or leave it out "
+                         "with --state-dir", ExitCode.USAGE)
     if args.etcd is not None and not PREFIX.fullmatch(args.etcd_prefix):
         raise QuietError(f"--etcd-prefix {args.etcd_prefix!r} is not valid: give letters, "
                          "digits, '.', '_' and '-' (at most 64)", ExitCode.USAGE)
@@ -138,6 +158,30 @@ def _leadership(args: argparse.Namespace, state: CoordinatorState,
         advertise = server.address
     # A call to etcd gives up within a renewal period: the leader tries again in time.
     timeout = args.lease_ttl / RENEWS_PER_TTL
-    store = EtcdState(EtcdClient(args.etcd, timeout), args.etcd_prefix, args.heartbeat_timeout)
-    return Leadership(state, store, EtcdClient(args.etcd, timeout), advertise,
+    access = _access(args)
+    store = EtcdState(EtcdClient(access, timeout), args.etcd_prefix, args.heartbeat_timeout)
+    return Leadership(state, store, EtcdClient(access, timeout), advertise,
                       args.lease_ttl, admit=server.admit)
+
+
+def _access(args: argparse.Namespace) -> EtcdAccess:
+    """--etcd and how to reach it: TLS files checked, the password read."""
+    if (args.etcd_cert is None) != (args.etcd_key is None):
+        raise QuietError("give --etcd-cert and --etcd-key together", ExitCode.USAGE)
+    if (args.etcd_user is None) != (args.etcd_password_file is None):
+        raise QuietError("give --etcd-user and --etcd-password-file together",
+                         ExitCode.USAGE)
+    password = None
+    if args.etcd_password_file is not None:
+        try:
+            with open(args.etcd_password_file, encoding="utf-8") as f:
+                password = f.read().rstrip("\r\n")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = getattr(exc, "strerror", None) or "not UTF-8 text"
+            raise QuietError(f"cannot read --etcd-password-file "
+                             f"{args.etcd_password_file}: {reason}",
+                             ExitCode.PERMISSION) from None
+    access = EtcdAccess(args.etcd, args.etcd_ca, args.etcd_cert, args.etcd_key,
+                        args.etcd_user, password)
+    access.check()
+    return access

@@ -103,8 +103,8 @@ def test_coordinator_state_dir_under_a_file(quiver, tmp_path, secret: str) -> No
 @pytest.mark.parametrize("args, words", [
     ((), ("give --state-dir (one coordinator) or --etcd",)),
     (("--state-dir", "STATE", "--etcd", "http://127.0.0.1:2379"), ("not both or neither",)),
-    (("--etcd", "https://127.0.0.1:2379"), ("invalid --etcd URL 'https://127.0.0.1:2379'",
-                                            "https is not supported yet")),
+    (("--etcd", "ftp://127.0.0.1:2379"), ("invalid --etcd URL 'ftp://127.0.0.1:2379'",
+                                          "https://10.0.0.1:2379")),
     (("--etcd", "http://127.0.0.1:2379,127.0.0.1:2380"), ("invalid --etcd URL",)),
     (("--etcd", "http://127.0.0.1"), ("invalid --etcd URL 'http://127.0.0.1'",)),
     (("--etcd", "http://127.0.0.1:2379", "--etcd-prefix", "a/b"),
@@ -113,6 +113,14 @@ def test_coordinator_state_dir_under_a_file(quiver, tmp_path, secret: str) -> No
      ("--lease-ttl must be at least 1, not 0",)),
     (("--etcd", "http://127.0.0.1:2379", "--advertise", "127.0.0.1:0"),
      ("--advertise port must be at least 1",)),
+    (("--state-dir", "STATE", "--etcd-user", "quiver"),
+     ("--etcd-user is for --etcd", "leave it out with --state-dir")),
+    (("--etcd", "https://127.0.0.1:2379", "--etcd-cert", "cert.pem"),
+     ("give --etcd-cert and --etcd-key together",)),
+    (("--etcd", "http://127.0.0.1:2379", "--etcd-password-file", "pw"),
+     ("give --etcd-user and --etcd-password-file together",)),
+    (("--etcd", "http://127.0.0.1:2379", "--etcd-ca", "/etc/ssl/certs/ca-certificates.crt"),
+     ("--etcd-ca and --etcd-cert are for https --etcd URLs",)),
 ])
 def test_coordinator_state_options(quiver, tmp_path, secret: str, args: tuple[str, ...],
                                    words: tuple[str, ...]) -> None:
@@ -130,9 +138,28 @@ def test_coordinator_with_etcd_on_a_wildcard_address_needs_advertise(
 
 def test_coordinator_etcd_url_in_the_config_file(quiver, tmp_path, secret: str) -> None:
     cfg = tmp_path / "quiver.toml"
-    cfg.write_text('[coordinator]\netcd = "https://10.0.0.1:2379"\n')
+    cfg.write_text('[coordinator]\netcd = "https://10.0.0.1"\n')
     r = quiver("--config", str(cfg), "coordinator", "--listen", "127.0.0.1:0")
-    assert_error(r, ExitCode.CONFIG, str(cfg), "etcd", "https is not supported yet")
+    assert_error(r, ExitCode.CONFIG, str(cfg), "etcd", "invalid --etcd URL")
+
+
+@pytest.mark.parametrize("option, words", [
+    ("--etcd-ca", ("cannot use --etcd-ca",)),
+    ("--etcd-cert", ("cannot use --etcd-cert/--etcd-key",)),
+    ("--etcd-password-file", ("cannot read --etcd-password-file", "No such file")),
+])
+def test_coordinator_etcd_files_it_cannot_use(quiver, tmp_path, secret: str, option: str,
+                                              words: tuple[str, ...]) -> None:
+    """A missing (or, for the certificate, not PEM) file: one line, exit 6, at start."""
+    (tmp_path / "not.pem").write_text("not a certificate\n")
+    files = {"--etcd-ca": str(tmp_path / "missing.pem"),
+             "--etcd-cert": str(tmp_path / "not.pem"),
+             "--etcd-password-file": str(tmp_path / "missing")}
+    extra = {"--etcd-cert": ("--etcd-key", str(tmp_path / "not.pem")),
+             "--etcd-password-file": ("--etcd-user", "quiver")}.get(option, ())
+    r = quiver("coordinator", "--listen", "127.0.0.1:0", "--etcd", "https://127.0.0.1:2379",
+               option, files[option], *extra)
+    assert_error(r, ExitCode.PERMISSION, *words)
 
 
 def test_coordinator_unwritable_state_dir(quiver, tmp_path, secret: str,
