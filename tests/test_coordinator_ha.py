@@ -112,7 +112,8 @@ def test_a_standby_answers_heartbeats_with_the_leaders_address(pair):
     assert [m.id for m in reply.nodes] == ["a"]
     assert status(standby) == {"coordinator": {
         "role": "standby", "leader": leader.address, "advertise": standby.address,
-        "lease_ttl": TTL, "takeovers": 0, "last_takeover": None}}
+        "lease_ttl": TTL, "takeovers": 0, "last_takeover": None, "etcd_writes": 0,
+        "etcd_keys_written": 0}}
     assert status(leader)["coordinator"]["takeovers"] == 1
 
 

@@ -564,6 +564,12 @@ class LeaderKill:
             self.failed = exc
 
 
+def _etcd_writes(cluster: Cluster) -> dict[str, int]:
+    """The leading coordinator's state writes to etcd so far."""
+    entry = cluster.ha.status(cluster.ha.leader())["coordinator"]
+    return {k: int(entry[k]) for k in ("etcd_writes", "etcd_keys_written")}
+
+
 def _switches(cluster: Cluster, address: str) -> dict[str, float]:
     """When each node took its first answer from the coordinator at ``address``
     (wall-clock), once every node follows it."""
@@ -595,8 +601,14 @@ def measure_failover(size: Size, workdir: str) -> Measurement:
                                          epochs=FAILOVER_EPOCHS) for i in range(size.jobs)}
             with running_jobs(reading_job.__name__, specs, base, EPOCH_TIMEOUT) as jobs, \
                     TimelineRecorder(cluster) as recorder:
-                records, orders = _epochs(jobs, FAILOVER_EPOCHS - 1, bucket.proxy,
+                records, orders = _epochs(jobs, FAILOVER_EPOCHS - 2, bucket.proxy,
                                           cluster.counters)
+                writes_before = _etcd_writes(cluster)
+                calm_records, calm_orders = _epochs(jobs, 1, bucket.proxy, cluster.counters,
+                                                    first=FAILOVER_EPOCHS - 2)
+                writes = {k: v - writes_before[k] for k, v in _etcd_writes(cluster).items()}
+                records += calm_records
+                orders = [o + c for o, c in zip(orders, calm_orders)]
                 calm = records[-1]
                 with LeaderKill(cluster, calm["seconds"] / 2) as kill:
                     last, last_orders = _epochs(jobs, 1, bucket.proxy, cluster.counters,
@@ -622,6 +634,9 @@ def measure_failover(size: Size, workdir: str) -> Measurement:
         "bucket_bytes_ratio_failover": round(failed["proxy_bytes"] / data.bytes, 3),
         "generation_at_kill": noted["generation_at_kill"],
         "generation_after_takeover": noted["generation_after_takeover"],
+        "etcd_writes_per_s_calm": round(writes["etcd_writes"] / calm["seconds"], 2),
+        "etcd_keys_written_per_s_calm": round(writes["etcd_keys_written"] / calm["seconds"],
+                                              2),
         "exactly_once": all(sorted(paths) == expected
                             for job in (*orders, *last_orders) for paths in job),
     }
@@ -647,6 +662,9 @@ def measure_failover(size: Size, workdir: str) -> Measurement:
             "bucket_bytes_ratio_failover": "bytes through the bucket's proxy in the epoch "
                                            "of the kill / dataset bytes (_calm: the epoch "
                                            "before)",
+            "etcd_writes_per_s_calm": "the leader's state transactions in etcd a second "
+                                      "over the epoch without the kill (_keys_written: "
+                                      "keys put or deleted by them)",
             "generation_at_kill": "the chunk cycle's generation at the killed leader just "
                                   "before the kill; _after_takeover: at the new leader "
                                   "when it first led (goals: cycle_kept, not lower)",
