@@ -52,6 +52,7 @@ class EtcdState:
         self.written: dict[str, bytes] = {}  # key -> value, as etcd holds it
         self.transactions = 0  # writes that etcd applied
         self.keys_written = 0  # keys put or deleted by them
+        self.bytes_written = 0  # the values they put
         self._oversize: set[str] = set()  # records too large for etcd, logged once each
 
     def fetch(self) -> list[KeyValue]:
@@ -121,6 +122,7 @@ class EtcdState:
                 return False
             self.transactions += 1
             self.keys_written += len(batch)
+            self.bytes_written += sum(len(v) for _, v in batch if v is not None)
             for key, value in batch:
                 if value is None:
                     self.written.pop(key, None)

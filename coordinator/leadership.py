@@ -223,10 +223,11 @@ class Leadership:
 
     def status(self) -> dict[str, Any]:
         """The role, the leader's address, the lease, the takeovers, and the state
-        writes this process made (transactions and keys)."""
+        writes this process made (transactions, keys and the values' bytes)."""
         return {"role": "leader" if self.leading() else "standby",
                 "leader": self.known_leader(),
                 "advertise": self.advertise, "lease_ttl": self.ttl,
                 "takeovers": self.takeovers, "last_takeover": self.last_takeover,
                 "etcd_writes": self.store.transactions,
-                "etcd_keys_written": self.store.keys_written}
+                "etcd_keys_written": self.store.keys_written,
+                "etcd_bytes_written": self.store.bytes_written}

@@ -68,7 +68,10 @@ class CoordinatorCollector:
         keys = CounterMetricFamily("quiver_coordinator_etcd_keys_written", "Keys put or "
                                    "deleted by those transactions")
         keys.add_metric([], lead.store.keys_written)
-        return [leader, ttl, takeovers, last, writes, keys]
+        written = CounterMetricFamily("quiver_coordinator_etcd_written_bytes", "Bytes of the "
+                                      "values those transactions put")
+        written.add_metric([], lead.store.bytes_written)
+        return [leader, ttl, takeovers, last, writes, keys, written]
 
     def _state(self) -> list[Metric]:
         """The state's families."""

@@ -65,7 +65,8 @@ FAILOVER_KEYS = {"failover_s", "failover_s_last_node", "takeover_s", "lease_ttl_
                  "speedup_failover_ratio", "items_per_s_calm", "items_per_s_failover",
                  "bucket_bytes_ratio_calm", "bucket_bytes_ratio_failover",
                  "generation_at_kill", "generation_after_takeover",
-                 "etcd_writes_per_s_calm", "etcd_keys_written_per_s_calm", "exactly_once",
+                 "etcd_writes_per_s_calm", "etcd_keys_written_per_s_calm",
+                 "etcd_bytes_written_per_s_calm", "exactly_once",
                  "goals_met"}
 
 
@@ -96,6 +97,7 @@ def test_quick_kill_coordinator_reports_the_failover_and_keeps_exactly_once(tmp_
     # the cycle turned in the calm epoch: its transitions were written, and no more
     # transactions than keys
     assert 0 < summary["etcd_writes_per_s_calm"] <= summary["etcd_keys_written_per_s_calm"]
+    assert summary["etcd_bytes_written_per_s_calm"] > 0
     assert not any(os.path.ismount(os.path.join(root, d))
                    for root, dirs, _ in os.walk(tmp_path) for d in dirs)
 

@@ -113,7 +113,7 @@ def test_a_standby_answers_heartbeats_with_the_leaders_address(pair):
     assert status(standby) == {"coordinator": {
         "role": "standby", "leader": leader.address, "advertise": standby.address,
         "lease_ttl": TTL, "takeovers": 0, "last_takeover": None, "etcd_writes": 0,
-        "etcd_keys_written": 0}}
+        "etcd_keys_written": 0, "etcd_bytes_written": 0}}
     assert status(leader)["coordinator"]["takeovers"] == 1
 
 
@@ -289,6 +289,42 @@ def test_a_three_member_etcd_goes_on_without_one_and_stops_takeovers_without_two
             c.stop()
 
 
+def test_a_leader_cut_off_from_etcd_while_the_standby_is_not_steps_down_and_follows(
+        tmp_path, etcd3):
+    """The leader reaches etcd through one member, the standby through the other two:
+    that member stopped (a network cut of the leader), the leader steps down within its
+    lease, the standby leads on the state, and the old leader, back, follows it and
+    writes nothing."""
+    first, second = coordinator(tmp_path, etcd3[0], "c1"), coordinator(tmp_path, etcd3[1:],
+                                                                       "c2")
+    first.start()
+    try:
+        wait_for(lambda: role(first) == "leader", "the first coordinator to lead")
+        second.start()
+        wait_for(lambda: status(second)["coordinator"]["leader"] == first.address,
+                 "the second coordinator to know the leader")
+        before = drive(first)
+        etcd3[0].proc.send_signal(signal.SIGSTOP)
+        cut = time.monotonic()
+        try:
+            wait_for(lambda: role(first) == "standby", "the cut-off leader to step down")
+            assert time.monotonic() - cut <= TTL + 1.0  # its lease, and a status call's
+            wait_for(lambda: role(second) == "leader", "the standby to lead")
+            assert cycles(status(second)) == cycles(before)
+            assert {n["id"] for n in status(second)["nodes"]} == {"a", "b"}
+        finally:
+            etcd3[0].proc.send_signal(signal.SIGCONT)
+        wait_for(lambda: status(first)["coordinator"]["leader"] == second.address,
+                 "the old leader to follow the new one")
+        assert role(first) == "standby"
+        assert beat(first, "z") == {"not_leader": {"leader": second.address}}
+        assert PREFIX + "nodes/z" not in etcd3[0].keys()
+        assert "stepped down as the leader: the lease was not renewed" in log_of(first)
+    finally:
+        for c in (first, second):
+            c.stop()
+
+
 def test_the_metrics_show_the_leader_the_lease_and_the_takeovers(tmp_path, etcd):
     ports = [free_port(), free_port()]
     first, second = (coordinator(tmp_path, etcd, f"c{i}", ("--metrics", f"127.0.0.1:{p}"))
@@ -306,6 +342,7 @@ def test_the_metrics_show_the_leader_the_lease_and_the_takeovers(tmp_path, etcd)
         assert value(leading, "quiver_coordinator_lease_ttl_seconds") == TTL
         assert value(leading, "quiver_coordinator_last_takeover_timestamp_seconds") > 0
         assert value(leading, "quiver_coordinator_etcd_writes_total") >= 3  # a, b, cycle
+        assert value(leading, "quiver_coordinator_etcd_written_bytes_total") > 0
         assert value(leading, "quiver_coordinator_nodes", state="live") == 2
         assert value(standing, "quiver_coordinator_leader") == 0
         assert value(standing, "quiver_coordinator_takeovers_total") == 0

@@ -567,7 +567,8 @@ class LeaderKill:
 def _etcd_writes(cluster: Cluster) -> dict[str, int]:
     """The leading coordinator's state writes to etcd so far."""
     entry = cluster.ha.status(cluster.ha.leader())["coordinator"]
-    return {k: int(entry[k]) for k in ("etcd_writes", "etcd_keys_written")}
+    return {k: int(entry[k]) for k in ("etcd_writes", "etcd_keys_written",
+                                        "etcd_bytes_written")}
 
 
 def _switches(cluster: Cluster, address: str) -> dict[str, float]:
@@ -637,6 +638,7 @@ def measure_failover(size: Size, workdir: str) -> Measurement:
         "etcd_writes_per_s_calm": round(writes["etcd_writes"] / calm["seconds"], 2),
         "etcd_keys_written_per_s_calm": round(writes["etcd_keys_written"] / calm["seconds"],
                                               2),
+        "etcd_bytes_written_per_s_calm": round(writes["etcd_bytes_written"] / calm["seconds"]),
         "exactly_once": all(sorted(paths) == expected
                             for job in (*orders, *last_orders) for paths in job),
     }
@@ -664,7 +666,8 @@ def measure_failover(size: Size, workdir: str) -> Measurement:
                                            "before)",
             "etcd_writes_per_s_calm": "the leader's state transactions in etcd a second "
                                       "over the epoch without the kill (_keys_written: "
-                                      "keys put or deleted by them)",
+                                      "keys put or deleted by them; _bytes_written: the "
+                                      "bytes of the values put)",
             "generation_at_kill": "the chunk cycle's generation at the killed leader just "
                                   "before the kill; _after_takeover: at the new leader "
                                   "when it first led (goals: cycle_kept, not lower)",
