@@ -204,6 +204,12 @@ def test_demo_refuses_a_chart_it_cannot_write(tmp_path):
     assert r.stdout == ""
 
 
+def _interruptible() -> None:
+    """SIGINT as a terminal's foreground job has it: a suite started in the background
+    by a shell (``cmd &``) ignores SIGINT, and its children would inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(DEMO_TIMEOUT)
 def test_demo_interrupted_stops_and_unmounts_everything(tmp_path):
@@ -212,7 +218,8 @@ def test_demo_interrupted_stops_and_unmounts_everything(tmp_path):
     proc = subprocess.Popen([sys.executable, "-u", "-m", "quiverfs.bench.demo", "--size",
                              "tiny", "--chart", str(tmp_path / "chart.png")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+                            stdin=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=_interruptible)
     try:
         lines = []
         for line in proc.stdout:
