@@ -42,18 +42,24 @@ def coordinator(tmp_path, etcd: Etcd | list[Etcd], name: str,
 def pair(tmp_path, etcd) -> Iterator[tuple[CoordinatorProcess, CoordinatorProcess]]:
     """Two coordinators: the first started leads, the second stands by."""
     first, second = coordinator(tmp_path, etcd, "c1"), coordinator(tmp_path, etcd, "c2")
+    try:
+        start_pair(first, second)
+        yield first, second
+    finally:
+        for c in (first, second):
+            if c.proc is not None and c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGCONT)
+            c.stop()
+
+
+
+def start_pair(first: CoordinatorProcess, second: CoordinatorProcess) -> None:
+    """``first`` started until it leads, then ``second`` until it knows it does."""
     first.start()
     wait_for(lambda: role(first) == "leader", "the first coordinator to lead")
     second.start()
     wait_for(lambda: status(second)["coordinator"]["leader"] == first.address,
-               "the second coordinator to know the leader")
-    yield first, second
-    for c in (first, second):
-        if c.proc is not None and c.proc.poll() is None:
-            c.proc.send_signal(signal.SIGCONT)
-        c.stop()
-
-
+             "the second coordinator to know the leader")
 
 
 def port(c: CoordinatorProcess) -> int:
@@ -297,12 +303,8 @@ def test_a_leader_cut_off_from_etcd_while_the_standby_is_not_steps_down_and_foll
     writes nothing."""
     first, second = coordinator(tmp_path, etcd3[0], "c1"), coordinator(tmp_path, etcd3[1:],
                                                                        "c2")
-    first.start()
     try:
-        wait_for(lambda: role(first) == "leader", "the first coordinator to lead")
-        second.start()
-        wait_for(lambda: status(second)["coordinator"]["leader"] == first.address,
-                 "the second coordinator to know the leader")
+        start_pair(first, second)
         before = drive(first)
         etcd3[0].proc.send_signal(signal.SIGSTOP)
         cut = time.monotonic()
@@ -329,12 +331,8 @@ def test_the_metrics_show_the_leader_the_lease_and_the_takeovers(tmp_path, etcd)
     ports = [free_port(), free_port()]
     first, second = (coordinator(tmp_path, etcd, f"c{i}", ("--metrics", f"127.0.0.1:{p}"))
                      for i, p in enumerate(ports))
-    first.start()
     try:
-        wait_for(lambda: role(first) == "leader", "the first coordinator to lead")
-        second.start()
-        wait_for(lambda: status(second)["coordinator"]["leader"] == first.address,
-                   "the second coordinator to know the leader")
+        start_pair(first, second)
         drive(first)
         leading, standing = scrape(ports[0]), scrape(ports[1])
         assert value(leading, "quiver_coordinator_leader") == 1

@@ -46,15 +46,22 @@ def enable_auth(etcd: Etcd) -> None:
     etcd.user = "root:root-password"
 
 
-def never_leads(c: CoordinatorProcess, why: str) -> None:
-    """``c`` logs ``why`` once, and stands by for three of its tries to lead."""
-    wait_for(lambda: why in log_of(c), f"the log line {why!r}")
-    end = time.monotonic() + 3 * TTL
-    while time.monotonic() < end:
-        assert role(c) == "standby"
-        assert beat(c, "b") == {"not_leader": {"leader": None}}
-    assert len([line for line in log_of(c).splitlines() if why in line]) == 1, log_of(c)
-    assert "Traceback" not in log_of(c)
+def never_leads(c: CoordinatorProcess, etcd: Etcd, why: str) -> None:
+    """``c``, started, logs ``why`` once, stands by for three of its tries to lead and
+    writes nothing; it stops cleanly."""
+    c.start()
+    try:
+        wait_for(lambda: why in log_of(c), f"the log line {why!r}")
+        end = time.monotonic() + 3 * TTL
+        while time.monotonic() < end:
+            assert role(c) == "standby"
+            assert beat(c, "b") == {"not_leader": {"leader": None}}
+        lines = [line for line in log_of(c).splitlines() if why in line]
+        assert len(lines) == 1, log_of(c)
+        assert "Traceback" not in log_of(c)
+        assert etcd.keys() == {}
+    finally:
+        assert c.stop() == 0
 
 
 def test_a_coordinator_leads_through_etcd_over_tls_with_its_client_certificate(
@@ -81,12 +88,7 @@ def test_a_coordinator_without_what_tls_etcd_wants_never_leads_and_says_why(
     args.pop(left_out)
     c = coordinator(tmp_path, tls_etcd, "c1",
                     tuple(a for option, rest in args.items() for a in (option, *rest)))
-    c.start()
-    try:
-        never_leads(c, why)
-        assert tls_etcd.keys() == {}
-    finally:
-        assert c.stop() == 0
+    never_leads(c, tls_etcd, why)
 
 
 def test_a_coordinator_authenticates_as_its_etcd_user_and_again_after_etcd_restarts(
@@ -124,10 +126,4 @@ def test_a_coordinator_etcd_does_not_let_in_never_leads_and_says_why(tmp_path, e
     password.write_text("not the password\n")
     args = () if user is None else ("--etcd-user", user, "--etcd-password-file",
                                      str(password))
-    c = coordinator(tmp_path, etcd, "c1", args)
-    c.start()
-    try:
-        never_leads(c, why)
-        assert etcd.keys() == {}
-    finally:
-        assert c.stop() == 0
+    never_leads(coordinator(tmp_path, etcd, "c1", args), etcd, why)
