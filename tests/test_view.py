@@ -173,6 +173,35 @@ def test_a_cached_view_file_reaches_mountd_as_its_open_and_its_release_only(
     assert got["lookup"] + got["getattr"] < len(d) // 10, got
 
 
+def test_paths_through_a_views_link_cost_one_readlink_not_one_a_file(mountd_factory,
+                                                                      digits_tree):
+    """``ROOT/NAME`` of a view is a link to ``ROOT/.quiver/views/NAME``, which every path
+    through it follows: the kernel keeps the link's target (mountd asks it to cache
+    READLINK's answers in the INIT reply), so a pass over the view's files reaches
+    mountd with no READLINK once the first has been answered."""
+    m = mountd_factory()
+    data = make_digest(digits_tree.root, "digits")
+    mount(m, data, "digits", view="substitutable")
+    d = digest_format.decode(data)
+    root = os.path.join(m.root, "digits")
+
+    def readlinks() -> int:
+        return m.status()["fuse_requests"].get("readlink", 0)
+
+    def read_pass() -> collections.Counter[str]:
+        served: collections.Counter[str] = collections.Counter()
+        for i in range(len(d)):
+            with open(os.path.join(root, d.path(i)), "rb") as f:
+                served[hashlib.sha256(f.read()).hexdigest()] += 1
+        return served
+
+    assert m.status()["data_path"] == "native"
+    assert read_pass() == digest_hashes(d)
+    assert readlinks() == 1
+    assert read_pass() == digest_hashes(d)
+    assert readlinks() == 1
+
+
 def run_readers(root: str, groups: list[tuple[dict[str, str], list[str]]],
                 new_session: bool) -> list[list[dict]]:
     """Start reader processes: per group an environment and one path-list file per

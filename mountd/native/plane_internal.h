@@ -99,6 +99,7 @@ struct plane {
 	int n_threads, started, dev_fd, event_fd;
 	atomic_int passthrough;         /* OPEN answered with a backing file (else no-open READs) */
 	atomic_int kernel_passthrough;  /* the kernel's INIT offered it */
+	atomic_int kernel_cache_symlinks; /* the kernel's INIT offered FUSE_CACHE_SYMLINKS */
 	atomic_uint_fast64_t init_unique; /* the INIT request, whose reply is patched */
 	double root_timeout, timeout;
 	pthread_t *threads;
