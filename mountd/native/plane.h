@@ -129,7 +129,8 @@ struct plane_hit {
  * (plane_view_pid). The connection's threads answer the OPEN of a view file by a
  * process of a job (the same uid, the same process group as when Python recognised it)
  * with the next item queued for that job and the file's pool, and that open's READ,
- * GETATTR (by the opening process: fstat), FLUSH and RELEASE; every other request goes
+ * GETATTR (by the opening process: fstat) and RELEASE, and every FLUSH (ENOSYS, as
+ * pyfuse3 answers it: the kernel then sends none); every other request goes
  * to the process that serves the connection, through a socket (a stream of requests).
  * Each open is reported (plane_view_drain), and so is each queued item given back
  * (withdrawn, or its file gone): Python hands it out again. */

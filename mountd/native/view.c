@@ -1,8 +1,8 @@
 /* The substitutable views' cached opens (plane.h, "the substitutable views"): threads
  * that read ROOT/.quiver's connection, answer the OPEN of a view file with the next
  * item Python queued for the opener's job and the file's pool, and that open's READ,
- * GETATTR, FLUSH and RELEASE; the rest of the connection's requests go to the process
- * that serves it, through a socket.
+ * GETATTR and RELEASE (and every FLUSH: ENOSYS); the rest of the connection's requests
+ * go to the process that serves it, through a socket.
  *
  * The jobs, the processes named for them, their queues, the open files and the events
  * for Python are under view_lock; an open file's record is only used by the requests
@@ -551,12 +551,12 @@ static void ctl_handle(struct plane *p, char *buf, size_t len, struct worker *w)
 	case FUSE_GETATTR:
 		done = view_getattr(p, in);
 		break;
-	case FUSE_FLUSH: /* nothing to write back */
-		if (arg_len >= sizeof(struct fuse_flush_in) &&
-		    open_of(p, ((const struct fuse_flush_in *)arg)->fh)) {
-			reply_on(p->ctl_fd, in->unique, 0, NULL, 0);
-			done = 1;
-		}
+	case FUSE_FLUSH:
+		/* ENOSYS, as the process's pyfuse3 answers it (no file there has anything to
+		 * write back at close): the kernel then sends no FLUSH on this connection,
+		 * a request less per view file */
+		reply_on(p->ctl_fd, in->unique, ENOSYS, NULL, 0);
+		done = 1;
 		break;
 	case FUSE_RELEASE:
 		done = arg_len >= sizeof(struct fuse_release_in) &&
