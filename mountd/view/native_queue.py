@@ -58,11 +58,12 @@ class ViewPlane(Protocol):
 class NativeQueues:
     """The view jobs' queues in the native plane: topped up, and what they served."""
 
-    def __init__(self, plane: ViewPlane, plan: Callable[[ViewJob, int, PoolPass],
+    def __init__(self, plane: ViewPlane, plan: Callable[[ViewJob, int, PoolPass, int],
                                                         Awaitable[None]],
                  opened: Callable[[ViewJob, int, Choice, float], None]) -> None:
         self.plane = plane
-        self._plan = plan  # chooses a pass's next items (ViewJobs._plan), under its lock
+        # chooses up to so many of a pass's next items (ViewJobs._plan), under its lock
+        self._plan = plan
         self._opened = opened  # counts an open of a queued hit (ViewJobs.opened_natively)
         self._jobs: dict[int, ViewJob] = {}  # by number: the jobs the plane knows
         self._wanted: dict[tuple[int, int], None] = {}  # (job, pool) to top up, in order
@@ -149,7 +150,7 @@ class NativeQueues:
                 if not current.queue:
                     if not current.pending.any():
                         return
-                    await self._plan(job, pool, current)
+                    await self._plan(job, pool, current, NATIVE_AHEAD - len(current.native))
                 hits: list[Choice] = []
                 while (current.queue and current.queue[0].hit
                        and len(current.native) + len(hits) < NATIVE_AHEAD):

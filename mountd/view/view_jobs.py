@@ -227,8 +227,9 @@ class ViewJobs:
         self.stats.count(ds, ReadCounter.LOCAL_HITS)
         self.stats.count(ds, ReadCounter.LOCAL_BYTES, ds.digest.sizes[choice.index])
 
-    async def _plan(self, job: ViewJob, pool: int, current: PoolPass) -> None:
-        """Choose the next items of a pool pass, in the common order: up to POOL_BATCH
+    async def _plan(self, job: ViewJob, pool: int, current: PoolPass,
+                    batch: int = POOL_BATCH) -> None:
+        """Choose the next items of a pool pass, in the common order: up to ``batch``
         cached ones, or where none is, a miss of the first item the job still needs."""
         group, digest = job.group, job.ds.digest
         pending = current.pending_items()
@@ -240,9 +241,9 @@ class ViewJobs:
             held = await self.bulk.held([digest.hash(i) for i in block])
             group.cached.seen(block, held)
             hits.extend(i for i, h in zip(block, held) if h)
-            if len(hits) >= POOL_BATCH:
+            if len(hits) >= batch:
                 break
-        hits = hits[:POOL_BATCH]
+        hits = hits[:batch]
         fetch = [] if hits else [int(order[0])]
         job.place(current, hits + fetch)
         # a miss no other job needs is read and not kept; hits are spent when opened
