@@ -215,6 +215,7 @@ class Mountd:
                                 self.cfg.fuse_threads)
             self.control_mount.native = views
             self.control_mount.fs.native_opened = views.opened
+            self.control_mount.fs.python_opened = views.python_opened
         self.services.stats.data_path = (
             DataPath.PYTHON if self.native is None
             else DataPath.PASSTHROUGH if self.native.passthrough else DataPath.NATIVE)

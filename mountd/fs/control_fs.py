@@ -55,7 +55,7 @@ class _ViewFile:
     """An open view file: the item this open was given, and its bytes once read."""
 
     __slots__ = ("ds", "index", "cause", "keep", "hit", "opener", "uid", "data", "failed",
-                 "handed")
+                 "handed", "recorded")
 
     def __init__(self, ds: MountedDataset, index: int, cause: FetchCause, keep: bool,
                  hit: bool, opener: tuple[int, int], uid: int) -> None:
@@ -65,6 +65,7 @@ class _ViewFile:
         self.data: bytes | None = None
         self.failed = False
         self.handed = 0  # bytes handed over with the open (HANDOVER_PER_UID)
+        self.recorded = False  # the native plane was told of it (python_opened)
 
 
 class ControlFS:
@@ -86,6 +87,9 @@ class ControlFS:
         # (pid, inode) -> the item that process's latest open of a view file there
         # serves, where the native plane opened it (mountd.fs.native_views)
         self.native_opened: Callable[[int, int], int | None] | None = None
+        # tells the native plane of a view file opened (1) or released (-1 recorded, -2
+        # not) here: the opener's GETATTRs of it are then this process's, not the plane's
+        self.python_opened: Callable[[int, int, int], bool] | None = None
 
     # -- names and attributes ---------------------------------------------------------
     def _views_attr(self) -> pyfuse3.EntryAttributes:
@@ -248,9 +252,11 @@ class ControlFS:
         # bytes under the same inode, so none of them may go to the page cache.
         choice = await self.views.choose(ds, ds.tree.entry_index(node), ctx.pid, ctx.uid)
         opener = (ctx.pid, inode)
-        self._files[fh] = _ViewFile(ds, choice.index, choice.cause, choice.keep, choice.hit,
-                                    opener, ctx.uid)
+        f = self._files[fh] = _ViewFile(ds, choice.index, choice.cause, choice.keep,
+                                        choice.hit, opener, ctx.uid)
         self._served[opener] = fh
+        if self.python_opened is not None:  # before the kernel has the reply
+            f.recorded = self.python_opened(ctx.pid, inode, 1)
         return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
 
     async def handover(self, fh: int) -> tuple[pyfuse3.EntryAttributes, bytes | None] | None:
@@ -308,6 +314,8 @@ class ControlFS:
             return
         if self._served.get(f.opener) == fh:
             del self._served[f.opener]
+        if self.python_opened is not None:
+            self.python_opened(*f.opener, -1 if f.recorded else -2)
         if f.handed:
             self._handed[f.uid] -= f.handed
             if not self._handed[f.uid]:

@@ -95,6 +95,11 @@ class NativeViews:
         """The item ``pid``'s latest open of the view file at ``inode`` here serves."""
         return self.plane.view_opened(pid, inode)
 
+    def python_opened(self, pid: int, inode: int, delta: int) -> bool:
+        """mountd opened (1) or released (-1, or -2 for one not recorded) a view file
+        for ``pid`` at ``inode``; whether recorded."""
+        return self.plane.view_python_open(pid, inode, delta)
+
     def drain(self) -> None:
         """What the plane did with the jobs' queued items, to the view jobs."""
         events = self.plane.view_drain()

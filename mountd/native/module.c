@@ -553,6 +553,16 @@ static PyObject *Plane_view_drain(PlaneObject *self, PyObject *unused)
 	return list;
 }
 
+static PyObject *Plane_view_python_open(PlaneObject *self, PyObject *args)
+{
+	unsigned int pid;
+	unsigned long long inode;
+	int delta;
+	if (!PyArg_ParseTuple(args, "IKi", &pid, &inode, &delta))
+		return NULL;
+	return PyBool_FromLong(plane_view_python_open(self->plane, pid, inode, delta) == 0);
+}
+
 static PyObject *Plane_view_take(PlaneObject *self, PyObject *args)
 {
 	unsigned int id, pool;
@@ -616,6 +626,9 @@ static PyMethodDef Plane_methods[] = {
 	{"view_opened", (PyCFunction)Plane_view_opened, METH_VARARGS,
 	 "view_opened(pid, inode) -> the item pid's latest open here at inode serves, or "
 	 "None"},
+	{"view_python_open", (PyCFunction)Plane_view_python_open, METH_VARARGS,
+	 "view_python_open(pid, inode, delta) -> whether recorded: Python opened (1) or "
+	 "released (-1 recorded, -2 not) a view file for pid at inode"},
 	{"view_take", (PyCFunction)Plane_view_take, METH_VARARGS,
 	 "view_take(id, pool) -> the next item queued for that job and pool, taken back, "
 	 "or None"},

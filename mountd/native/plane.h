@@ -129,8 +129,9 @@ struct plane_hit {
  * (plane_view_pid). The connection's threads answer the OPEN of a view file by a
  * process of a job (the same uid, the same process group as when Python recognised it)
  * with the next item queued for that job and the file's pool, and that open's READ,
- * GETATTR (by the opening process: fstat) and RELEASE, and every FLUSH (ENOSYS, as
- * pyfuse3 answers it: the kernel then sends none); every other request goes
+ * GETATTR (by the opening process: fstat) and RELEASE; a view file's GETATTR by a
+ * process with none open there (plane_view_python_open); and every FLUSH and IOCTL
+ * (ENOSYS, as pyfuse3 answers them); every other request goes
  * to the process that serves the connection, through a socket (a stream of requests).
  * Each open is reported (plane_view_drain), and so is each queued item given back
  * (withdrawn, or its file gone): Python hands it out again. */
@@ -154,6 +155,13 @@ int plane_view_pid(struct plane *p, uint32_t id, uint32_t pid, int32_t pgid);
  * (an item not of that pool: none is queued), -ENOMEM. */
 int plane_view_push(struct plane *p, uint32_t id, uint32_t pool, const uint32_t *items,
 		    size_t n);
+/* Python opened (delta 1) or released a view file for pid at inode (-1: an open
+ * recorded, -2: one that was not): that process's GETATTRs of it are Python's while
+ * open. Any other process's GETATTR of a view file is answered with the file's own
+ * attributes. 0, or -ENOSPC/-ENOMEM where an open could not be recorded (every
+ * GETATTR of a view file is then Python's until it is released). */
+int plane_view_python_open(struct plane *p, uint32_t pid, uint64_t inode, int delta);
+
 /* Take back the next item queued for job `id` and pool (an open through Python gets
  * it): 0 and *item, else -ENOENT (none queued). */
 int plane_view_take(struct plane *p, uint32_t id, uint32_t pool, uint32_t *item);

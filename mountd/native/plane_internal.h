@@ -130,6 +130,12 @@ struct view_open {
 	uint8_t digest[PLANE_DIGEST];
 };
 
+/* A view file Python opened for pid at inode (n opens). */
+struct view_py_open {
+	uint32_t pid, n;
+	uint64_t inode;
+};
+
 struct request {
 	struct request *next;
 	size_t len;
@@ -189,6 +195,8 @@ struct plane {
 	struct view_open *view_files; /* VIEW_OPENS, by file handle */
 	size_t n_view_files;
 	uint64_t open_seq;
+	struct view_py_open *py_opens; /* VIEW_PY_OPENS */
+	size_t n_py_opens, py_unrecorded; /* those past VIEW_PY_OPENS, not recorded */
 	struct plane_view_event *events; /* a ring of VIEW_EVENTS */
 	size_t event_start, event_count;
 

@@ -1,8 +1,9 @@
 /* The substitutable views' cached opens (plane.h, "the substitutable views"): threads
  * that read ROOT/.quiver's connection, answer the OPEN of a view file with the next
  * item Python queued for the opener's job and the file's pool, and that open's READ,
- * GETATTR and RELEASE (and every FLUSH: ENOSYS); the rest of the connection's requests
- * go to the process that serves it, through a socket.
+ * GETATTR and RELEASE, a view file's GETATTR by a process with none open (where
+ * Python has none open for it either), and every FLUSH and IOCTL (ENOSYS); the rest of
+ * the connection's requests go to the process that serves it, through a socket.
  *
  * The jobs, the processes named for them, their queues, the open files and the events
  * for Python are under view_lock; an open file's record is only used by the requests
@@ -17,6 +18,7 @@
 #define VIEW_OPENS_PER_UID 1024 /* of them, one uid's (its others open through Python) */
 #define VIEW_PIDS 8192  /* processes named for jobs; past it, Python answers theirs */
 #define VIEW_EVENTS 65536
+#define VIEW_PY_OPENS 8192 /* view files Python has open, recorded (GETATTR is its) */
 #define VIEW_LOW 16 /* a queue left this short wakes Python to top it up */
 
 void view_init(struct plane *p)
@@ -43,6 +45,7 @@ void view_free(struct plane *p)
 	free(p->pids);
 	free(p->view_files);
 	free(p->events);
+	free(p->py_opens);
 	if (p->view_wake_fd >= 0)
 		close(p->view_wake_fd);
 	pthread_mutex_destroy(&p->fwd_lock);
@@ -270,6 +273,37 @@ int plane_view_opened(struct plane *p, uint32_t pid, uint64_t inode, uint32_t *i
 	return o ? 0 : -ENOENT;
 }
 
+int plane_view_python_open(struct plane *p, uint32_t pid, uint64_t inode, int delta)
+{
+	int error = 0;
+	pthread_mutex_lock(&p->view_lock);
+	struct view_py_open *at = NULL;
+	for (size_t i = 0; i < p->n_py_opens && !at; i++)
+		if (p->py_opens[i].pid == pid && p->py_opens[i].inode == inode)
+			at = &p->py_opens[i];
+	if (delta > 0) {
+		if (!at && !p->py_opens &&
+		    !(p->py_opens = malloc(VIEW_PY_OPENS * sizeof *p->py_opens)))
+			error = -ENOMEM;
+		else if (!at && p->n_py_opens == VIEW_PY_OPENS)
+			error = -ENOSPC;
+		else if (!at)
+			*(at = &p->py_opens[p->n_py_opens++]) =
+				(struct view_py_open){.pid = pid, .inode = inode};
+		if (at)
+			at->n++;
+		else
+			p->py_unrecorded++; /* every path's GETATTR is Python's meanwhile */
+	} else if (delta == -1) {
+		if (at && !--at->n)
+			*at = p->py_opens[--p->n_py_opens];
+	} else if (p->py_unrecorded) {
+		p->py_unrecorded--;
+	}
+	pthread_mutex_unlock(&p->view_lock);
+	return error;
+}
+
 /* ---- the connection's requests answered here (1), or forwarded (0) ---- */
 
 /* Under view_lock: the job pid reads the view at base for, where Python named pid for
@@ -464,15 +498,51 @@ static int view_read(struct plane *p, const struct fuse_in_header *in,
 	return 1;
 }
 
+/* Under view_lock: whether Python may have a view file open at inode for pid (then
+ * that process's GETATTR of it is Python's: fstat says the size of what it serves). */
+static int python_opened(const struct plane *p, uint32_t pid, uint64_t inode)
+{
+	if (p->py_unrecorded)
+		return 1;
+	for (size_t i = 0; i < p->n_py_opens; i++)
+		if (p->py_opens[i].pid == pid && p->py_opens[i].inode == inode)
+			return 1;
+	return 0;
+}
+
+/* GETATTR of a view file by a process that has none open there: the file's own
+ * attributes (its digest's entry), as mountd's ControlFS gives them, never cached by
+ * the kernel (it asks before each open, for its permission check). 0 where the inode
+ * is not a view file's. */
+static int view_path_getattr(struct plane *p, const struct fuse_in_header *in)
+{
+	struct fuse_attr_out out;
+	memset(&out, 0, sizeof out);
+	uint32_t node;
+	pthread_rwlock_rdlock(&p->lock);
+	struct dataset *ds = dataset_of(p, in->nodeid, &node);
+	int file = ds && ds->pools && node >= ds->t->n_dirs;
+	if (file)
+		fill_attr(p, ds, node, &out.attr);
+	pthread_rwlock_unlock(&p->lock);
+	if (!file)
+		return 0;
+	atomic_fetch_add_explicit(&p->view_getattrs, 1, memory_order_relaxed);
+	reply_on(p->ctl_fd, in->unique, 0, &out, sizeof out);
+	return 1;
+}
+
 /* GETATTR of a view file by a process that has it open here (fstat): the attributes
  * of the item it serves, as mountd's ControlFS gives them, never cached by the
- * kernel. Any other GETATTR is the connection's process's. */
+ * kernel; by a process that has none open, the file's own (view_path_getattr). Any
+ * other GETATTR is the connection's process's. */
 static int view_getattr(struct plane *p, const struct fuse_in_header *in)
 {
 	struct fuse_attr_out out;
 	memset(&out, 0, sizeof out);
 	pthread_mutex_lock(&p->view_lock);
 	struct view_open *o = opened_by(p, in->pid, in->nodeid);
+	int python = !o && python_opened(p, in->pid, in->nodeid);
 	if (o) {
 		struct fuse_attr *a = &out.attr;
 		a->ino = o->inode;
@@ -493,7 +563,7 @@ static int view_getattr(struct plane *p, const struct fuse_in_header *in)
 	}
 	pthread_mutex_unlock(&p->view_lock);
 	if (!o)
-		return 0;
+		return !python && view_path_getattr(p, in);
 	atomic_fetch_add_explicit(&p->view_getattrs, 1, memory_order_relaxed);
 	reply_on(p->ctl_fd, in->unique, 0, &out, sizeof out);
 	return 1;
@@ -562,6 +632,13 @@ static void ctl_handle(struct plane *p, char *buf, size_t len, struct worker *w)
 		done = arg_len >= sizeof(struct fuse_release_in) &&
 		       view_release(p, in, (const struct fuse_release_in *)arg);
 		break;
+	case FUSE_IOCTL:
+		/* ENOSYS, as libfuse answers it for pyfuse3 (which has no ioctl): the
+		 * isatty() of every open() in Python's buffered mode would cost a round
+		 * trip to the process */
+		reply_on(p->ctl_fd, in->unique, ENOSYS, NULL, 0);
+		done = 1;
+		break;
 	}
 	if (!done)
 		ctl_forward(p, buf, len);
@@ -628,6 +705,8 @@ void plane_control_stop(struct plane *p)
 	close(p->ctl_fwd);
 	p->ctl_fd = p->ctl_fwd = -1;
 	pthread_mutex_lock(&p->view_lock); /* the connection's open files went with it */
+	p->n_py_opens = 0;
+	p->py_unrecorded = 0;
 	for (size_t i = 0; i < p->n_view_files; i++) {
 		if (p->view_files[i].seq && p->view_files[i].fd >= 0)
 			close(p->view_files[i].fd);
