@@ -560,7 +560,8 @@ def test_a_restarted_control_mount_is_refused_as_a_datasets_source(shared_workdi
     holder = os.path.join(shared_workdir, "holder")
     os.mkdir(holder)
     # this mountd's child only: other mountds on the machine keep theirs
-    found = subprocess.run(["pgrep", "-f", f"mountd.fs.control_mount_process .* {control}$"],
+    found = subprocess.run(["pgrep", "-f",  # its mount point, then --forward or nothing
+                            f"mountd.fs.control_mount_process [0-9]+ {control}( |$)"],
                            capture_output=True, text=True, check=True)
     for pid in found.stdout.split():
         os.kill(int(pid), 9)

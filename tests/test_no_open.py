@@ -102,7 +102,8 @@ def test_the_control_area_and_views_are_their_own_mount(mountd_factory, digits_t
 def test_the_control_mount_comes_back_when_its_process_dies(mountd_factory):
     m = mountd_factory()
     control = os.path.join(m.root, ".quiver")
-    found = subprocess.run(["pgrep", "-f", f"mountd.fs.control_mount_process .* {control}$"],
+    found = subprocess.run(["pgrep", "-f",  # its mount point, then --forward or nothing
+                            f"mountd.fs.control_mount_process [0-9]+ {control}( |$)"],
                            capture_output=True, text=True, check=True)
     (pid,) = found.stdout.split()
     os.kill(int(pid), signal.SIGKILL)
