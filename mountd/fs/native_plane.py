@@ -1,8 +1,9 @@
 """mountd's side of the native data plane (mountd/native): the threads that answer the
 datasets' connection's READ, LOOKUP and GETATTR in C, and what Python keeps for them.
 
-Python keeps the policy. It registers each mounted dataset's tree with the plane (a view
-has none: its name is a link, served here), tells it which items are stored and
+Python keeps the policy. It registers each mounted dataset's tree with the plane (a
+view's too, with its pools: its name is a link on this connection, served here, and its
+files are ROOT/.quiver's, mountd.fs.native_views), tells it which items are stored and
 verified (the store's ``VerifiedDigests`` reports each, with its value file), and
 withdraws an item when the store drops it, the scrubber finds it changed, or a probe
 needs its next read to miss. Every request the plane does not answer (misses, the root,
@@ -23,6 +24,7 @@ import math
 import os
 from collections import Counter
 
+import numpy as np
 import pyfuse3
 import trio
 
@@ -123,14 +125,11 @@ class NativePlane:
     def mounted(self, ds: MountedDataset) -> None:
         """Give the plane ``ds``'s tree, in the background (a worker builds it: the
         loop must not wait for a large digest); ``settle`` waits for it."""
-        if ds.pools is not None:
-            return  # a view: one link, served by Python
         self._settled[ds.inode_base] = trio.Event()
         self._changes_in.send_nowait((True, ds))
 
     def unmounted(self, ds: MountedDataset) -> None:
-        if ds.pools is None:
-            self._changes_in.send_nowait((False, ds))
+        self._changes_in.send_nowait((False, ds))
 
     async def settle(self, ds: MountedDataset) -> None:
         """Return once the plane serves ``ds`` (or has given up: Python serves it)."""
@@ -158,10 +157,12 @@ class NativePlane:
         identity = hashlib.sha256(ds.reg.identity.encode()).digest()
         tree = (None if self.plane.has_tree(identity)
                 else await trio.to_thread.run_sync(_tree_arrays, ds, limiter=self.limiter))
+        pools = (None if ds.pools is None
+                 else np.ascontiguousarray(ds.pools.pool_of, dtype=np.uint32))
         try:
             await trio.to_thread.run_sync(
                 self.plane.add_dataset, ds.inode_base, identity, ds.reg.uid, ds.reg.gid,
-                int(ds.reg.registered_at * 1e9), tree, limiter=self.limiter)
+                int(ds.reg.registered_at * 1e9), tree, pools, limiter=self.limiter)
         except (OSError, ValueError) as exc:  # out of memory: Python serves it all
             log.warning("dataset %s is served through Python: the native data plane "
                         "cannot take its tree (%s)", ds.name, exc)
