@@ -7,11 +7,11 @@ Python keeps the policy: which items a job gets, each once per pass (mountd.view
 plans them as for its own opens), which processes are the job's, and the counters. What
 the plane served comes back here (drained with the read counters) and counts as an open
 here would; an item it could not serve (withdrawn since it was queued, or its file gone)
-is handed out again, as a miss, to the job's next open through Python.
+is the job's to be served again in its pass, chosen anew like any other it has not had
+(a hit where it is cached again by then).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -58,7 +58,7 @@ class ViewPlane(Protocol):
 class NativeQueues:
     """The view jobs' queues in the native plane: topped up, and what they served."""
 
-    def __init__(self, plane: ViewPlane, plan: Callable[[ViewJob, int, PoolPass, int],
+    def __init__(self, plane: ViewPlane, plan: Callable[[ViewJob, int, PoolPass, int, bool],
                                                         Awaitable[None]],
                  opened: Callable[[ViewJob, int, Choice, float], None]) -> None:
         self.plane = plane
@@ -140,8 +140,10 @@ class NativeQueues:
 
     async def _fill(self, job: ViewJob, pool: int) -> None:
         """Up to NATIVE_AHEAD of the job's hits of its current pass over ``pool``, queued
-        in the plane: planned ones first, then as many as planning finds cached. A miss
-        planned next stops it: an open through Python takes that first."""
+        in the plane: planned ones first, then as many as planning finds cached. It plans
+        no miss: where none is cached, the job's next open goes through Python, which
+        plans then (a miss planned here would stay one though its item were loaded
+        before that open: the bucket-bound view's hits halved so)."""
         current = job.pools.get(pool)
         if current is None:
             return
@@ -150,7 +152,9 @@ class NativeQueues:
                 if not current.queue:
                     if not current.pending.any():
                         return
-                    await self._plan(job, pool, current, NATIVE_AHEAD - len(current.native))
+                    # hits only (misses=False)
+                    await self._plan(job, pool, current, NATIVE_AHEAD - len(current.native),
+                                     False)
                 hits: list[Choice] = []
                 while (current.queue and current.queue[0].hit
                        and len(current.native) + len(hits) < NATIVE_AHEAD):
@@ -165,7 +169,9 @@ class NativeQueues:
 
     def drained(self, events: list[Event]) -> None:
         """What the plane did with the queued items: each opened counts as an open of
-        its job; each given back goes to the front of its pass's queue, a miss now."""
+        its job; each given back is the job's to be chosen again in its pass (handed
+        out at once as a miss, the bucket-bound view fetched what a chunk would load
+        for all its jobs a little later)."""
         for job_id, item, returned, seconds in events:
             job = self._jobs.get(job_id)
             if job is None:
@@ -175,8 +181,8 @@ class NativeQueues:
             choice = None if current is None else current.native.pop(item, None)
             if current is None or choice is None:
                 continue
-            if returned:
-                current.queue.appendleft(dataclasses.replace(choice, hit=False))
+            if returned:  # chosen anew: a hit, where cached again by then
+                job.give_back(current, item)
                 continue
             job.last_used = time.monotonic()
             self._opened(job, pool, choice, seconds)

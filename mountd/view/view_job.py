@@ -51,6 +51,10 @@ class PoolPass:
             raise AssertionError("an item was chosen twice in one pass")
         self.pending[positions] = False
 
+    def give_back(self, item: int) -> None:
+        """``item``, handed out and not served, is to be chosen again in this pass."""
+        self.pending[np.searchsorted(self.members, item)] = True
+
     @property
     def used_up(self) -> bool:
         """Every item handed out (a planning under way may still be queueing some)."""
@@ -111,6 +115,12 @@ class ViewJob:
         """Hand out ``items`` in the pass ``current``: each at most once per pass."""
         current.place(items)
         self.need[items] = False
+
+    def give_back(self, current: PoolPass, item: int) -> None:
+        """``item``, handed out in the pass ``current`` and not served (its file left the
+        store first), is the job's to be served again in that pass."""
+        current.give_back(item)
+        self.need[item] = True
 
     def queued(self, pool: int, item: int) -> bool:
         """Whether the job has chosen ``item`` of ``pool`` and not opened it yet."""

@@ -217,10 +217,12 @@ class ViewJobs:
 
     def opened_natively(self, job: ViewJob, pool: int, choice: Choice, seconds: float) -> None:
         """A hit queued in the native plane was opened there: counted as an open and a
-        read of the store here would be."""
+        read of the store here would be, and its plan's promise kept (a read here takes
+        it from the staging), so that a chunk's eviction may drop it."""
         choice = self._taken(job, pool, choice)
         self._count(job, choice)
         ds, h = job.ds, job.ds.digest.hash(choice.index)
+        self.staging.take(h)
         self.recency.hit(h)
         self.services.store.files.seen(h)
         self.stats.observe("local", seconds)
@@ -228,9 +230,11 @@ class ViewJobs:
         self.stats.count(ds, ReadCounter.LOCAL_BYTES, ds.digest.sizes[choice.index])
 
     async def _plan(self, job: ViewJob, pool: int, current: PoolPass,
-                    batch: int = POOL_BATCH) -> None:
+                    batch: int = POOL_BATCH, misses: bool = True) -> None:
         """Choose the next items of a pool pass, in the common order: up to ``batch``
-        cached ones, or where none is, a miss of the first item the job still needs."""
+        cached ones, or where none is, a miss of the first item the job still needs
+        (with ``misses``; without, nothing: a miss is chosen as it is opened, when what
+        is cached then is known)."""
         group, digest = job.group, job.ds.digest
         pending = current.pending_items()
         order = group.in_order(pending, current.number)
@@ -244,6 +248,8 @@ class ViewJobs:
             if len(hits) >= batch:
                 break
         hits = hits[:batch]
+        if not hits and not misses:
+            return
         fetch = [] if hits else [int(order[0])]
         job.place(current, hits + fetch)
         # a miss no other job needs is read and not kept; hits are spent when opened
