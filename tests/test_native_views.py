@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from mountd.view.native_queue import NATIVE_AHEAD
 from quiverfs import digest as digest_format
 from quiverfs.bench.processes import MountdProcess
 from tests.mountd_helpers import make_digest, mount, mountd_factory  # noqa: F401
@@ -131,8 +132,8 @@ def test_items_queued_in_the_plane_and_dropped_from_the_store_are_fetched_again(
         mountd_factory, digits_tree):
     """A reader's job has hits queued in the native plane when every value file goes
     from the store behind mountd's back: the plane gives those items back, and mountd
-    serves them as misses, fetched again. The pass still gets every item once, each its
-    own bytes."""
+    chooses them for the job anew, misses fetched again. The pass still gets every item
+    once, each its own bytes."""
     m = mountd_factory()
     d, root = cached_view(m, digits_tree)
     paths = sorted(d.path(i) for i in range(len(d)))
@@ -153,7 +154,7 @@ def test_items_queued_in_the_plane_and_dropped_from_the_store_are_fetched_again(
     read(paths[0])  # a second: the job's next hits of that folder go to the plane
     folder = sum(os.path.dirname(p) == os.path.dirname(paths[0]) for p in paths)
     deadline = time.monotonic() + 30
-    while m.status()["view_jobs"][0]["remaining"] > folder - 20:
+    while m.status()["view_jobs"][0]["remaining"] > folder - NATIVE_AHEAD:
         assert time.monotonic() < deadline, m.status()["view_jobs"][0]["remaining"]
         time.sleep(0.02)
     store = os.path.join(m.cache_dir, "store")

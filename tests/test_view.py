@@ -509,6 +509,30 @@ def test_a_top_up_of_the_planes_queue_chooses_hits_only_a_miss_is_chosen_at_its_
     assert [(c.index, c.hit) for c in current.queue] == [(order[1], True)]
 
 
+def test_a_jobs_queued_hits_count_as_cached_items_ahead_of_it_for_the_readahead():
+    """The readahead fills first the pools where some job has the fewest cached items
+    still to open, and the hits handed out to a job and queued (here, or in the native
+    plane) are among them. (Counted as had, a job's queue of hits looked like nothing
+    ahead, and the readahead fetched for pools that had plenty: with the plane's queues
+    of 48, the full substitution's view hit 0.85 of its items, against 0.98 counted.)"""
+    ds, group, store, jobs, (first, second), pool = _two_view_jobs()
+    jobs.jobs = {("t", 0, job.identity): job for job in (first, second)}
+    a = group.in_order(ds.pools.members[pool], 0)
+    b = group.in_order(ds.pools.members[int(ds.pools.pool_of[8])], 0)
+    group.cached.hold(a[:2])
+    store.held_items |= {int(i) for i in a[:2]}
+    for job in (first, second):  # each is handed out a's two cached items
+        trio.run(jobs._plan, job, pool, job.pass_of(pool))
+        assert not job.need[a[:2]].any()
+    current = first.pass_of(pool)  # the first job's are queued in the plane
+    current.native.update((c.index, c) for c in current.queue)
+    current.queue.clear()
+    ((seen, needs),) = jobs._needs()
+    assert seen is group and all(need[a[:2]].all() for need, _ in needs)
+    # a has two cached items ahead of each job, b none: b's come first
+    assert next_items(group, needs, 2) == [int(i) for i in b[:2]]
+
+
 def test_the_readahead_fills_the_pools_with_the_fewest_cached_items_within_the_allotment():
     d = _classes_digest(8, 100)
     ds = types.SimpleNamespace(digest=d, pools=ViewPools.of(d), name="t", mean_item_bytes=100)

@@ -19,7 +19,7 @@
 #define VIEW_PIDS 8192  /* processes named for jobs; past it, Python answers theirs */
 #define VIEW_EVENTS 65536
 #define VIEW_PY_OPENS 8192 /* view files Python has open, recorded (GETATTR is its) */
-#define VIEW_LOW 16 /* a queue left this short wakes Python to top it up */
+#define VIEW_LOW 2 /* a queue left this short wakes Python to top it up */
 
 void view_init(struct plane *p)
 {

@@ -122,6 +122,15 @@ class ViewJob:
         current.give_back(item)
         self.need[item] = True
 
+    def unopened(self) -> np.ndarray:
+        """Per item: whether the job is yet to open it in its current pass over its pool
+        (not handed out yet, or a hit handed out and queued, here or in the native plane)."""
+        out = self.need.copy()
+        for current in self.pools.values():
+            out[list(current.native)] = True
+            out[[c.index for c in current.queue if c.hit]] = True
+        return out
+
     def queued(self, pool: int, item: int) -> bool:
         """Whether the job has chosen ``item`` of ``pool`` and not opened it yet."""
         current = self.pools.get(pool)

@@ -175,7 +175,7 @@ class ViewJobs:
         by_group: dict[int, tuple[DatasetJobs, list[JobNeeds]]] = {}
         for job in self.jobs.values():
             by_group.setdefault(id(job.group), (job.group, []))[1].append(
-                (job.need, job.pass_number))
+                (job.unopened(), job.pass_number))
         return list(by_group.values())
 
     def status(self, uid: int) -> list[dict[str, Any]]:
