@@ -210,6 +210,9 @@ class Mountd:
         if self.native is not None and not self.native.attach():
             self.native = None
         if self.native is not None:
+            # nothing is pushed: the plane's READ of a stored item costs less than its
+            # push (a store read and a copy into the kernel by a Python worker)
+            self.services.push.budget = 0
             # the same plane answers ROOT/.quiver's view files (mountd.fs.native_views)
             views = NativeViews(self.native.plane, self.views, self.services.stats,
                                 self.cfg.fuse_threads)
@@ -317,7 +320,7 @@ class Mountd:
         native = NativePlane.create(self.cfg.fuse_threads, ROOT_ENTRY_TIMEOUT,
                                     DATASET_TIMEOUT, self.table, self.store,
                                     self.services.stats, self.services.integrity,
-                                    self.services.push, self.limiter)
+                                    self.services.staging, self.limiter)
         if native is None:
             return None
         self.services.probed.withdraw = native.withdrawn

@@ -31,8 +31,8 @@ import trio
 from mountd.datasets.dataset import MountedDataset
 from mountd.datasets.mount_table import MountTable
 from mountd.fetch.integrity_budget import IntegrityBudget
-from mountd.fetch.page_push import PagePush
 from mountd.fetch.read_stats import ReadStats
+from mountd.fetch.staging import Staging
 from mountd.store.content_store import ContentStore
 from quiverfs.counters import ReadCounter
 
@@ -56,10 +56,10 @@ class NativePlane:
     """The plane of one mountd, and the store's and mount table's news for it."""
 
     def __init__(self, plane: object, threads: int, table: MountTable, store: ContentStore,
-                 stats: ReadStats, integrity: IntegrityBudget, push: PagePush,
+                 stats: ReadStats, integrity: IntegrityBudget, staging: Staging,
                  limiter: trio.CapacityLimiter) -> None:
         self.plane = plane
-        self.push = push
+        self.staging = staging  # hits promised in manifests: a READ here fulfils one
         self.threads = threads
         self.limiter = limiter  # mountd's workers: trees built and handed over
         self.table = table
@@ -78,7 +78,7 @@ class NativePlane:
     @classmethod
     def create(cls, threads: int, root_timeout: float, timeout: float, table: MountTable,
                store: ContentStore, stats: ReadStats, integrity: IntegrityBudget,
-               push: PagePush, limiter: trio.CapacityLimiter) -> NativePlane | None:
+               staging: Staging, limiter: trio.CapacityLimiter) -> NativePlane | None:
         """The plane, or None (logged) where the native module cannot be loaded."""
         try:
             from mountd.native import _dataplane  # noqa: PLC0415 (built by make; optional)
@@ -87,7 +87,7 @@ class NativePlane:
                         "it): dataset files are served through Python", exc)
             return None
         plane = _dataplane.Plane(store.directory, threads, root_timeout, timeout)
-        return cls(plane, threads, table, store, stats, integrity, push, limiter)
+        return cls(plane, threads, table, store, stats, integrity, staging, limiter)
 
     def use_passthrough(self, on: bool) -> None:
         """Answer OPENs of served items with their value files as FUSE passthrough
@@ -202,7 +202,6 @@ class NativePlane:
         dataset's counters, its request counts to ``fuse_requests``, and suspensions
         to the plane (a suspended dataset's READs go to Python, which refuses them)."""
         for inode, seconds in self.plane.drain_hits():
-            self.push.read_reached(inode)  # a push of it lost its pages: it does not count
             found = self.table.resolve(inode)
             if found is None:
                 continue  # unmounted since
@@ -210,6 +209,7 @@ class NativePlane:
             self.stats.observe("local", seconds)
             index = ds.tree.entry_index(node)
             h = ds.digest.hash(index)
+            self.staging.take(h)  # read: a chunk's eviction need not keep it for the read
             self.store.recency.hit(h)
             self.store.files.seen(h)
             self.stats.count(ds, ReadCounter.LOCAL_HITS)
