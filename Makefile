@@ -46,7 +46,7 @@ $(STAMP): requirements.lock pyproject.toml mountd/patches/pyfuse3.txt $(PYFUSE3_
 # Debian's gcc, against libfuse3 and the venv's Python headers. mountd serves through
 # Python where it cannot load it.
 NATIVE := mountd/native/_dataplane.so
-NATIVE_C := $(addprefix mountd/native/,plane.c tables.c passthrough.c module.c)
+NATIVE_C := $(addprefix mountd/native/,plane.c tables.c passthrough.c view.c module.c)
 NATIVE_SRC := $(NATIVE_C) mountd/native/plane.h mountd/native/plane_internal.h
 NATIVE_CFLAGS ?= -O2
 SANITIZE_CFLAGS := -O1 -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
@@ -68,7 +68,7 @@ sanitize: deps
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	  ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	  QUIVER_EXPECT_NATIVE=1 $(VENV)/bin/python -m pytest -ra -p no:cacheprovider \
-	  tests/test_native_plane.py; status=$$?; rm -f $(NATIVE) && $(MAKE) native; exit $$status
+	  tests/test_native_plane.py tests/test_native_views.py; status=$$?; rm -f $(NATIVE) && $(MAKE) native; exit $$status
 
 demo: deps
 	$(VENV)/bin/python -m quiverfs.bench.demo

@@ -93,8 +93,10 @@ def add_parsers(sub: argparse._SubParsersAction,
                    default=PUSH_MEMORY,
                    help="bytes of substitutable jobs' planned items pushed into the "
                    "kernel's page cache ahead of their reads and not yet read, at most; "
-                   "0 pushes nothing (default 256M). Without --fuse-opens a push counts "
-                   "until its job asks for the manifest after the next one")
+                   "0 pushes nothing (default 256M). Used where files are served through "
+                   "Python (--data-path python, --fuse-opens): the native data plane's reads "
+                   "cost less than pushes. Without --fuse-opens a push counts until its job "
+                   "asks for the manifest after the next one")
     d.add_argument("--scrub-mb-s", metavar="MB", type=FloatAtLeast("--scrub-mb-s", 0),
                    default=SCRUB_MB_S,
                    help="megabytes (10^6 bytes) of the store hashed again each second, in "

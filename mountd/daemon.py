@@ -33,6 +33,7 @@ from mountd.fs.datasets_fs import DATASET_TIMEOUT, ROOT_ENTRY_TIMEOUT, QuiverFS,
 from mountd.fs.fuse_limits import FUSE_TASKS, READAHEAD_KB, tune_connection
 from mountd.fs.job_files import ControlFiles
 from mountd.fs.native_plane import DataPath, NativePlane
+from mountd.fs.native_views import NativeViews
 from mountd.jobs.chunk_loader import ChunkLoader
 from mountd.jobs.planner import BatchPlanner
 from mountd.jobs.registry import JobRegistry
@@ -208,6 +209,16 @@ class Mountd:
         pyfuse3.init(self.fs, self.root, options)
         if self.native is not None and not self.native.attach():
             self.native = None
+        if self.native is not None:
+            # nothing is pushed: the plane's READ of a stored item costs less than its
+            # push (a store read and a copy into the kernel by a Python worker)
+            self.services.push.budget = 0
+            # the same plane answers ROOT/.quiver's view files (mountd.fs.native_views)
+            views = NativeViews(self.native.plane, self.views, self.services.stats,
+                                self.cfg.fuse_threads)
+            self.control_mount.native = views
+            self.control_mount.fs.native_opened = views.opened
+            self.control_mount.fs.python_opened = views.python_opened
         self.services.stats.data_path = (
             DataPath.PYTHON if self.native is None
             else DataPath.PASSTHROUGH if self.native.passthrough else DataPath.NATIVE)
@@ -309,7 +320,7 @@ class Mountd:
         native = NativePlane.create(self.cfg.fuse_threads, ROOT_ENTRY_TIMEOUT,
                                     DATASET_TIMEOUT, self.table, self.store,
                                     self.services.stats, self.services.integrity,
-                                    self.services.push, self.limiter)
+                                    self.services.staging, self.limiter)
         if native is None:
             return None
         self.services.probed.withdraw = native.withdrawn

@@ -21,6 +21,9 @@ def test_quick_run_reports_each_ways_costs_per_item(tmp_path):
         assert summary[f"wall_ms_per_item_{way}"] > 0
         assert summary[f"mountd_cpu_ms_per_item_{way}"] >= 0
     assert set(summary) >= {"sampler_vs_exact", "view_vs_exact"}
-    # every view file is opened through mountd once, and every exact read is a hit
-    assert report["ways"]["view"]["requests_per_item"]["control.open"] == 1.0
+    # every view file is opened once, by the native plane but for a few (the first of
+    # a folder in a pass) through mountd; and every exact read is a hit
+    view = report["ways"]["view"]["requests_per_item"]
+    assert abs(view["control.open"] + view["native.view_opens"] - 1.0) <= 0.002
+    assert view["control.open"] <= 0.05
     assert report["ways"]["exact"]["requests_per_item"]["read"] >= 1.0

@@ -30,6 +30,9 @@ pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev
 
 PUSH_MEMORY = 16 << 10  # bytes: about 40 of the digits' items
 SETTLE_TIMEOUT = 10.0  # seconds for counts that trail a request (RELEASE follows close)
+# Without OPEN requests, served through Python: where the native data plane serves (the
+# default), nothing is pushed (test_the_native_data_plane_pushes_nothing)
+PYTHON_NO_OPEN = ("--data-path", "python")
 
 
 def _sha(path: str) -> str:
@@ -64,7 +67,7 @@ def test_pushed_pages_hold_each_items_bytes_within_the_bound(mountd_factory, dig
     # a cache of 100K holds a few chunks of the 220K digits: chunks load and are
     # evicted, and the store culls, while two jobs' planned hits are pushed; a push
     # stops counting when its file is opened, or (no OPEN) when its job has moved past it
-    opens = ("--fuse-opens",) if mode == "open" else ()
+    opens = ("--fuse-opens",) if mode == "open" else PYTHON_NO_OPEN
     m = mountd_factory(cache_size="100K", extra_args=("--push-memory", str(PUSH_MEMORY),
                                                       "--chunk-size", "20K", *opens))
     assert m.status()["fuse_mode"] == mode
@@ -92,9 +95,46 @@ def test_pushed_pages_hold_each_items_bytes_within_the_bound(mountd_factory, dig
         watcher.result()
     st = m.status()
     c = st["counters"]
-    assert c["pushed"] > 0 and c["pushed_opens" if opens else "pushed_passed"] > 0, c
+    assert c["pushed"] > 0 and c["pushed_opens" if mode == "open" else "pushed_passed"] > 0, c
     assert max(held) <= PUSH_MEMORY and len(held) > 10
     assert st["cache"]["used_bytes"] <= 100 << 10
+
+
+def test_the_native_data_plane_pushes_nothing(mountd_factory, digits_tree):
+    """Where the native data plane serves the dataset's files, a sampler's planned hits
+    are not pushed: the plane's READ of a stored item costs less than a push (a store
+    read and a copy into the kernel by a Python worker). Every read is the plane's hit."""
+    m = mountd_factory(extra_args=("--probe-batches", "0"))
+    if m.status()["data_path"] != "native":
+        assert not os.environ.get("QUIVER_EXPECT_NATIVE"), "make test builds the plane"
+        pytest.skip("the native data plane is not built")
+    mount(m, make_digest(digits_tree.root, "digits"), "digits")
+    root = os.path.join(m.root, "digits")
+    for d, _, files in os.walk(root):  # every item stored
+        for name in files:
+            _sha(os.path.join(d, name))
+
+    def read(path: str) -> str:  # the page cache must not serve it
+        with open(path, "rb", buffering=0) as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            return hashlib.sha256(f.read()).hexdigest()
+
+    before = m.status()["counters"]
+    sampler = QuiverBatchSampler(root, 32, seed=1)
+    try:
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            for b in range(len(sampler)):
+                manifest = sampler.manifest(b)
+                assert [read(os.path.join(root, p)) for p in manifest.paths] == manifest.hashes
+    finally:
+        sampler.close()
+    st = m.status()
+    c = {k: st["counters"].get(k, 0) - before.get(k, 0)
+         for k in ("local_hits", "misses", "pushed")}
+    assert st["push"] == {"budget": 0, "held": 0}
+    assert c == {"local_hits": 2 * 1797, "misses": 0, "pushed": 0}
+    assert st["native"]["hits"] >= 2 * 1797
 
 
 def _counters_once(m: MountdProcess, settled: Callable[[dict[str, int]], bool]
@@ -112,7 +152,7 @@ def test_a_pushed_item_whose_pages_were_dropped_is_one_hit(mountd_factory, digit
     # another job's POSIX_FADV_DONTNEED (or reclaim) drops a pushed item's pages before
     # its job reads it (here the reading open drops them, so mountd sees one OPEN): the
     # read reaches mountd and is its one local hit, and the push counts as dropped
-    opens = ("--fuse-opens",) if mode == "open" else ()
+    opens = ("--fuse-opens",) if mode == "open" else PYTHON_NO_OPEN
     m = mountd_factory(extra_args=("--probe-batches", "0", *opens))  # no forced misses
     assert m.status()["fuse_mode"] == mode
     mount(m, make_digest(digits_tree.root, "digits"), "digits")
@@ -120,7 +160,7 @@ def test_a_pushed_item_whose_pages_were_dropped_is_one_hit(mountd_factory, digit
     for d, _, files in os.walk(root):  # every item stored, every inode known to the kernel
         for name in files:
             _sha(os.path.join(d, name))
-    served = "pushed_opens" if opens else "pushed_passed"
+    served = "pushed_opens" if mode == "open" else "pushed_passed"
     names = ("local_hits", "local_bytes", "misses", served, "pushed_dropped")
     sampler = QuiverBatchSampler(root, 32, seed=1)
     try:

@@ -21,6 +21,8 @@ import trio
 import trio.testing
 
 from mountd.datasets.pools import ViewPools
+from mountd.fetch.read_stats import ReadStats
+from mountd.fetch.staging import Staging
 from mountd.jobs.dataset_jobs import DatasetJobs
 from mountd.view.readahead import (EVICTION_PAUSE, IN_FLIGHT, MAX_AHEAD, ROUND_ITEMS,
                                    ViewReadahead, next_items)
@@ -120,57 +122,33 @@ def control_requests(m: MountdProcess) -> collections.Counter[str]:
                                 if op.startswith("control.")})
 
 
-def test_a_cached_view_file_reaches_mountd_as_its_open_and_its_release_only(
-        mountd_factory, digits_tree):
-    """Every item cached (read through the exact mount), a second pass of a plain
-    reader (open, fstat, read to the end, close) over the view reaches mountd once per
-    file to open it and once to release it: the names stay cached as in the exact
-    mount, the path's attributes are kept by the process serving the connection, and
-    the open's reply carries the served item's size and bytes, which answer the file's
-    fstat and READs. The reader still gets every item once a pass, each whole and of
-    its path's folder, and fstat its size."""
+def test_paths_through_a_views_link_cost_one_readlink_not_one_a_file(mountd_factory,
+                                                                      digits_tree):
+    """``ROOT/NAME`` of a view is a link to ``ROOT/.quiver/views/NAME``, which every path
+    through it follows: the kernel keeps the link's target (mountd asks it to cache
+    READLINK's answers in the INIT reply), so a pass over the view's files reaches
+    mountd with no READLINK once the first has been answered."""
     m = mountd_factory()
     data = make_digest(digits_tree.root, "digits")
-    mount(m, data, "exact")
     mount(m, data, "digits", view="substitutable")
     d = digest_format.decode(data)
-    for i in range(len(d)):
-        with open(os.path.join(m.root, "exact", d.path(i)), "rb") as f:
-            f.read()
     root = os.path.join(m.root, "digits")
-    paths = sorted(d.path(i) for i in range(len(d)))
-    folder_hashes = collections.defaultdict(set)
-    for i in range(len(d)):
-        folder_hashes[os.path.dirname(d.path(i))].add(d.hash(i).hex())
+
+    def readlinks() -> int:
+        return m.status()["fuse_requests"].get("readlink", 0)
 
     def read_pass() -> collections.Counter[str]:
         served: collections.Counter[str] = collections.Counter()
-        for rel in paths:
-            with open(os.path.join(root, rel), "rb") as f:
-                data = f.read()
-                assert os.fstat(f.fileno()).st_size == len(data)
-            sha = hashlib.sha256(data).hexdigest()
-            assert sha in folder_hashes[os.path.dirname(rel)]
-            served[sha] += 1
+        for i in range(len(d)):
+            with open(os.path.join(root, d.path(i)), "rb") as f:
+                served[hashlib.sha256(f.read()).hexdigest()] += 1
         return served
 
-    def hits() -> int:
-        return sum(j["counters"].get("hits", 0) for j in m.status()["view_jobs"])
-
-    assert read_pass() == digest_hashes(d)  # the first looks the names up
-    before, hits_before = control_requests(m), hits()
+    assert m.status()["data_path"] == "native"
     assert read_pass() == digest_hashes(d)
-    assert hits() - hits_before == len(d)
-    deadline = time.monotonic() + 30  # releases are told to mountd after a while
-    while (control_requests(m) - before)["release"] < len(d):
-        assert time.monotonic() < deadline, control_requests(m) - before
-        time.sleep(0.05)
-    got = control_requests(m) - before
-    assert (got["open"], got["release"], got["read"]) == (len(d), len(d), 0)
-    # the rest are the view's own name and the views folder, looked up again each
-    # second (VIEW_TIMEOUT), not per file
-    assert set(got) <= {"open", "release", "lookup", "getattr"}
-    assert got["lookup"] + got["getattr"] < len(d) // 10, got
+    assert readlinks() == 1
+    assert read_pass() == digest_hashes(d)
+    assert readlinks() == 1
 
 
 def run_readers(root: str, groups: list[tuple[dict[str, str], list[str]]],
@@ -469,6 +447,90 @@ def test_a_planned_hit_is_spent_when_the_last_job_opens_it_not_when_planned():
     taken = jobs._taken(first, pool, first.pass_of(pool).queue.popleft())
     assert not taken.keep and store.spent_items == {order[0]}
     assert group.cached.cached[order[1]] and not group.cached.cached[order[0]]
+
+
+class _Plane:
+    """The native plane as the view jobs' queues see it (ViewPlane): what is pushed."""
+
+    def __init__(self) -> None:
+        self.pushed: list[int] = []
+
+    def job(self, job_id: int, base: int, uid: int) -> bool:
+        return True
+
+    def push(self, job_id: int, pool: int, items: list[int]) -> bool:
+        self.pushed.extend(items)
+        return True
+
+
+def test_a_top_up_of_the_planes_queue_chooses_hits_only_a_miss_is_chosen_at_its_open():
+    """Topping up a job's queue in the native plane where nothing of the pool is cached
+    chooses nothing: the job's next open, through Python, chooses then, and an item
+    loaded since is a hit. (A miss the top-up chose stayed a miss though its item was
+    loaded before the open: make demo's view hit 0.36-0.38 of its items, not 0.76.)
+    A hit the plane opened counts as one and no longer holds its plan's promise, which
+    keeps a planned item from a chunk's eviction until it is read; one it gives back is
+    chosen anew (handed out at once as a miss, the view fetched what a chunk would
+    load for every job a little later)."""
+    ds, group, store, jobs, (first, _), pool = _two_view_jobs()
+    ds.inode_base, ds.counters = 0, collections.Counter()
+    store.hit = lambda h: None
+    jobs.staging, jobs.stats = Staging(), ReadStats()
+    jobs.services = types.SimpleNamespace(store=types.SimpleNamespace(
+        files=types.SimpleNamespace(seen=lambda h: None)))
+    plane = _Plane()
+    jobs.serve_natively(plane)
+    jobs.native.created(first)
+    current = first.pass_of(pool)
+    trio.run(jobs.native._fill, first, pool)
+    assert not plane.pushed and not current.queue and current.pending.all()
+    order = [int(i) for i in group.in_order(ds.pools.members[pool], 0)]
+    group.cached.hold(order[:1])  # loaded since
+    store.held_items.add(order[0])
+    trio.run(jobs._plan, first, pool, current)  # the next open's choice
+    assert [(c.index, c.hit) for c in current.queue] == [(order[0], True)]
+    group.cached.hold(order[1:2])
+    store.held_items.add(order[1])
+    trio.run(jobs.native._fill, first, pool)  # the hits to the plane
+    assert plane.pushed == order[:2] and not current.queue
+    assert sorted(current.native) == sorted(order[:2])
+    promised = [jobs.staging.awaiting_read(ds.digest.hash(i)) for i in order[:2]]
+    assert promised == [True, True]
+    jobs.native.drained([(first.native_id, order[0], False, 0.001)])  # opened there
+    assert first.counters["hits"] == 1 and list(current.native) == [order[1]]
+    promised = [jobs.staging.awaiting_read(ds.digest.hash(i)) for i in order[:2]]
+    assert promised == [False, True]
+    # the plane gives the other back (its file left the store): the job is yet to be
+    # served it, and it is chosen anew, a hit again where cached by then
+    jobs.native.drained([(first.native_id, order[1], True, 0.0)])
+    assert not current.native and not current.queue and first.need[order[1]]
+    assert order[1] in current.pending_items() and order[0] not in current.pending_items()
+    trio.run(jobs._plan, first, pool, current)
+    assert [(c.index, c.hit) for c in current.queue] == [(order[1], True)]
+
+
+def test_a_jobs_queued_hits_count_as_cached_items_ahead_of_it_for_the_readahead():
+    """The readahead fills first the pools where some job has the fewest cached items
+    still to open, and the hits handed out to a job and queued (here, or in the native
+    plane) are among them. (Counted as had, a job's queue of hits looked like nothing
+    ahead, and the readahead fetched for pools that had plenty: with the plane's queues
+    of 48, the full substitution's view hit 0.85 of its items, against 0.98 counted.)"""
+    ds, group, store, jobs, (first, second), pool = _two_view_jobs()
+    jobs.jobs = {("t", 0, job.identity): job for job in (first, second)}
+    a = group.in_order(ds.pools.members[pool], 0)
+    b = group.in_order(ds.pools.members[int(ds.pools.pool_of[8])], 0)
+    group.cached.hold(a[:2])
+    store.held_items |= {int(i) for i in a[:2]}
+    for job in (first, second):  # each is handed out a's two cached items
+        trio.run(jobs._plan, job, pool, job.pass_of(pool))
+        assert not job.need[a[:2]].any()
+    current = first.pass_of(pool)  # the first job's are queued in the plane
+    current.native.update((c.index, c) for c in current.queue)
+    current.queue.clear()
+    ((seen, needs),) = jobs._needs()
+    assert seen is group and all(need[a[:2]].all() for need, _ in needs)
+    # a has two cached items ahead of each job, b none: b's come first
+    assert next_items(group, needs, 2) == [int(i) for i in b[:2]]
 
 
 def test_the_readahead_fills_the_pools_with_the_fewest_cached_items_within_the_allotment():

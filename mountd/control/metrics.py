@@ -70,6 +70,16 @@ NATIVE_COUNTERS = {
                          "items the kernel gave no backing file"),
     "store_drops": ("quiver_native_store_drops", "Store files whose pages a native READ "
                     "brought into the page cache and dropped after the file's last byte"),
+    "view_opens": ("quiver_native_view_opens", "View files the native data plane opened "
+                   "with an item queued for the opener's job"),
+    "view_reads": ("quiver_native_view_reads", "READs of those files the plane answered"),
+    "view_read_bytes": ("quiver_native_view_read_bytes", "Bytes those READs returned"),
+    "view_returned": ("quiver_native_view_returned", "Items queued for a view job that the "
+                      "plane gave back to mountd (withdrawn, or their file gone or short)"),
+    "view_forwarded": ("quiver_native_view_forwarded_requests", "Requests of ROOT/.quiver's "
+                       "connection the plane handed to the process that serves it"),
+    "view_events_dropped": ("quiver_native_view_dropped_events", "View opens not reported "
+                            "to mountd: Python drained them too slowly"),
 }
 
 

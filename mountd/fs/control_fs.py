@@ -15,6 +15,7 @@ import errno
 import itertools
 import os
 import stat
+from collections.abc import Callable
 from typing import Protocol
 
 import pyfuse3
@@ -54,7 +55,7 @@ class _ViewFile:
     """An open view file: the item this open was given, and its bytes once read."""
 
     __slots__ = ("ds", "index", "cause", "keep", "hit", "opener", "uid", "data", "failed",
-                 "handed")
+                 "handed", "recorded")
 
     def __init__(self, ds: MountedDataset, index: int, cause: FetchCause, keep: bool,
                  hit: bool, opener: tuple[int, int], uid: int) -> None:
@@ -64,6 +65,7 @@ class _ViewFile:
         self.data: bytes | None = None
         self.failed = False
         self.handed = 0  # bytes handed over with the open (HANDOVER_PER_UID)
+        self.recorded = False  # the native plane was told of it (python_opened)
 
 
 class ControlFS:
@@ -82,6 +84,12 @@ class ControlFS:
         self._dir_handles: dict[int, list[tuple[bytes, int]]] = {}
         self._files: dict[int, _ViewFile | ControlHandle] = {}
         self._handed: collections.Counter[int] = collections.Counter()  # uid -> bytes
+        # (pid, inode) -> the item that process's latest open of a view file there
+        # serves, where the native plane opened it (mountd.fs.native_views)
+        self.native_opened: Callable[[int, int], int | None] | None = None
+        # tells the native plane of a view file opened (1) or released (-1 recorded, -2
+        # not) here: the opener's GETATTRs of it are then this process's, not the plane's
+        self.python_opened: Callable[[int, int, int], bool] | None = None
 
     # -- names and attributes ---------------------------------------------------------
     def _views_attr(self) -> pyfuse3.EntryAttributes:
@@ -143,12 +151,24 @@ class ControlFS:
         f = self._files.get(self._served.get((pid, inode), 0))
         return f if isinstance(f, _ViewFile) else None
 
+    def _served_item(self, pid: int, inode: int) -> tuple[MountedDataset, int] | None:
+        """The view and item that ``pid``'s open at ``inode`` serves: its open here, else
+        one the native plane answered."""
+        f = self._served_file(pid, inode)
+        if f is not None:
+            return f.ds, f.index
+        item = None if self.native_opened is None else self.native_opened(pid, inode)
+        found = None if item is None else self.table.resolve(inode)
+        if found is None or found[0].pools is None or item >= len(found[0].digest):
+            return None
+        return found[0], item
+
     def fixed(self, inode: int, ctx: Requester) -> bool:
         """Whether what GETATTR of ``inode`` answers ``ctx`` now is what it will answer
         every process that has no view file open there, as long as the inode lives: a
         view file's own attributes (its digest's)."""
         if (inode == VIEWS_INODE or self.control.owns(inode)
-                or (ctx.pid, inode) in self._served):
+                or self._served_item(ctx.pid, inode) is not None):
             return False
         found = self.table.resolve(inode)
         return found is not None and found[0].pools is not None and not found[0].tree.is_dir(
@@ -232,9 +252,11 @@ class ControlFS:
         # bytes under the same inode, so none of them may go to the page cache.
         choice = await self.views.choose(ds, ds.tree.entry_index(node), ctx.pid, ctx.uid)
         opener = (ctx.pid, inode)
-        self._files[fh] = _ViewFile(ds, choice.index, choice.cause, choice.keep, choice.hit,
-                                    opener, ctx.uid)
+        f = self._files[fh] = _ViewFile(ds, choice.index, choice.cause, choice.keep,
+                                        choice.hit, opener, ctx.uid)
         self._served[opener] = fh
+        if self.python_opened is not None:  # before the kernel has the reply
+            f.recorded = self.python_opened(ctx.pid, inode, 1)
         return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
 
     async def handover(self, fh: int) -> tuple[pyfuse3.EntryAttributes, bytes | None] | None:
@@ -292,6 +314,8 @@ class ControlFS:
             return
         if self._served.get(f.opener) == fh:
             del self._served[f.opener]
+        if self.python_opened is not None:
+            self.python_opened(*f.opener, -1 if f.recorded else -2)
         if f.handed:
             self._handed[f.uid] -= f.handed
             if not self._handed[f.uid]:
@@ -319,13 +343,13 @@ class ControlFS:
 
     # -- metadata ---------------------------------------------------------------------
     async def getxattr(self, inode: int, name: bytes, ctx: Requester) -> bytes:
-        served = self._served_file(ctx.pid, inode)
+        served = self._served_item(ctx.pid, inode)
         if served is None or name not in (XATTR_SERVED_HASH, XATTR_SERVED_PATH):
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
-        digest = served.ds.digest
-        return (digest.hash(served.index).hex().encode() if name == XATTR_SERVED_HASH
-                else digest.path(served.index).encode())
+        digest, index = served[0].digest, served[1]
+        return (digest.hash(index).hex().encode() if name == XATTR_SERVED_HASH
+                else digest.path(index).encode())
 
     async def listxattr(self, inode: int, ctx: Requester) -> list[bytes]:
-        served = self._served_file(ctx.pid, inode)
+        served = self._served_item(ctx.pid, inode)
         return [] if served is None else [XATTR_SERVED_HASH, XATTR_SERVED_PATH]

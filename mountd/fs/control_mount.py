@@ -4,6 +4,9 @@
 The child is started once the datasets' connection serves (its mount looks ``.quiver``
 up there) and stopped before that connection ends (its unmount does too). Should it
 end on its own, its mount is detached and a new one started, again until one mounts.
+Where the native plane serves (mountd.fs.native_views), the child hands mountd its
+connection's descriptor before it says it is mounted, and the plane reads the
+connection, forwarding to the child what it does not answer.
 """
 from __future__ import annotations
 
@@ -23,8 +26,10 @@ import pyfuse3
 import trio
 
 from mountd.fs.control_fs import ControlFS
-from mountd.fs.control_mount_process import MAX_MESSAGE, NOTE_ID, NOTES, attr_to_wire
+from mountd.fs.control_mount_process import (FORWARD_FLAG, FORWARDING, MAX_MESSAGE, NOTE_ID,
+                                             NOTES, attr_to_wire)
 from mountd.fs.job_files import CONTROL_INODE
+from mountd.fs.native_views import NativeViews
 from quiverfs.errors import ExitCode, QuietError
 from quiverfs.failure_runs import FailureRuns
 from quiverfs.fs_identity import refuse_mount
@@ -71,6 +76,7 @@ class ControlMount:
         self._running = False  # run() is under way: stop() waits for it to return
         self._ended = trio.Event()  # run() returned
         self._failures = FailureRuns(log)  # "serve" (a child) and "detach": retried
+        self.native: NativeViews | None = None  # reads the connection, where it serves
 
     async def run(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         """Serve the connection until stopped; started once it is mounted. Failing to
@@ -124,32 +130,75 @@ class ControlMount:
         """Start a child, call ``mounted`` once its mount is made and answer its requests
         until it ends; its exit status. Raises when it cannot start or does not mount."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        native = self.native
         with ours:
             with theirs:
                 self._proc = await trio.lowlevel.open_process(
                     [sys.executable, "-m", "mountd.fs.control_mount_process",
-                     str(theirs.fileno()), self.mountpoint], pass_fds=(theirs.fileno(),),
+                     str(theirs.fileno()), self.mountpoint,
+                     *([FORWARD_FLAG] if native is not None else [])],
+                    pass_fds=(theirs.fileno(),),
                     start_new_session=True)  # a terminal's ^C is mountd's to pass on
             if self._stopping:  # stop() came while it started, and saw the one before
                 await self._end(self._proc)
                 await self._detach()  # should it have mounted before it ended
                 return self._proc.returncode
-            stream = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
-            self._mounted = False
-            said = trio.Event()  # mounted, or the child ended first
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._answer, stream, said)
-                with trio.move_on_after(START_TIMEOUT):
-                    await said.wait()
-                made = self._mounted
-                if made:
-                    mounted()
-                else:
-                    self._proc.kill()  # its end of the socket closes: _answer ends
-        code = await self._proc.wait()
+            try:
+                if native is not None and not await self._take_connection(ours, native):
+                    native = None
+                made = await self._answer_child(ours, mounted)
+            except BaseException:
+                if native is not None and native.serving:
+                    native.stop()
+                raise
+        try:
+            code = await self._proc.wait()
+        finally:
+            if native is not None and native.serving:
+                native.stop()  # the connection is gone with the child
         if not made:  # raised out of the nursery: not wrapped in an ExceptionGroup
             raise QuietError(f"cannot mount {self.mountpoint}: see the log", ExitCode.MOUNT)
         return code
+
+    async def _take_connection(self, ours: socket.socket, native: NativeViews) -> bool:
+        """The child's connection, for the native plane to read: whether it does. A
+        child that hands none reads it itself; where the plane cannot take it, the child
+        is ended (its session would wait for requests from the plane) and the next one
+        reads its connection itself."""
+        with trio.move_on_after(START_TIMEOUT):
+            await trio.lowlevel.wait_readable(ours)
+        try:
+            said, fds, _, _ = socket.recv_fds(ours, 1, 2,
+                                              socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT)
+        except OSError:  # nothing within START_TIMEOUT: the mount's wait says why
+            return False
+        if said != FORWARDING or len(fds) != 2:
+            for fd in fds:
+                os.close(fd)
+            return False
+        if native.start(fds[0], fds[1]):
+            return True
+        self.native = None
+        if self._proc is not None:
+            self._proc.kill()
+        return False
+
+    async def _answer_child(self, ours: socket.socket, mounted: Callable[[], object]) -> bool:
+        """Answer the child's requests until it closes the socket, calling ``mounted``
+        once it says it is mounted; whether it did (else it is killed)."""
+        stream = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
+        self._mounted = False
+        said = trio.Event()  # mounted, or the child ended first
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._answer, stream, said)
+            with trio.move_on_after(START_TIMEOUT):
+                await said.wait()
+            made = self._mounted
+            if made:
+                mounted()
+            else:
+                self._proc.kill()  # its end of the socket closes: _answer ends
+        return made
 
     async def stop(self) -> None:
         """Unmount ``ROOT/.quiver`` (the child does) and wait for the child to end, and

@@ -6,7 +6,15 @@ child of mountd on ``ROOT/.quiver``. It forwards every request, with who sent it
 a socket mountd made (mountd.fs.control_mount answers it with mountd.fs.control_fs) and
 replies with the answer. It holds no state of its own and trusts nothing but mountd.
 
-    python -m mountd.fs.control_mount_process FD MOUNTPOINT
+    python -m mountd.fs.control_mount_process FD MOUNTPOINT [--forward]
+
+With ``--forward`` (mountd's native plane serves), once mounted this process sends
+mountd the byte ``F`` with two descriptors (SCM_RIGHTS): its connection's ``/dev/fuse``
+and one end of a new stream socket. mountd's plane then reads the connection, answers
+the cached opens of view files itself (mountd.fs.native_views) and forwards every other
+request, whole, to that socket, from which this process's session reads (custom I/O of
+mountd.native._dataplane); replies still go to ``/dev/fuse``. Where it cannot, it sends
+``N`` and reads ``/dev/fuse`` itself.
 
 Wire: msgpack, each way a stream of arrays. Requests ``[id, op, args, who]`` (``who``
 is ``[uid, gid, pid, umask]`` or None), replies ``[id, errno, result]`` (errno 0 for a
@@ -52,6 +60,8 @@ NOTE_ID = -1  # the id of a request that has no reply
 NOTES = frozenset({"release"})  # the requests sent as notes
 NOTE_DELAY = 0.05  # seconds a note may wait to go with a request (else it goes alone)
 MAX_FIXED = 1 << 17  # view files' attributes kept here; past that, all are forgotten
+FORWARD_FLAG = "--forward"
+FORWARDING, NOT_FORWARDING = b"F", b"N"  # what this process says first with --forward
 
 
 def attr_to_wire(attr: pyfuse3.EntryAttributes) -> list[Any]:
@@ -313,6 +323,30 @@ async def _on_signals() -> None:
             pyfuse3.terminate()
 
 
+def _forward(sock: socket.socket) -> Any:
+    """Hand mountd this connection (FORWARD_FLAG): its /dev/fuse descriptor, and a
+    socket whose other end this session reads its requests from from now on. The native
+    module, or None where it cannot (mountd is told, and this process reads /dev/fuse)."""
+    try:
+        from mountd.native import _dataplane  # noqa: PLC0415 (built by make; optional)
+    except ImportError as exc:
+        log.warning("the native data plane is not available here (%s)", exc)
+        sock.sendall(NOT_FORWARDING)
+        return None
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with theirs:
+        try:
+            dev = _dataplane.forward_session(pyfuse3.session_address(), ours.fileno())
+        except (OSError, RuntimeError) as exc:
+            log.warning("cannot forward this connection to mountd (%s)", exc)
+            ours.close()
+            sock.sendall(NOT_FORWARDING)
+            return None
+        ours.detach()  # the session's now
+        socket.send_fds(sock, [FORWARDING], [dev, theirs.fileno()])
+    return _dataplane
+
+
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s control-mount %(levelname)s %(message)s")
@@ -322,9 +356,12 @@ def main(argv: list[str]) -> int:
     options |= {"fsname=quiver-control", "subtype=quiver", "allow_other"}
     ops = ForwardingOperations()
     pyfuse3.init(ops, mountpoint, options)
+    forwarding = _forward(sock) if FORWARD_FLAG in argv[2:] else None
     try:
         trio.run(_serve, ops, sock, mountpoint)
     finally:
+        if forwarding is not None:
+            forwarding.forward_close()  # before the unmount, as libfuse does
         pyfuse3.close(unmount=True)
     return 0
 

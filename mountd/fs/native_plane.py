@@ -1,8 +1,9 @@
 """mountd's side of the native data plane (mountd/native): the threads that answer the
 datasets' connection's READ, LOOKUP and GETATTR in C, and what Python keeps for them.
 
-Python keeps the policy. It registers each mounted dataset's tree with the plane (a view
-has none: its name is a link, served here), tells it which items are stored and
+Python keeps the policy. It registers each mounted dataset's tree with the plane (a
+view's too, with its pools: its name is a link on this connection, served here, and its
+files are ROOT/.quiver's, mountd.fs.native_views), tells it which items are stored and
 verified (the store's ``VerifiedDigests`` reports each, with its value file), and
 withdraws an item when the store drops it, the scrubber finds it changed, or a probe
 needs its next read to miss. Every request the plane does not answer (misses, the root,
@@ -23,14 +24,15 @@ import math
 import os
 from collections import Counter
 
+import numpy as np
 import pyfuse3
 import trio
 
 from mountd.datasets.dataset import MountedDataset
 from mountd.datasets.mount_table import MountTable
 from mountd.fetch.integrity_budget import IntegrityBudget
-from mountd.fetch.page_push import PagePush
 from mountd.fetch.read_stats import ReadStats
+from mountd.fetch.staging import Staging
 from mountd.store.content_store import ContentStore
 from quiverfs.counters import ReadCounter
 
@@ -54,10 +56,10 @@ class NativePlane:
     """The plane of one mountd, and the store's and mount table's news for it."""
 
     def __init__(self, plane: object, threads: int, table: MountTable, store: ContentStore,
-                 stats: ReadStats, integrity: IntegrityBudget, push: PagePush,
+                 stats: ReadStats, integrity: IntegrityBudget, staging: Staging,
                  limiter: trio.CapacityLimiter) -> None:
         self.plane = plane
-        self.push = push
+        self.staging = staging  # hits promised in manifests: a READ here fulfils one
         self.threads = threads
         self.limiter = limiter  # mountd's workers: trees built and handed over
         self.table = table
@@ -76,7 +78,7 @@ class NativePlane:
     @classmethod
     def create(cls, threads: int, root_timeout: float, timeout: float, table: MountTable,
                store: ContentStore, stats: ReadStats, integrity: IntegrityBudget,
-               push: PagePush, limiter: trio.CapacityLimiter) -> NativePlane | None:
+               staging: Staging, limiter: trio.CapacityLimiter) -> NativePlane | None:
         """The plane, or None (logged) where the native module cannot be loaded."""
         try:
             from mountd.native import _dataplane  # noqa: PLC0415 (built by make; optional)
@@ -85,7 +87,7 @@ class NativePlane:
                         "it): dataset files are served through Python", exc)
             return None
         plane = _dataplane.Plane(store.directory, threads, root_timeout, timeout)
-        return cls(plane, threads, table, store, stats, integrity, push, limiter)
+        return cls(plane, threads, table, store, stats, integrity, staging, limiter)
 
     def use_passthrough(self, on: bool) -> None:
         """Answer OPENs of served items with their value files as FUSE passthrough
@@ -123,14 +125,11 @@ class NativePlane:
     def mounted(self, ds: MountedDataset) -> None:
         """Give the plane ``ds``'s tree, in the background (a worker builds it: the
         loop must not wait for a large digest); ``settle`` waits for it."""
-        if ds.pools is not None:
-            return  # a view: one link, served by Python
         self._settled[ds.inode_base] = trio.Event()
         self._changes_in.send_nowait((True, ds))
 
     def unmounted(self, ds: MountedDataset) -> None:
-        if ds.pools is None:
-            self._changes_in.send_nowait((False, ds))
+        self._changes_in.send_nowait((False, ds))
 
     async def settle(self, ds: MountedDataset) -> None:
         """Return once the plane serves ``ds`` (or has given up: Python serves it)."""
@@ -158,10 +157,12 @@ class NativePlane:
         identity = hashlib.sha256(ds.reg.identity.encode()).digest()
         tree = (None if self.plane.has_tree(identity)
                 else await trio.to_thread.run_sync(_tree_arrays, ds, limiter=self.limiter))
+        pools = (None if ds.pools is None
+                 else np.ascontiguousarray(ds.pools.pool_of, dtype=np.uint32))
         try:
             await trio.to_thread.run_sync(
                 self.plane.add_dataset, ds.inode_base, identity, ds.reg.uid, ds.reg.gid,
-                int(ds.reg.registered_at * 1e9), tree, limiter=self.limiter)
+                int(ds.reg.registered_at * 1e9), tree, pools, limiter=self.limiter)
         except (OSError, ValueError) as exc:  # out of memory: Python serves it all
             log.warning("dataset %s is served through Python: the native data plane "
                         "cannot take its tree (%s)", ds.name, exc)
@@ -201,7 +202,6 @@ class NativePlane:
         dataset's counters, its request counts to ``fuse_requests``, and suspensions
         to the plane (a suspended dataset's READs go to Python, which refuses them)."""
         for inode, seconds in self.plane.drain_hits():
-            self.push.read_reached(inode)  # a push of it lost its pages: it does not count
             found = self.table.resolve(inode)
             if found is None:
                 continue  # unmounted since
@@ -209,6 +209,7 @@ class NativePlane:
             self.stats.observe("local", seconds)
             index = ds.tree.entry_index(node)
             h = ds.digest.hash(index)
+            self.staging.take(h)  # read: a chunk's eviction need not keep it for the read
             self.store.recency.hit(h)
             self.store.files.seen(h)
             self.stats.count(ds, ReadCounter.LOCAL_HITS)

@@ -12,6 +12,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <fuse_lowlevel.h>
+#include <linux/fuse.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "plane.h"
@@ -51,6 +53,96 @@ static ssize_t io_splice_send(int fdin, off_t *offin, int fdout, off_t *offout, 
 	(void)userdata;
 	return splice(fdin, offin, plane_dev_fd(session_plane), offout, len, flags);
 }
+
+/* ---- the process serving ROOT/.quiver, where mountd's plane answers view files:
+ * its libfuse reads the requests the plane forwards from a socket, and replies to the
+ * connection's /dev/fuse descriptor (shared with mountd: one open file) ---- */
+static int forward_sock = -1, forward_dev = -1;
+
+static ssize_t forward_read(int fd, void *buf, size_t len, void *userdata)
+{
+	(void)fd;
+	(void)userdata;
+	struct fuse_in_header in;
+	ssize_t n = recv(forward_sock, &in, sizeof in, MSG_PEEK | MSG_DONTWAIT);
+	if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
+		errno = EINTR; /* pyfuse3 waits again */
+		return -1;
+	}
+	if (n < (ssize_t)sizeof in) {
+		/* 0: mountd closed it (the connection ended); a part of a header: the rest
+		 * comes with it (one send), wait for it */
+		errno = n == 0 || n < 0 ? ENODEV : EINTR;
+		return -1;
+	}
+	if (in.len < sizeof in || in.len > len) { /* not a request: the stream is broken */
+		errno = ENODEV;
+		return -1;
+	}
+	n = recv(forward_sock, buf, in.len, MSG_WAITALL);
+	if (n != (ssize_t)in.len) {
+		errno = ENODEV;
+		return -1;
+	}
+	return n;
+}
+
+static ssize_t forward_writev(int fd, struct iovec *iov, int count, void *userdata)
+{
+	(void)fd;
+	(void)userdata;
+	return writev(forward_dev, iov, count);
+}
+
+static ssize_t forward_splice_send(int fdin, off_t *offin, int fdout, off_t *offout,
+				   size_t len, unsigned int flags, void *userdata)
+{
+	(void)fdout;
+	(void)userdata;
+	return splice(fdin, offin, forward_dev, offout, len, flags);
+}
+
+static PyObject *forward_session(PyObject *module, PyObject *args)
+{
+	(void)module;
+	PyObject *address;
+	int sock;
+	if (!PyArg_ParseTuple(args, "Oi", &address, &sock))
+		return NULL;
+	struct fuse_session *se = PyLong_AsVoidPtr(address);
+	if (!se)
+		return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "no session");
+	if (forward_sock >= 0)
+		return PyErr_Format(PyExc_RuntimeError, "already forwarding");
+	const struct fuse_custom_io io = {.read = forward_read, .writev = forward_writev,
+					  .splice_send = forward_splice_send};
+	int dev = fuse_session_fd(se);
+	if (fuse_session_custom_io(se, &io, sock))
+		return PyErr_Format(PyExc_OSError, "fuse_session_custom_io failed");
+	forward_sock = sock;
+	forward_dev = dev;
+	return PyLong_FromLong(dev);
+}
+
+static PyObject *forward_close(PyObject *module, PyObject *unused)
+{
+	(void)module;
+	(void)unused;
+	if (forward_dev >= 0) /* before the unmount, as libfuse closes its own */
+		close(forward_dev);
+	forward_dev = -1;
+	Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+	{"forward_session", forward_session, METH_VARARGS,
+	 "forward_session(session_address, sock) -> the session's /dev/fuse descriptor, "
+	 "which it replies to; it reads its requests from the stream socket sock (mountd's "
+	 "plane forwards them) from now on"},
+	{"forward_close", forward_close, METH_NOARGS,
+	 "forward_close(): close the session's /dev/fuse descriptor (before the unmount)"},
+	{NULL, NULL, 0, NULL},
+};
 
 static int Plane_init(PlaneObject *self, PyObject *args, PyObject *kwds)
 {
@@ -112,6 +204,7 @@ static PyObject *Plane_stop(PlaneObject *self, PyObject *unused)
 {
 	(void)unused;
 	Py_BEGIN_ALLOW_THREADS
+	plane_control_stop(self->plane);
 	plane_stop(self->plane);
 	Py_END_ALLOW_THREADS
 	if (self->attached && !self->closed) {
@@ -196,27 +289,47 @@ static PyObject *Plane_add_dataset(PlaneObject *self, PyObject *args)
 	unsigned long long base;
 	unsigned int uid, gid;
 	long long time_ns;
-	Py_buffer identity;
-	PyObject *tree;
-	if (!PyArg_ParseTuple(args, "Ky*IILO", &base, &identity, &uid, &gid, &time_ns, &tree))
+	Py_buffer identity, pools = {.buf = NULL, .len = 0};
+	PyObject *tree, *pools_arg = Py_None;
+	if (!PyArg_ParseTuple(args, "Ky*IILO|O", &base, &identity, &uid, &gid, &time_ns, &tree,
+			      &pools_arg))
 		return NULL;
+	if (pools_arg != Py_None) {
+		if (PyObject_GetBuffer(pools_arg, &pools, PyBUF_SIMPLE)) {
+			PyBuffer_Release(&identity);
+			return NULL;
+		}
+		if (pools.len % 4) {
+			PyBuffer_Release(&pools);
+			PyBuffer_Release(&identity);
+			return PyErr_Format(PyExc_ValueError, "add_dataset: pools of 4-byte items");
+		}
+	}
 	struct plane_tree in;
 	struct tree_buffers buffers = {.held = 0};
 	int result = -EINVAL;
 	if (identity.len != PLANE_DIGEST) {
 		PyBuffer_Release(&identity);
+		if (pools.buf)
+			PyBuffer_Release(&pools);
 		return PyErr_Format(PyExc_ValueError, "add_dataset: a 32-byte identity is needed");
 	}
 	if (tree != Py_None && tree_from(tree, &in, &buffers)) {
 		PyBuffer_Release(&identity);
+		if (pools.buf)
+			PyBuffer_Release(&pools);
 		return NULL;
 	}
 	Py_BEGIN_ALLOW_THREADS
 	result = plane_add_dataset(self->plane, base, identity.buf, uid, gid, time_ns,
-				   tree == Py_None ? NULL : &in);
+				   tree == Py_None ? NULL : &in,
+				   pools_arg == Py_None ? NULL : pools.buf,
+				   (uint32_t)(pools.len / 4));
 	Py_END_ALLOW_THREADS
 	tree_buffers_release(&buffers);
 	PyBuffer_Release(&identity);
+	if (pools.buf)
+		PyBuffer_Release(&pools);
 	if (result) {
 		errno = -result;
 		return PyErr_SetFromErrno(PyExc_OSError);
@@ -312,13 +425,18 @@ static PyObject *Plane_counters(PlaneObject *self, PyObject *unused)
 	(void)unused;
 	struct plane_counters c;
 	plane_counters(self->plane, &c);
-	return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "lookups", c.lookups, "getattrs",
-			     c.getattrs, "reads", c.reads, "read_bytes", c.read_bytes, "copied",
-			     c.copied, "hits", c.hits, "forwarded", c.forwarded, "fallbacks",
-			     c.fallbacks,
+	return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "lookups",
+			     c.lookups, "getattrs", c.getattrs, "reads", c.reads, "read_bytes",
+			     c.read_bytes, "copied", c.copied, "hits", c.hits, "forwarded",
+			     c.forwarded, "fallbacks", c.fallbacks,
 			     "hits_dropped", c.hits_dropped, "forgets", c.forgets, "opens",
 			     c.opens, "releases", c.releases, "backing_failures",
-			     c.backing_failures, "store_drops", c.store_drops);
+			     c.backing_failures, "store_drops", c.store_drops, "view_opens",
+			     c.view_opens, "view_reads", c.view_reads, "view_read_bytes",
+			     c.view_read_bytes, "view_getattrs", c.view_getattrs,
+			     "view_releases", c.view_releases, "view_returned", c.view_returned,
+			     "view_forwarded", c.view_forwarded, "view_events_dropped",
+			     c.view_events_dropped);
 }
 
 static PyObject *Plane_set_passthrough(PlaneObject *self, PyObject *arg)
@@ -334,6 +452,132 @@ static PyObject *Plane_passthrough_offered(PlaneObject *self, PyObject *unused)
 {
 	(void)unused;
 	return PyBool_FromLong(plane_passthrough_offered(self->plane));
+}
+
+static PyObject *errno_result(int result)
+{
+	if (result) {
+		errno = -result;
+		return PyErr_SetFromErrno(PyExc_OSError);
+	}
+	Py_RETURN_NONE;
+}
+
+static PyObject *Plane_control_start(PlaneObject *self, PyObject *args)
+{
+	int dev_fd, fwd_fd, threads;
+	if (!PyArg_ParseTuple(args, "iii", &dev_fd, &fwd_fd, &threads))
+		return NULL;
+	return errno_result(plane_control_start(self->plane, dev_fd, fwd_fd, threads));
+}
+
+static PyObject *Plane_control_stop(PlaneObject *self, PyObject *unused)
+{
+	(void)unused;
+	Py_BEGIN_ALLOW_THREADS
+	plane_control_stop(self->plane);
+	Py_END_ALLOW_THREADS
+	Py_RETURN_NONE;
+}
+
+static PyObject *Plane_view_job(PlaneObject *self, PyObject *args)
+{
+	unsigned int id, uid;
+	unsigned long long base;
+	if (!PyArg_ParseTuple(args, "IKI", &id, &base, &uid))
+		return NULL;
+	return errno_result(plane_view_job(self->plane, id, base, uid));
+}
+
+static PyObject *Plane_view_forget(PlaneObject *self, PyObject *arg)
+{
+	unsigned long id = PyLong_AsUnsignedLong(arg);
+	if (PyErr_Occurred())
+		return NULL;
+	plane_view_forget(self->plane, (uint32_t)id);
+	Py_RETURN_NONE;
+}
+
+static PyObject *Plane_view_pid(PlaneObject *self, PyObject *args)
+{
+	unsigned int id, pid;
+	int pgid;
+	if (!PyArg_ParseTuple(args, "IIi", &id, &pid, &pgid))
+		return NULL;
+	return errno_result(plane_view_pid(self->plane, id, pid, pgid));
+}
+
+static PyObject *Plane_view_push(PlaneObject *self, PyObject *args)
+{
+	unsigned int id, pool;
+	Py_buffer items;
+	if (!PyArg_ParseTuple(args, "IIy*", &id, &pool, &items))
+		return NULL;
+	int result = -EINVAL;
+	if (items.len % 4 == 0)
+		result = plane_view_push(self->plane, id, pool, items.buf, (size_t)items.len / 4);
+	PyBuffer_Release(&items);
+	return errno_result(result);
+}
+
+static PyObject *Plane_view_opened(PlaneObject *self, PyObject *args)
+{
+	unsigned int pid;
+	unsigned long long inode;
+	if (!PyArg_ParseTuple(args, "IK", &pid, &inode))
+		return NULL;
+	uint32_t item;
+	if (plane_view_opened(self->plane, pid, inode, &item))
+		Py_RETURN_NONE;
+	return PyLong_FromUnsignedLong(item);
+}
+
+static PyObject *Plane_view_drain(PlaneObject *self, PyObject *unused)
+{
+	(void)unused;
+	struct plane_view_event *events = malloc(DRAIN_MAX * sizeof *events);
+	if (!events)
+		return PyErr_NoMemory();
+	size_t n = plane_view_drain(self->plane, events, DRAIN_MAX);
+	PyObject *list = PyList_New((Py_ssize_t)n);
+	for (size_t i = 0; list && i < n; i++) {
+		PyObject *event = Py_BuildValue("(IIOd)", events[i].job, events[i].item,
+						events[i].returned ? Py_True : Py_False,
+						events[i].ns / 1e9);
+		if (!event)
+			Py_CLEAR(list);
+		else
+			PyList_SET_ITEM(list, (Py_ssize_t)i, event);
+	}
+	free(events);
+	return list;
+}
+
+static PyObject *Plane_view_python_open(PlaneObject *self, PyObject *args)
+{
+	unsigned int pid;
+	unsigned long long inode;
+	int delta;
+	if (!PyArg_ParseTuple(args, "IKi", &pid, &inode, &delta))
+		return NULL;
+	return PyBool_FromLong(plane_view_python_open(self->plane, pid, inode, delta) == 0);
+}
+
+static PyObject *Plane_view_take(PlaneObject *self, PyObject *args)
+{
+	unsigned int id, pool;
+	if (!PyArg_ParseTuple(args, "II", &id, &pool))
+		return NULL;
+	uint32_t item;
+	if (plane_view_take(self->plane, id, pool, &item))
+		Py_RETURN_NONE;
+	return PyLong_FromUnsignedLong(item);
+}
+
+static PyObject *Plane_view_wake_fd(PlaneObject *self, PyObject *unused)
+{
+	(void)unused;
+	return PyLong_FromLong(plane_view_wake_fd(self->plane));
 }
 
 static PyMethodDef Plane_methods[] = {
@@ -365,6 +609,34 @@ static PyMethodDef Plane_methods[] = {
 	 "backing files (before INIT is answered: its reply then asks for passthrough)"},
 	{"passthrough_offered", (PyCFunction)Plane_passthrough_offered, METH_NOARGS,
 	 "passthrough_offered() -> whether the kernel's INIT offered passthrough"},
+	{"control_start", (PyCFunction)Plane_control_start, METH_VARARGS,
+	 "control_start(dev_fd, fwd_fd, threads): serve ROOT/.quiver's connection's view "
+	 "files, forwarding the rest to the socket fwd_fd (both descriptors are the "
+	 "plane's from now on)"},
+	{"control_stop", (PyCFunction)Plane_control_stop, METH_NOARGS,
+	 "control_stop(): join those threads, close their descriptors and open files"},
+	{"view_job", (PyCFunction)Plane_view_job, METH_VARARGS,
+	 "view_job(id, base, uid): a job of the view at base, for uid"},
+	{"view_forget", (PyCFunction)Plane_view_forget, METH_O,
+	 "view_forget(id): the job, its queues and processes forgotten"},
+	{"view_pid", (PyCFunction)Plane_view_pid, METH_VARARGS,
+	 "view_pid(id, pid, pgid): pid reads for job id while in process group pgid"},
+	{"view_push", (PyCFunction)Plane_view_push, METH_VARARGS,
+	 "view_push(id, pool, items): queue items (uint32 entry indexes of that pool)"},
+	{"view_opened", (PyCFunction)Plane_view_opened, METH_VARARGS,
+	 "view_opened(pid, inode) -> the item pid's latest open here at inode serves, or "
+	 "None"},
+	{"view_python_open", (PyCFunction)Plane_view_python_open, METH_VARARGS,
+	 "view_python_open(pid, inode, delta) -> whether recorded: Python opened (1) or "
+	 "released (-1 recorded, -2 not) a view file for pid at inode"},
+	{"view_take", (PyCFunction)Plane_view_take, METH_VARARGS,
+	 "view_take(id, pool) -> the next item queued for that job and pool, taken back, "
+	 "or None"},
+	{"view_wake_fd", (PyCFunction)Plane_view_wake_fd, METH_NOARGS,
+	 "view_wake_fd() -> an eventfd, readable once a queue runs low or an item is given "
+	 "back (read it, then drain)"},
+	{"view_drain", (PyCFunction)Plane_view_drain, METH_NOARGS,
+	 "view_drain() -> [(job, item, returned, seconds)] since the last call"},
 	{NULL, NULL, 0, NULL},
 };
 
@@ -382,6 +654,7 @@ static PyTypeObject PlaneType = {
 static struct PyModuleDef module = {
 	PyModuleDef_HEAD_INIT, .m_name = "mountd.native._dataplane",
 	.m_doc = "The native data plane (mountd/native/plane.h)", .m_size = -1,
+	.m_methods = module_methods,
 };
 
 PyMODINIT_FUNC PyInit__dataplane(void)

@@ -1,5 +1,5 @@
 /* FUSE passthrough (protocol 7.40, Linux 6.9): the INIT reply that asks for it (libfuse
- * 3.14 cannot), and OPENs of served items answered with their value files as backing
+ * 3.14 cannot; it also asks for symlinks to be cached), and OPENs of served items answered with their value files as backing
  * files, which the kernel then reads itself. */
 #define _GNU_SOURCE
 #include "plane_internal.h"
@@ -151,7 +151,8 @@ int do_release(struct plane *p, const struct fuse_in_header *in,
 	return 1;
 }
 
-/* The INIT request: whether the kernel offers passthrough, and which reply to patch. */
+/* The INIT request: whether the kernel offers passthrough and symlink caching, and
+ * which reply to patch. */
 void saw_init(struct plane *p, const struct fuse_in_header *in, const char *arg,
 		     size_t len)
 {
@@ -160,21 +161,29 @@ void saw_init(struct plane *p, const struct fuse_in_header *in, const char *arg,
 	memcpy(&init, arg, len < sizeof init ? len : sizeof init);
 	int offered = (init.flags & FUSE_INIT_EXT) && (init.flags2 & INIT_PASSTHROUGH);
 	atomic_store(&p->kernel_passthrough, offered);
+	atomic_store(&p->kernel_cache_symlinks, (init.flags & FUSE_CACHE_SYMLINKS) != 0);
 	atomic_store(&p->init_unique, in->unique);
 }
 
 ssize_t plane_write(struct plane *p, const struct iovec *iov, int count)
 {
-	/* libfuse 3.14 cannot ask for passthrough: its INIT reply is given the flag, and a
-	 * stack depth of 1 (the store's file system is the only one below) */
+	/* libfuse 3.14 (and pyfuse3) cannot ask for passthrough or for READLINK's answers to
+	 * be cached: its INIT reply is given the flags. A view's name is a link whose
+	 * target never changes while its inode lives (inodes are never used again), so the
+	 * kernel may keep it: a path through it then costs no READLINK. Passthrough also
+	 * gets a stack depth of 1 (the store's file system is the only one below). */
 	const struct fuse_out_header *out = iov[0].iov_base;
 	if (count >= 2 && iov[0].iov_len >= sizeof *out && out->error == 0 &&
-	    iov[1].iov_len >= sizeof(struct fuse_init_out) && atomic_load(&p->passthrough) &&
-	    atomic_load(&p->kernel_passthrough) && out->unique == atomic_load(&p->init_unique)) {
+	    iov[1].iov_len >= sizeof(struct fuse_init_out) &&
+	    out->unique == atomic_load(&p->init_unique)) {
 		struct fuse_init_out *init = iov[1].iov_base;
-		init->flags |= FUSE_INIT_EXT;
-		init->flags2 |= INIT_PASSTHROUGH;
-		init->unused[0] = 1; /* max_stack_depth */
+		if (atomic_load(&p->kernel_cache_symlinks))
+			init->flags |= FUSE_CACHE_SYMLINKS;
+		if (atomic_load(&p->passthrough) && atomic_load(&p->kernel_passthrough)) {
+			init->flags |= FUSE_INIT_EXT;
+			init->flags2 |= INIT_PASSTHROUGH;
+			init->unused[0] = 1; /* max_stack_depth */
+		}
 		atomic_store(&p->init_unique, 0);
 	}
 	return writev(p->dev_fd, iov, count);

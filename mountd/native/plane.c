@@ -7,29 +7,34 @@
 #include <sys/syscall.h>
 
 /* ---- replies ---- */
-void reply(struct plane *p, uint64_t unique, int error, const void *arg, size_t len)
+void reply_on(int dev_fd, uint64_t unique, int error, const void *arg, size_t len)
 {
 	struct fuse_out_header out = {
 		.len = (uint32_t)(sizeof out + (error ? 0 : len)), .error = -error, .unique = unique};
 	struct iovec iov[2] = {{&out, sizeof out}, {(void *)arg, len}};
 	/* ENOENT: the request was interrupted meanwhile; nothing else is ours to mend */
-	(void)!writev(p->dev_fd, iov, error || !len ? 1 : 2);
+	(void)!writev(dev_fd, iov, error || !len ? 1 : 2);
 }
 
-static uint64_t timeout_sec(double t) /* as libfuse's calc_timeout_sec */
+void reply(struct plane *p, uint64_t unique, int error, const void *arg, size_t len)
+{
+	reply_on(p->dev_fd, unique, error, arg, len);
+}
+
+uint64_t timeout_sec(double t) /* as libfuse's calc_timeout_sec */
 {
 	return t > (double)ULONG_MAX ? ULONG_MAX : t < 0.0 ? 0 : (uint64_t)t;
 }
 
-static uint32_t timeout_nsec(double t)
+uint32_t timeout_nsec(double t)
 {
 	double f = t - (double)timeout_sec(t);
 	return f < 0.0 ? 0 : f >= 0.999999999 ? 999999999 : (uint32_t)(f * 1.0e9);
 }
 
 /* The attributes mountd's Python handlers give a dataset node (datasets_fs._node_attr). */
-static double fill_attr(const struct plane *p, const struct dataset *ds, uint32_t node,
-			struct fuse_attr *a)
+double fill_attr(const struct plane *p, const struct dataset *ds, uint32_t node,
+		 struct fuse_attr *a)
 {
 	memset(a, 0, sizeof *a);
 	a->ino = ds->base + node;
@@ -67,7 +72,7 @@ static int do_lookup(struct plane *p, const struct fuse_in_header *in, const cha
 	int error = 0;
 	pthread_rwlock_rdlock(&p->lock);
 	struct dataset *ds = dataset_of(p, in->nodeid, &node);
-	if (!ds || node >= ds->t->n_dirs) {
+	if (!ds || ds->pools || node >= ds->t->n_dirs) { /* a view's is its link: Python's */
 		pthread_rwlock_unlock(&p->lock);
 		return 0;
 	}
@@ -93,7 +98,7 @@ static int do_getattr(struct plane *p, const struct fuse_in_header *in)
 	uint32_t node;
 	pthread_rwlock_rdlock(&p->lock);
 	struct dataset *ds = dataset_of(p, in->nodeid, &node);
-	if (!ds) {
+	if (!ds || ds->pools) {
 		pthread_rwlock_unlock(&p->lock);
 		return 0;
 	}
@@ -128,7 +133,7 @@ void record_hit(struct plane *p, uint64_t inode, uint64_t started)
 }
 
 /* STORE/ab/cd/<28 more>.val, as diskcache names its value files */
-static void value_path(const struct plane *p, const char *name, char *path)
+void value_path(const struct plane *p, const char *name, char *path)
 {
 	char *at = mempcpy(path, p->store_dir, p->store_dir_len);
 	*at++ = '/';
@@ -139,14 +144,6 @@ static void value_path(const struct plane *p, const char *name, char *path)
 	at = mempcpy(at, name + 4, PLANE_NAME - 4);
 	memcpy(at, ".val", 5);
 }
-
-/* A thread's buffers: a request, a READ's bytes, and a pipe to splice them through. */
-struct worker {
-	char *buf, *data;
-	int pipe[2]; /* -1: none (it could not be made, or broke): pread and writev */
-	uint64_t page, pipe_pages; /* the page size; the pipe's buffers, a page (or part)
-				    * each */
-};
 
 static void pipe_close(struct worker *w)
 {
@@ -214,12 +211,43 @@ static int splice_fill(struct worker *w, uint64_t unique, int fd, uint64_t off, 
 
 /* The reply splice_fill put in the pipe, to the kernel (which moves or copies its
  * pages into the FUSE file's). */
-static void splice_send(struct plane *p, struct worker *w, uint64_t n)
+static void splice_send(struct worker *w, int dev_fd, uint64_t n)
 {
 	size_t len = sizeof(struct fuse_out_header) + n;
-	if (splice(w->pipe[0], NULL, p->dev_fd, NULL, len, SPLICE_F_MOVE) != (ssize_t)len) {
+	if (splice(w->pipe[0], NULL, dev_fd, NULL, len, SPLICE_F_MOVE) != (ssize_t)len) {
 		pipe_close(w); /* refused (interrupted): what is left in the pipe goes */
 		pipe_open(w);
+	}
+}
+
+/* The reply to READ `unique`, n bytes of fd from off, made ready: 1 in the thread's
+ * pipe, -1 copied into its data buffer (no pipe, or it failed), 0 where the file gave
+ * fewer bytes (nothing is ready). */
+int file_fill(struct worker *w, uint64_t unique, int fd, uint64_t off, uint64_t n)
+{
+	int spliced = splice_fits(w, off, n) ? splice_fill(w, unique, fd, off, n) : -1;
+	if (spliced == 0)
+		return 0;
+	for (uint64_t done = 0; spliced < 0 && done < n;) {
+		ssize_t got = pread(fd, w->data + done, n - done, (off_t)(off + done));
+		if (got < 0 && errno == EINTR)
+			continue;
+		if (got <= 0)
+			return 0;
+		done += (uint64_t)got;
+	}
+	return spliced;
+}
+
+/* The reply file_fill made ready, to the kernel on dev_fd. */
+void file_send(struct plane *p, struct worker *w, int dev_fd, uint64_t unique, uint64_t n,
+	       int filled)
+{
+	if (filled > 0) {
+		splice_send(w, dev_fd, n);
+	} else {
+		atomic_fetch_add_explicit(&p->copied, 1, memory_order_relaxed);
+		reply_on(dev_fd, unique, 0, w->data, n);
 	}
 }
 
@@ -263,7 +291,7 @@ struct slot *served_item(struct plane *p, uint64_t inode, uint32_t *index,
 	pthread_rwlock_rdlock(&p->lock);
 	struct dataset *ds = dataset_of(p, inode, &node);
 	struct slot *s = NULL;
-	if (ds && !ds->suspended && node >= ds->t->n_dirs) {
+	if (ds && !ds->pools && !ds->suspended && node >= ds->t->n_dirs) {
 		*index = ds->t->slots[node - ds->t->n_dirs];
 		s = slot_at(p, *index);
 		if (s->served) {
@@ -307,20 +335,10 @@ static int do_read(struct plane *p, const struct fuse_in_header *in,
 	if (off == 0)
 		atomic_store_explicit(&s->fresh, (unsigned char)none_cached(fd, size),
 				      memory_order_relaxed);
-	int spliced = splice_fits(w, off, n) ? splice_fill(w, in->unique, fd, off, n) : -1;
-	if (spliced == 0) { /* shorter than its entry: not the verified file */
+	int filled = file_fill(w, in->unique, fd, off, n);
+	if (filled == 0) { /* shorter than its entry: not the verified file */
 		close(fd);
 		goto fallback;
-	}
-	for (uint64_t done = 0; spliced < 0 && done < n;) {
-		ssize_t got = pread(fd, w->data + done, n - done, (off_t)(off + done));
-		if (got < 0 && errno == EINTR)
-			continue;
-		if (got <= 0) {
-			close(fd);
-			goto fallback;
-		}
-		done += (uint64_t)got;
 	}
 	/* counted before the reply: a reader that asks for the counters next sees it */
 	atomic_fetch_add_explicit(&p->reads, 1, memory_order_relaxed);
@@ -329,12 +347,7 @@ static int do_read(struct plane *p, const struct fuse_in_header *in,
 		atomic_fetch_add_explicit(&p->served_files, 1, memory_order_relaxed);
 		record_hit(p, in->nodeid, started);
 	}
-	if (spliced > 0) {
-		splice_send(p, w, n);
-	} else {
-		atomic_fetch_add_explicit(&p->copied, 1, memory_order_relaxed);
-		reply(p, in->unique, 0, w->data, n);
-	}
+	file_send(p, w, p->dev_fd, in->unique, n, filled);
 	int drop = off + n >= size && atomic_load_explicit(&s->fresh, memory_order_relaxed);
 	atomic_fetch_sub(&s->inflight, 1);
 	if (drop && posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED) == 0)
@@ -416,6 +429,54 @@ int plane_dev_fd(const struct plane *p) { return p->dev_fd; }
 
 static void on_stop_signal(int signum) { (void)signum; }
 
+/* STOP_SIGNAL's handler, which does nothing: installed without SA_RESTART, so that a
+ * thread's read(2) returns EINTR. 0, or -1 with errno set. */
+int stop_signal_ready(void)
+{
+	struct sigaction sa;
+	memset(&sa, 0, sizeof sa);
+	sa.sa_handler = on_stop_signal;
+	sigemptyset(&sa.sa_mask);
+	return sigaction(STOP_SIGNAL, &sa, NULL);
+}
+
+/* Start n threads running main(arg), with every signal blocked but STOP_SIGNAL (the
+ * process's signals stay the main thread's); their number. */
+int start_threads(pthread_t *threads, int n, void *(*main)(void *), void *arg)
+{
+	sigset_t all, old;
+	sigfillset(&all);
+	pthread_sigmask(SIG_SETMASK, &all, &old);
+	int made;
+	for (made = 0; made < n; made++)
+		if (pthread_create(&threads[made], NULL, main, arg))
+			break;
+		else /* named for top -H and /proc: where mountd's CPU goes */
+			pthread_setname_np(threads[made], "quiver-plane");
+	pthread_sigmask(SIG_SETMASK, &old, NULL);
+	return made;
+}
+
+/* Join n threads, whose stopping flag is set: each is sent STOP_SIGNAL until it has
+ * ended (one sent just before it blocks in read(2) is lost). */
+void join_threads(pthread_t *threads, int n)
+{
+	for (int i = 0; i < n; i++) {
+		for (;;) {
+			pthread_kill(threads[i], STOP_SIGNAL);
+			struct timespec until;
+			clock_gettime(CLOCK_REALTIME, &until);
+			until.tv_nsec += 10 * 1000 * 1000;
+			if (until.tv_nsec >= 1000000000) {
+				until.tv_sec++;
+				until.tv_nsec -= 1000000000;
+			}
+			if (!pthread_timedjoin_np(threads[i], NULL, &until))
+				break;
+		}
+	}
+}
+
 static void handle(struct plane *p, char *buf, size_t len, struct worker *w)
 {
 	const struct fuse_in_header *in = (const void *)buf;
@@ -461,15 +522,21 @@ static void handle(struct plane *p, char *buf, size_t len, struct worker *w)
 	forward(p, buf, len);
 }
 
-static void *worker_main(void *arg)
+/* A thread of the plane's: STOP_SIGNAL interrupts it. */
+void thread_signals(void)
 {
-	struct plane *p = arg;
 	sigset_t only_stop;
 	sigemptyset(&only_stop);
 	sigaddset(&only_stop, STOP_SIGNAL);
 	pthread_sigmask(SIG_UNBLOCK, &only_stop, NULL);
-	struct worker w = {.buf = malloc(REQUEST_BUF), .data = malloc(DATA_BUF)};
-	pipe_open(&w);
+}
+
+static void *worker_main(void *arg)
+{
+	struct plane *p = arg;
+	thread_signals();
+	struct worker w;
+	worker_open(&w);
 	while (w.buf && w.data && !atomic_load(&p->stopping)) {
 		ssize_t n = read(p->dev_fd, w.buf, REQUEST_BUF);
 		if (n < 0) {
@@ -481,10 +548,22 @@ static void *worker_main(void *arg)
 		if ((size_t)n >= sizeof(struct fuse_in_header))
 			handle(p, w.buf, (size_t)n, &w);
 	}
-	pipe_close(&w);
-	free(w.buf);
-	free(w.data);
+	worker_close(&w);
 	return NULL;
+}
+
+void worker_open(struct worker *w)
+{
+	w->buf = malloc(REQUEST_BUF);
+	w->data = malloc(DATA_BUF);
+	pipe_open(w);
+}
+
+void worker_close(struct worker *w)
+{
+	pipe_close(w);
+	free(w->buf);
+	free(w->data);
 }
 
 /* ---- the plane ---- */
@@ -522,6 +601,7 @@ struct plane *plane_new(const char *store_dir, int threads, double root_timeout,
 	pthread_mutex_init(&p->queue_lock, NULL);
 	pthread_mutex_init(&p->hit_lock, NULL);
 	pthread_mutex_init(&p->backing_lock, NULL);
+	view_init(p);
 	return p;
 }
 
@@ -532,29 +612,13 @@ int plane_start(struct plane *p, int dev_fd)
 	int flags = fcntl(dev_fd, F_GETFL);
 	if (flags < 0 || fcntl(dev_fd, F_SETFL, flags & ~O_NONBLOCK) < 0)
 		return -errno; /* a thread waits in read(2), never spins */
-	struct sigaction sa;
-	memset(&sa, 0, sizeof sa);
-	sa.sa_handler = on_stop_signal; /* no SA_RESTART: the read returns EINTR */
-	sigemptyset(&sa.sa_mask);
-	if (sigaction(STOP_SIGNAL, &sa, NULL) < 0)
+	if (stop_signal_ready() < 0)
 		return -errno;
 	p->dev_fd = dev_fd;
-	/* The threads start with every signal blocked (and unblock STOP_SIGNAL): the
-	 * process's signals stay the main thread's. */
-	sigset_t all, old;
-	sigfillset(&all);
-	pthread_sigmask(SIG_SETMASK, &all, &old);
-	int error = 0, n;
-	for (n = 0; n < p->n_threads; n++)
-		if ((error = pthread_create(&p->threads[n], NULL, worker_main, p)))
-			break;
-		else /* named for top -H and /proc: where mountd's CPU goes */
-			pthread_setname_np(p->threads[n], "quiver-plane");
-	pthread_sigmask(SIG_SETMASK, &old, NULL);
-	p->started = n;
-	if (error) {
+	p->started = start_threads(p->threads, p->n_threads, worker_main, p);
+	if (p->started < p->n_threads) {
 		plane_stop(p);
-		return -error;
+		return -EAGAIN;
 	}
 	return 0;
 }
@@ -562,22 +626,7 @@ int plane_start(struct plane *p, int dev_fd)
 void plane_stop(struct plane *p)
 {
 	atomic_store(&p->stopping, 1);
-	for (int i = 0; i < p->started; i++) {
-		/* A signal just before the thread blocks in read(2) is lost: send it again
-		 * until the thread has ended. */
-		for (;;) {
-			pthread_kill(p->threads[i], STOP_SIGNAL);
-			struct timespec until;
-			clock_gettime(CLOCK_REALTIME, &until);
-			until.tv_nsec += 10 * 1000 * 1000;
-			if (until.tv_nsec >= 1000000000) {
-				until.tv_sec++;
-				until.tv_nsec -= 1000000000;
-			}
-			if (!pthread_timedjoin_np(p->threads[i], NULL, &until))
-				break;
-		}
-	}
+	join_threads(p->threads, p->started);
 	p->started = 0;
 }
 
@@ -586,8 +635,12 @@ void plane_free(struct plane *p)
 	if (!p)
 		return;
 	plane_stop(p);
-	for (size_t i = 0; i < p->n_datasets; i++)
+	plane_control_stop(p);
+	view_free(p);
+	for (size_t i = 0; i < p->n_datasets; i++) {
+		free(p->datasets[i]->pools);
 		free(p->datasets[i]);
+	}
 	free(p->datasets);
 	for (size_t i = 0; i < p->n_trees; i++)
 		tree_free(p->trees[i]);
@@ -640,4 +693,12 @@ void plane_counters(struct plane *p, struct plane_counters *out)
 	out->releases = atomic_load(&p->releases);
 	out->backing_failures = atomic_load(&p->backing_failures);
 	out->store_drops = atomic_load(&p->store_drops);
+	out->view_opens = atomic_load(&p->view_opens);
+	out->view_reads = atomic_load(&p->view_reads);
+	out->view_read_bytes = atomic_load(&p->view_read_bytes);
+	out->view_getattrs = atomic_load(&p->view_getattrs);
+	out->view_releases = atomic_load(&p->view_releases);
+	out->view_returned = atomic_load(&p->view_returned);
+	out->view_forwarded = atomic_load(&p->view_forwarded);
+	out->view_events_dropped = atomic_load(&p->view_events_dropped);
 }

@@ -35,6 +35,15 @@ struct plane_counters {
 	uint64_t releases;   /* and their RELEASEs */
 	uint64_t backing_failures; /* OPENs of served items the kernel gave no backing id */
 	uint64_t store_drops; /* store files whose pages a READ brought in and then dropped */
+	/* ROOT/.quiver's connection (the views) */
+	uint64_t view_opens;    /* view files opened here, with an item queued for the job */
+	uint64_t view_reads;    /* their READs */
+	uint64_t view_read_bytes;
+	uint64_t view_getattrs; /* their GETATTRs (fstat) */
+	uint64_t view_releases; /* their RELEASEs */
+	uint64_t view_returned; /* queued items given back to Python: withdrawn, file gone */
+	uint64_t view_forwarded; /* the connection's requests handed to its process */
+	uint64_t view_events_dropped; /* opens and returns not reported: drained too slowly */
 };
 
 /* A plane for the value files under store_dir, served by `threads` threads once
@@ -83,10 +92,14 @@ struct plane_tree {
 int plane_has_tree(struct plane *p, const uint8_t *identity);
 /* A dataset at inodes base .. base + its tree's nodes - 1, registered from the digest
  * `identity`: its tree is the one held for it, else `tree` (NULL: -ENOENT). Attributes
- * are those of mountd's Python handlers: owned by uid:gid, times time_ns. 0, or -errno
- * (EEXIST: the range overlaps another's; EINVAL: a tree not well formed). */
+ * are those of mountd's Python handlers: owned by uid:gid, times time_ns. A view has
+ * `pools` (n_pools of them: each entry's pool), and is served on ROOT/.quiver's
+ * connection only; a dataset served exactly has none (NULL). 0, or -errno (EEXIST: the
+ * range overlaps another's; EINVAL: a tree not well formed, or pools not one an
+ * entry). */
 int plane_add_dataset(struct plane *p, uint64_t base, const uint8_t *identity, uint32_t uid,
-		      uint32_t gid, int64_t time_ns, const struct plane_tree *tree);
+		      uint32_t gid, int64_t time_ns, const struct plane_tree *tree,
+		      const uint32_t *pools, uint32_t n_pools);
 /* Forget the dataset at base; its reads in flight finish. 0 or -ENOENT. */
 int plane_remove_dataset(struct plane *p, uint64_t base);
 /* While suspended, a dataset's READs go to Python (which refuses them). */
@@ -107,6 +120,68 @@ struct plane_hit {
 	uint64_t inode;
 	uint64_t ns;
 };
+
+/* ---- the substitutable views (view.c), on ROOT/.quiver's connection ----
+ *
+ * Python keeps the policy: which items a job gets, once per pass. It queues, per job
+ * and pool, items cached and verified that it has handed out to that job
+ * (plane_view_push), and names the processes it recognised as the job's
+ * (plane_view_pid). The connection's threads answer the OPEN of a view file by a
+ * process of a job (the same uid, the same process group as when Python recognised it)
+ * with the next item queued for that job and the file's pool, and that open's READ,
+ * GETATTR (by the opening process: fstat) and RELEASE; a view file's GETATTR by a
+ * process with none open there (plane_view_python_open); and every FLUSH and IOCTL
+ * (ENOSYS, as pyfuse3 answers them); every other request goes
+ * to the process that serves the connection, through a socket (a stream of requests).
+ * Each open is reported (plane_view_drain), and so is each queued item given back
+ * (withdrawn, or its file gone): Python hands it out again. */
+
+/* Serve ROOT/.quiver's connection dev_fd with `threads` threads, forwarding what they
+ * do not answer to the socket fwd_fd. The plane owns both descriptors from now on,
+ * even on failure. 0 or -errno. */
+int plane_control_start(struct plane *p, int dev_fd, int fwd_fd, int threads);
+/* Join those threads, close both descriptors and the view files open there (the
+ * connection is gone). Idempotent. */
+void plane_control_stop(struct plane *p);
+
+/* Job `id` of the view at base, for uid. 0, -ENOENT (no view there), -EEXIST, -ENOMEM. */
+int plane_view_job(struct plane *p, uint32_t id, uint64_t base, uint32_t uid);
+/* Forget job `id`, its queues and the processes named for it. */
+void plane_view_forget(struct plane *p, uint32_t id);
+/* Process pid, in process group pgid, reads the view at base for job `id` (replacing
+ * what was said of pid there). 0, -ENOENT (no such job), -ENOSPC (too many). */
+int plane_view_pid(struct plane *p, uint32_t id, uint32_t pid, int32_t pgid);
+/* Queue items (entry indexes, each of pool `pool`) for job `id`. 0, -ENOENT, -EINVAL
+ * (an item not of that pool: none is queued), -ENOMEM. */
+int plane_view_push(struct plane *p, uint32_t id, uint32_t pool, const uint32_t *items,
+		    size_t n);
+/* Python opened (delta 1) or released a view file for pid at inode (-1: an open
+ * recorded, -2: one that was not): that process's GETATTRs of it are Python's while
+ * open. Any other process's GETATTR of a view file is answered with the file's own
+ * attributes. 0, or -ENOSPC/-ENOMEM where an open could not be recorded (every
+ * GETATTR of a view file is then Python's until it is released). */
+int plane_view_python_open(struct plane *p, uint32_t pid, uint64_t inode, int delta);
+
+/* Take back the next item queued for job `id` and pool (an open through Python gets
+ * it): 0 and *item, else -ENOENT (none queued). */
+int plane_view_take(struct plane *p, uint32_t id, uint32_t pool, uint32_t *item);
+/* The item a view file open here at `inode` by pid (its latest) serves: 0 and *item,
+ * else -ENOENT. */
+int plane_view_opened(struct plane *p, uint32_t pid, uint64_t inode, uint32_t *item);
+
+/* An eventfd, readable once a job's queue of a pool is down to a few items, or an item
+ * was given back: Python drains the events and tops the queues up. */
+int plane_view_wake_fd(const struct plane *p);
+
+/* A view file opened here, or a queued item given back (returned). */
+struct plane_view_event {
+	uint32_t job, item;
+	uint32_t returned;
+	uint64_t ns; /* the OPEN's time here */
+};
+
+/* Up to max of the events since the last call. */
+size_t plane_view_drain(struct plane *p, struct plane_view_event *events, size_t max);
 
 /* Up to max of the files served since the last call. */
 size_t plane_drain_hits(struct plane *p, struct plane_hit *hits, size_t max);

@@ -56,6 +56,7 @@ struct slot {
 	int32_t backing_id; /* passthrough: the value file's backing id, 0 if none */
 	atomic_uint inflight; /* READs serving its file now, OPENs answering with it */
 	atomic_uchar fresh; /* none of its file's pages were cached at its last READ from 0 */
+	uint8_t condemned; /* withdrawn with wait (found changed): view files open on it fail */
 };
 
 /* A backing id's opens (passthrough), and whose it is. The kernel refuses an inode
@@ -81,10 +82,58 @@ struct tree {
 
 struct dataset {
 	uint64_t base;
+	uint32_t *pools; /* a view's: each entry's pool; NULL for a dataset served exactly */
+	uint32_t n_pools;
 	uint32_t uid, gid;
 	int64_t time_ns;
 	int suspended;
 	struct tree *t;
+};
+
+/* A thread's buffers: a request, a READ's bytes, and a pipe to splice them through. */
+struct worker {
+	char *buf, *data;
+	int pipe[2]; /* -1: none (it could not be made, or broke): pread and writev */
+	uint64_t page, pipe_pages; /* the page size; the pipe's buffers, a page (or part)
+				    * each */
+};
+
+/* The views (view.c): a job's items queued for one pool, a ring */
+struct view_queue {
+	uint32_t *items; /* entry indexes */
+	uint32_t head, n, cap;
+};
+
+/* A view job Python named (its id), of the view at base, for uid's processes. */
+struct view_job {
+	uint32_t id, uid;
+	uint64_t base;
+	uint32_t n_pools;
+	struct view_queue *queues; /* by pool */
+};
+
+/* A process Python recognised as one of a job's, while its process group is pgid. */
+struct view_pid {
+	uint64_t base;
+	uint32_t pid, job;
+	int32_t pgid;
+};
+
+/* A view file opened here: the item it serves, its value file held open. */
+struct view_open {
+	uint64_t seq; /* 0: free; else the order of opens (a process's latest answers fstat) */
+	int fd;
+	uint32_t pid, job, item, slot, uid, gid; /* uid, gid: the view's (its attributes) */
+	uint32_t opener_uid;
+	int64_t time_ns;
+	uint64_t inode, size;
+	uint8_t digest[PLANE_DIGEST];
+};
+
+/* A view file Python opened for pid at inode (n opens). */
+struct view_py_open {
+	uint32_t pid, n;
+	uint64_t inode;
 };
 
 struct request {
@@ -99,6 +148,7 @@ struct plane {
 	int n_threads, started, dev_fd, event_fd;
 	atomic_int passthrough;         /* OPEN answered with a backing file (else no-open READs) */
 	atomic_int kernel_passthrough;  /* the kernel's INIT offered it */
+	atomic_int kernel_cache_symlinks; /* the kernel's INIT offered FUSE_CACHE_SYMLINKS */
 	atomic_uint_fast64_t init_unique; /* the INIT request, whose reply is patched */
 	double root_timeout, timeout;
 	pthread_t *threads;
@@ -130,6 +180,29 @@ struct plane {
 	struct plane_hit hits[HIT_RING];
 	size_t hit_start, hit_count;
 
+	/* ROOT/.quiver's connection (view.c): its threads, and the socket that takes the
+	 * requests they do not answer to the process that serves them */
+	int ctl_fd, ctl_fwd, ctl_started;
+	int view_wake_fd; /* an eventfd: readable once a queue runs low or an item is given back */
+	pthread_t *ctl_threads;
+	atomic_int ctl_stopping;
+	pthread_mutex_t fwd_lock; /* one request at a time on ctl_fwd */
+	pthread_mutex_t view_lock; /* the jobs, pids, queues, opens and events below */
+	struct view_job **jobs;
+	size_t n_jobs, cap_jobs;
+	struct view_pid *pids;
+	size_t n_pids;
+	struct view_open *view_files; /* VIEW_OPENS, by file handle */
+	size_t n_view_files;
+	uint64_t open_seq;
+	struct view_py_open *py_opens; /* VIEW_PY_OPENS */
+	size_t n_py_opens, py_unrecorded; /* those past VIEW_PY_OPENS, not recorded */
+	struct plane_view_event *events; /* a ring of VIEW_EVENTS */
+	size_t event_start, event_count;
+
+	atomic_uint_fast64_t view_opens, view_reads, view_read_bytes, view_getattrs,
+		view_releases, view_returned, view_forwarded, view_events_dropped;
+
 	atomic_uint_fast64_t lookups, getattrs, reads, read_bytes, copied, served_files,
 		forwarded, fallbacks, hits_dropped, forgets, opens, releases, backing_failures,
 		store_drops;
@@ -150,11 +223,30 @@ int do_release(struct plane *p, const struct fuse_in_header *in,
 	       const struct fuse_release_in *arg);
 void saw_init(struct plane *p, const struct fuse_in_header *in, const char *arg, size_t len);
 
+/* view.c */
+void view_init(struct plane *p);
+void view_free(struct plane *p);
+
 /* plane.c */
+void reply_on(int dev_fd, uint64_t unique, int error, const void *arg, size_t len);
 void reply(struct plane *p, uint64_t unique, int error, const void *arg, size_t len);
 void record_hit(struct plane *p, uint64_t inode, uint64_t started);
 uint64_t now_ns(void);
 struct slot *served_item(struct plane *p, uint64_t inode, uint32_t *index, uint64_t *size,
 			 char *path);
+void value_path(const struct plane *p, const char *name, char *path);
+double fill_attr(const struct plane *p, const struct dataset *ds, uint32_t node,
+		 struct fuse_attr *a);
+uint64_t timeout_sec(double t);
+uint32_t timeout_nsec(double t);
+void worker_open(struct worker *w);
+void worker_close(struct worker *w);
+int file_fill(struct worker *w, uint64_t unique, int fd, uint64_t off, uint64_t n);
+void file_send(struct plane *p, struct worker *w, int dev_fd, uint64_t unique, uint64_t n,
+	       int filled);
+void join_threads(pthread_t *threads, int n);
+int stop_signal_ready(void);
+void thread_signals(void);
+int start_threads(pthread_t *threads, int n, void *(*main)(void *), void *arg);
 
 #endif

@@ -117,6 +117,7 @@ static uint32_t item_ref(struct plane *p, const uint8_t *digest)
 	memcpy(s->digest, digest, PLANE_DIGEST);
 	s->refs = 1;
 	s->served = 0;
+	s->condemned = 0;
 	p->items[pos] = i + 1;
 	p->n_items++;
 	return i;
@@ -340,11 +341,23 @@ static int room(void ***items, size_t n, size_t *cap)
 }
 
 int plane_add_dataset(struct plane *p, uint64_t base, const uint8_t *identity, uint32_t uid,
-		      uint32_t gid, int64_t time_ns, const struct plane_tree *tree)
+		      uint32_t gid, int64_t time_ns, const struct plane_tree *tree,
+		      const uint32_t *pools, uint32_t n_pools)
 {
 	struct dataset *ds = calloc(1, sizeof *ds);
 	if (!ds)
 		return -ENOMEM;
+	if (pools) {
+		ds->pools = malloc((n_pools ? n_pools : 1) * sizeof *ds->pools);
+		if (!ds->pools) {
+			free(ds);
+			return -ENOMEM;
+		}
+		memcpy(ds->pools, pools, n_pools * sizeof *pools);
+		for (uint32_t i = 0; i < n_pools; i++)
+			if (pools[i] >= ds->n_pools)
+				ds->n_pools = pools[i] + 1;
+	}
 	ds->base = base;
 	ds->uid = uid;
 	ds->gid = gid;
@@ -364,7 +377,8 @@ int plane_add_dataset(struct plane *p, uint64_t base, const uint8_t *identity, u
 	struct tree *t = error ? NULL : made ? made : tree_of(p, identity);
 	if (!error && !t)
 		error = -ENOENT;
-	if (!error && base > UINT64_MAX - ((uint64_t)t->n_dirs + t->n_files))
+	if (!error && (base > UINT64_MAX - ((uint64_t)t->n_dirs + t->n_files) ||
+		       (pools && n_pools != t->n_files)))
 		error = -EINVAL;
 	size_t pos = dataset_pos(p, base);
 	if (!error) {
@@ -394,6 +408,7 @@ int plane_add_dataset(struct plane *p, uint64_t base, const uint8_t *identity, u
 			tree_unref_slots(p, made, made->n_files);
 			tree_free(made);
 		}
+		free(ds->pools);
 		free(ds);
 	}
 	return error;
@@ -426,6 +441,7 @@ int plane_remove_dataset(struct plane *p, uint64_t base)
 		tree_unref_slots(p, t, t->n_files);
 		tree_free(t);
 	}
+	free(ds->pools);
 	free(ds);
 	return 0;
 }
@@ -456,6 +472,7 @@ int plane_serve(struct plane *p, const uint8_t *digest, const char *name)
 		}
 		memcpy(s->name, name, PLANE_NAME);
 		s->served = 1;
+		s->condemned = 0;
 	}
 	pthread_rwlock_unlock(&p->lock);
 	return s != NULL;
@@ -469,6 +486,7 @@ void plane_withdraw(struct plane *p, const uint8_t *digest, int wait)
 	struct slot *s = entry ? slot_at(p, entry - 1) : NULL;
 	if (s) {
 		s->served = 0;
+		s->condemned |= (uint8_t)(wait != 0);
 		pthread_mutex_lock(&p->backing_lock);
 		backing_drop(p, s, 0);
 		pthread_mutex_unlock(&p->backing_lock);

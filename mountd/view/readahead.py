@@ -2,8 +2,8 @@
 of their common order (DatasetJobs.in_order) into the store, so that the first job to
 want an item finds it cached too.
 
-Each round looks, per pool, for the job with the fewest cached items it still needs
-there (the pool's margin), and fetches the next items in the common order that this job
+Each round looks, per pool, for the job with the fewest cached items it is yet to open
+there (the pool's margin; hits handed out to it and queued count), and fetches the next items in the common order that this job
 needs and that are not cached, for the pools of the smallest margins first: the jobs
 read their pools at random rates, and the pools they are about to run out of get the
 room. Rounds overlap, up to a bound on the items in flight, so that the readahead keeps
@@ -48,13 +48,13 @@ LOOK_GAP = 0.01  # seconds between looks at least
 IDLE_LOOK = 1.0  # seconds between looks when nothing wakes the readahead
 
 
-# a view job's need per item, and its pass number over a pool
+# per item, whether a view job is yet to open it; and its pass number over a pool
 JobNeeds = tuple[np.ndarray, Callable[[int], int]]
 
 
 def next_items(group: DatasetJobs, needs: list[JobNeeds], limit: int) -> list[int]:
     """Up to ``limit`` items to fetch next for the view jobs with ``needs`` (per item,
-    whether each is yet to be served it), within the room the allotment leaves."""
+    whether each is yet to open it), within the room the allotment leaves."""
     ceiling = ALLOTMENT_SHARE * group.allotment()
     if time.monotonic() - group.cached.evicted_at < EVICTION_PAUSE:
         # the store evicts items the jobs still need: no room for more than then

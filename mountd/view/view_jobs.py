@@ -31,22 +31,24 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import os
 import re
 import time
 from typing import Any
 
-import numpy as np
 import trio
 
 from mountd.datasets.dataset import MountedDataset
 from mountd.fetch.services import ReadServices
 from mountd.jobs.dataset_jobs import DatasetJobs
 from mountd.jobs.registry import JobRegistry
+from mountd.view.native_queue import NativeQueues, ViewPlane
 from mountd.view.readahead import JobNeeds, ViewReadahead
+from mountd.view.view_job import Choice, PoolPass, ViewJob
 from quiverfs.counters import FetchCause, ReadCounter, ViewJobCounter
-from quiverfs.heartbeat import CacheMode, JobReport, to_wire
+from quiverfs.heartbeat import CacheMode, to_wire
 from quiverfs.job_protocol import JOB_ENV
 
 log = logging.getLogger(__name__)
@@ -61,106 +63,6 @@ LOOKUP_BLOCK = 4 * POOL_BATCH  # pending items of a pool looked up in the store 
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 
-@dataclasses.dataclass(frozen=True)
-class Choice:
-    """What an open of a view file serves, and how a miss of it is fetched."""
-
-    index: int
-    hit: bool  # cached when chosen
-    cause: FetchCause
-    keep: bool
-
-
-class _PoolPass:
-    """A job's current pass over one pool: which of its items the job has not been
-    served yet, and items chosen not yet served."""
-
-    def __init__(self, number: int, members: np.ndarray) -> None:
-        self.number = number
-        self.members = members  # the pool's items, ascending
-        self.pending = np.ones(len(members), dtype=bool)
-        self.queue: collections.deque[Choice] = collections.deque()
-        self.lock = trio.Lock()  # one planning at a time
-
-    def pending_items(self) -> np.ndarray:
-        """The items not yet served in this pass."""
-        return self.members[self.pending]
-
-    def place(self, items: list[int]) -> None:
-        """Hand out ``items``: each at most once per pass."""
-        positions = np.searchsorted(self.members, items)
-        if not self.pending[positions].all() or len(set(items)) < len(items):
-            raise AssertionError("an item was chosen twice in one pass")
-        self.pending[positions] = False
-
-    @property
-    def used_up(self) -> bool:
-        """Every item handed out (a planning under way may still be queueing some)."""
-        return not self.queue and not self.pending.any() and not self.lock.locked()
-
-
-class ViewJob:
-    """One job reading a view: its pass over each pool, and its counters."""
-
-    def __init__(self, job_id: str, ds: MountedDataset, uid: int, identity: str,
-                 group: DatasetJobs) -> None:
-        self.id = job_id
-        self.ds = ds
-        self.uid = uid
-        self.identity = identity
-        self.group = group
-        self.pools: dict[int, _PoolPass] = {}
-        # per item: whether the job is yet to be served it (in the current pass over its
-        # pool, or a first one); False for items that are always served exactly
-        self.need = ds.pools.shared.copy()
-        self.pgids: set[int] = set()  # process groups seen opening for it
-        self.counters: collections.Counter[ViewJobCounter] = collections.Counter()
-        self.last_used = time.monotonic()
-
-    def report(self) -> JobReport:
-        """What the coordinator needs: no chunk (the view does not drive the cycle), and
-        never probed (its reads are not timed per batch)."""
-        return JobReport(id=self.id, gen=0, gpus=1,
-                         remaining=(0,) * self.group.plan.n_chunks,
-                         probe_seq=0, probeable=False, batch_bytes=self.ds.mean_item_bytes)
-
-    def stats(self) -> dict[str, Any]:
-        return {"job": self.id, "dataset": self.ds.name, "uid": self.uid,
-                "identity": self.identity, "counters": dict(self.counters),
-                "pools_in_pass": len(self.pools), "remaining": int(self.need.sum())}
-
-    def pass_of(self, pool: int) -> _PoolPass:
-        """The job's current pass over ``pool``; a new one where the last is used up."""
-        current = self.pools.get(pool)
-        if current is not None and not current.used_up:
-            return current
-        number = 0 if current is None else current.number + 1
-        members = self.ds.pools.members[pool]
-        self.need[members] = True
-        self.counters[ViewJobCounter.PASSES] += 1
-        self.pools[pool] = made = _PoolPass(number, members)
-        return made
-
-    def pass_number(self, pool: int) -> int:
-        """The number of the job's current (or first) pass over ``pool``."""
-        current = self.pools.get(pool)
-        return 0 if current is None else current.number
-
-    def place(self, current: _PoolPass, items: list[int]) -> None:
-        """Hand out ``items`` in the pass ``current``: each at most once per pass."""
-        current.place(items)
-        self.need[items] = False
-
-    def queued(self, pool: int, item: int) -> bool:
-        """Whether the job has chosen ``item`` of ``pool`` and not opened it yet."""
-        current = self.pools.get(pool)
-        return current is not None and any(c.index == item for c in current.queue)
-
-    def kept_for(self, items: np.ndarray) -> np.ndarray:
-        """Which of an evicted chunk's ``items`` the job is yet to be served."""
-        return self.need[items]
-
-
 class ViewJobs:
     """Recognises the job behind each open of a view file and chooses what it gets."""
 
@@ -172,10 +74,18 @@ class ViewJobs:
         self.stats = services.stats
         self.staging = services.staging
         self.recency = services.recency
+        self.services = services
         self.jobs: dict[tuple[str, int, str], ViewJob] = {}
         self._identities: collections.OrderedDict[int, tuple[int, str]] = (
             collections.OrderedDict())  # pid -> (its pgid then, job identity)
         self.readahead = ViewReadahead(services.bulk, services.recency, self._needs)
+        self.native: NativeQueues | None = None  # where the native plane serves opens
+        self._native_ids = itertools.count(1)
+
+    def serve_natively(self, plane: ViewPlane) -> None:
+        """From now on, queue jobs' hits in the native plane (mountd.view.native_queue),
+        which answers their opens."""
+        self.native = NativeQueues(plane, self._plan, self.opened_natively)
 
     # -- which job ----------------------------------------------------------------------
     async def _identity(self, pid: int) -> tuple[str, int | None]:
@@ -208,6 +118,8 @@ class ViewJobs:
         job.last_used = time.monotonic()
         if pgid is not None and len(job.pgids) < MAX_PGIDS:
             job.pgids.add(pgid)
+        if pgid is not None and self.native is not None:
+            self.native.opener(job, pid, pgid)
         return job
 
     def _create(self, key: tuple[str, int, str], ds: MountedDataset, group: DatasetJobs
@@ -219,14 +131,19 @@ class ViewJobs:
             log.info("uid %d holds %d view jobs: forgetting %s", uid, len(mine), oldest[2])
             self._drop(oldest)
         job_id = f"view:{name}:{uid}:{identity}"
-        job = self.jobs[key] = ViewJob(job_id, ds, uid, identity, group)
+        job = self.jobs[key] = ViewJob(job_id, ds, uid, identity, group,
+                                       next(self._native_ids))
         group.add(job)
+        if self.native is not None:
+            self.native.created(job)
         log.info("view %s: new job %s (uid %d)", name, identity, uid)
         return job
 
     def _drop(self, key: tuple[str, int, str]) -> None:
         job = self.jobs.pop(key)
         job.group.discard(job.id)
+        if self.native is not None:
+            self.native.dropped(job)
 
     def dataset_removed(self, name: str) -> None:
         for key in [k for k in self.jobs if k[0] == name]:
@@ -237,6 +154,8 @@ class ViewJobs:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.readahead.run)
             nursery.start_soon(self._sweep)
+            if self.native is not None:
+                nursery.start_soon(self.native.run)
 
     async def _sweep(self) -> None:
         """Forget jobs whose processes are all gone (their needs would keep items
@@ -256,7 +175,7 @@ class ViewJobs:
         by_group: dict[int, tuple[DatasetJobs, list[JobNeeds]]] = {}
         for job in self.jobs.values():
             by_group.setdefault(id(job.group), (job.group, []))[1].append(
-                (job.need, job.pass_number))
+                (job.unopened(), job.pass_number))
         return list(by_group.values())
 
     def status(self, uid: int) -> list[dict[str, Any]]:
@@ -276,18 +195,46 @@ class ViewJobs:
             if current.queue:
                 choice = self._taken(job, pool, current.queue.popleft())
                 break
+            if current.native and not current.pending.any() and self.native is not None:
+                taken = await self.native.take_back(job, pool, current)
+                if taken is not None:
+                    choice = self._taken(job, pool, taken)
+                    break
+                continue
             async with current.lock:
                 if not current.queue and current.pending.any():
                     await self._plan(job, pool, current)
-        job.counters[ViewJobCounter.OPENS] += 1
-        job.counters[ViewJobCounter.HITS if choice.hit else ViewJobCounter.MISSES] += 1
-        self.stats.count(ds, ReadCounter.VIEW_HITS if choice.hit
-                                else ReadCounter.VIEW_MISSES)
+        self._count(job, choice)
+        if self.native is not None:
+            self.native.top_up(job, pool)
         return choice
 
-    async def _plan(self, job: ViewJob, pool: int, current: _PoolPass) -> None:
-        """Choose the next items of a pool pass, in the common order: up to POOL_BATCH
-        cached ones, or where none is, a miss of the first item the job still needs."""
+    def _count(self, job: ViewJob, choice: Choice) -> None:
+        job.counters[ViewJobCounter.OPENS] += 1
+        job.counters[ViewJobCounter.HITS if choice.hit else ViewJobCounter.MISSES] += 1
+        self.stats.count(job.ds, ReadCounter.VIEW_HITS if choice.hit
+                                    else ReadCounter.VIEW_MISSES)
+
+    def opened_natively(self, job: ViewJob, pool: int, choice: Choice, seconds: float) -> None:
+        """A hit queued in the native plane was opened there: counted as an open and a
+        read of the store here would be, and its plan's promise kept (a read here takes
+        it from the staging), so that a chunk's eviction may drop it."""
+        choice = self._taken(job, pool, choice)
+        self._count(job, choice)
+        ds, h = job.ds, job.ds.digest.hash(choice.index)
+        self.staging.take(h)
+        self.recency.hit(h)
+        self.services.store.files.seen(h)
+        self.stats.observe("local", seconds)
+        self.stats.count(ds, ReadCounter.LOCAL_HITS)
+        self.stats.count(ds, ReadCounter.LOCAL_BYTES, ds.digest.sizes[choice.index])
+
+    async def _plan(self, job: ViewJob, pool: int, current: PoolPass,
+                    batch: int = POOL_BATCH, misses: bool = True) -> None:
+        """Choose the next items of a pool pass, in the common order: up to ``batch``
+        cached ones, or where none is, a miss of the first item the job still needs
+        (with ``misses``; without, nothing: a miss is chosen as it is opened, when what
+        is cached then is known)."""
         group, digest = job.group, job.ds.digest
         pending = current.pending_items()
         order = group.in_order(pending, current.number)
@@ -298,9 +245,11 @@ class ViewJobs:
             held = await self.bulk.held([digest.hash(i) for i in block])
             group.cached.seen(block, held)
             hits.extend(i for i, h in zip(block, held) if h)
-            if len(hits) >= POOL_BATCH:
+            if len(hits) >= batch:
                 break
-        hits = hits[:POOL_BATCH]
+        hits = hits[:batch]
+        if not hits and not misses:
+            return
         fetch = [] if hits else [int(order[0])]
         job.place(current, hits + fetch)
         # a miss no other job needs is read and not kept; hits are spent when opened

@@ -114,11 +114,12 @@ def running_jobs(module: str, specs: dict[str, Any], log_dir: str, start_timeout
             job.kill()
 
 
-def run_epoch(jobs: Sequence[JobChild], timeout: float) -> tuple[list[dict[str, Any]], float]:
-    """Start an epoch on every job at once (``go``); their replies and the wall seconds
-    until the last one answered."""
+def run_epoch(jobs: Sequence[JobChild], timeout: float, command: str = "go"
+              ) -> tuple[list[dict[str, Any]], float]:
+    """Start an epoch on every job at once (``command``); their replies and the wall
+    seconds until the last one answered."""
     start = time.monotonic()
     for job in jobs:
-        job.send("go")
+        job.send(command)
     replies = [job.receive(timeout) for job in jobs]
     return replies, time.monotonic() - start

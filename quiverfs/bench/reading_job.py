@@ -68,17 +68,21 @@ class Served:
 
 
 class ViewSource(MountSource):
-    """The dataset's files in a substitutable view: each read also records what the view
-    served for it (``take_served``). The view's files are direct_io: no pages to drop."""
+    """The dataset's files in a substitutable view: while ``checked``, each read also
+    records what the view served for it (``take_served``); else it only reads, as a
+    training job would. The view's files are direct_io: no pages to drop."""
 
     def __init__(self, root: str) -> None:
         super().__init__(root)
+        self.checked = True
         self._lock = threading.Lock()
         self._served: dict[str, Served] = {}
 
     def read(self, path: str) -> int:
         with open(os.path.join(self.root, path), "rb", buffering=0) as f:
             data = f.read()
+            if not self.checked:
+                return len(data)
             # asked by the thread that opened: the view answers for that open
             sha = os.getxattr(f.fileno(), SERVED_HASH).decode()
             served = Served(sha, os.getxattr(f.fileno(), SERVED_PATH).decode(),
@@ -261,19 +265,28 @@ class JobSpec:
     epochs: int
 
 
+# The lines that start an epoch: in a view, ``go`` records what each open served (two
+# xattr requests and a hash an item), ``go unchecked`` only reads.
+EPOCH_COMMANDS = ("go", "go unchecked")
+
+
 def job_main(argv: list[str]) -> int:
     """One job: announce readiness (and mountd's job id), then run an epoch for each
-    ``go`` line on stdin, answering with a JSON line (paths in order, manifest hits or
-    null, bytes, seconds, the seconds spent waiting for the sampler's batches, and in a
-    view what was served for each path: [sha256, path, intact])."""
+    EPOCH_COMMANDS line on stdin, answering with a JSON line (paths in order, manifest
+    hits or null, bytes, seconds, the seconds spent waiting for the sampler's batches,
+    and in a view, after ``go``, what was served for each path: [sha256, path, intact])."""
     spec = JobSpec(**json.loads(argv[0]))
     with JobInput(spec.source, spec.mode == "direct", spec.mode == "sub", spec.batch_size,
                   spec.seed, view=spec.mode == "view") as job:
         plans = job.plans
         print(json.dumps({"ready": True, "job": plans.job_id}), flush=True)
         for epoch in range(spec.epochs):
-            if sys.stdin.readline().strip() != "go":
+            command = sys.stdin.readline().strip()
+            if command not in EPOCH_COMMANDS:
                 return 1
+            checked = isinstance(job.source, ViewSource) and command == "go"
+            if isinstance(job.source, ViewSource):
+                job.source.checked = checked
             start = time.monotonic()
             paths: list[str] = []
             nbytes = 0
@@ -283,8 +296,8 @@ def job_main(argv: list[str]) -> int:
                 paths += batch
                 nbytes += batch_bytes
             seconds = time.monotonic() - start
-            served = (None if not isinstance(job.source, ViewSource) else
-                      [dataclasses.astuple(x) for x in job.source.take_served(paths)])
+            served = ([dataclasses.astuple(x) for x in job.source.take_served(paths)]
+                      if checked else None)
             print(json.dumps({"epoch": epoch, "seconds": seconds, "paths": paths,
                               "hits": plans.hits(), "bytes": nbytes,
                               "manifest_s": plans.wait_s, "served": served}), flush=True)

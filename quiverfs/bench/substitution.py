@@ -323,30 +323,40 @@ def run_cached(data: Dataset, proxy: ThrottleProxy, size: Size, workdir: str
             sum(pool.map(source.read, source.paths()))
         for mode in ("sub", "lru", "view"):
             root = os.path.join(m.root, VIEW if mode == "view" else DATASET)
-            spec = JobSpec(mode, root, 0, size.batch_size, 0.0, size.cached_epochs)
+            view = mode == "view"
+            # a view job reads one more epoch: its timed ones only read, as the others
+            # do; the warm-up and the last record what each open served
+            spec = JobSpec(mode, root, 0, size.batch_size, 0.0, size.cached_epochs + view)
             name = f"cached-{mode}"
             with running_jobs(reading_job.__name__, {name: spec}, workdir, EPOCH_TIMEOUT,
                               {name: {JOB_ENV: name}}) as jobs:
                 replies = [run_epoch(jobs, EPOCH_TIMEOUT)[0][0]]  # the warm-up
                 if mode == "sub":  # it told the coordinator of the job: it allots full
                     m.wait_for_mode("full", MODE_TIMEOUT)
-                replies += [run_epoch(jobs, EPOCH_TIMEOUT)[0][0]
-                            for _ in range(size.cached_epochs - 1)]
+                counted = [view_job_counters(m.status(), VIEW, name)]
+                for _ in range(size.cached_epochs - 1):
+                    replies.append(run_epoch(jobs, EPOCH_TIMEOUT,
+                                             "go unchecked" if view else "go")[0][0])
+                    if view:
+                        counted.append(view_job_counters(m.status(), VIEW, name))
+                checked = replies[:1] + ([run_epoch(jobs, EPOCH_TIMEOUT)[0][0]] if view
+                                         else replies[1:])
                 status = m.status()
                 jobs[0].finish(JOB_STOP_TIMEOUT)
             steady = replies[1:]
-            if mode == "view":  # what each open served: every item once an epoch
+            if view:  # what each open served: every item once an epoch
                 job = next((j for j in status["view_jobs"]
                             if j["identity"] == f"env:{name}"), None)
-                served = [[path for _, path, _ in r["served"]] for r in replies]
+                served = [[path for _, path, _ in r["served"]] for r in checked]
             else:
                 job = next((j for j in status["jobs"] if j["job"] == jobs[0].job_id), None)
-                served = [r["paths"] for r in replies]
+                served = [r["paths"] for r in checked]
             runs[mode] = {
                 "epoch_seconds": [round(r["seconds"], 3) for r in replies],
                 "items_per_s": sum(len(r["paths"]) for r in steady)
                 / sum(r["seconds"] for r in steady),
-                "exactly_once": all(sorted(paths) == sorted(data.paths) for paths in served),
+                "exactly_once": (all(sorted(paths) == sorted(data.paths) for paths in served)
+                                 and (not view or _each_epoch_once(counted, data))),
                 "counters": job["counters"] if job else None,
                 "cache_mode": job["chunks"]["mode"] if job and job.get("chunks") else None}
     shutil.rmtree(os.path.join(workdir, "cached-cache"), ignore_errors=True)
@@ -354,6 +364,16 @@ def run_cached(data: Dataset, proxy: ThrottleProxy, size: Size, workdir: str
     return {"cache_bytes": cache_bytes, "epochs": size.cached_epochs, "runs": runs,
             "sub_vs_exact": runs["sub"]["items_per_s"] / exact,
             "view_vs_exact": runs["view"]["items_per_s"] / exact}
+
+
+def _each_epoch_once(counted: list[dict[str, int]], data: Dataset) -> bool:
+    """Whether, by a view job's counters read after each of its unchecked epochs, each
+    epoch opened every path once and ended one pass over every pool (a pass serves each
+    of the pool's items once): what the checked epochs see by the served xattrs."""
+    pools = len({_pool(path) for path in data.paths})
+    return all(after[ViewJobCounter.OPENS] - before[ViewJobCounter.OPENS] == len(data.paths)
+               and after[ViewJobCounter.PASSES] - before[ViewJobCounter.PASSES] == pools
+               for before, after in zip(counted, counted[1:]))
 
 
 # -- order statistics ------------------------------------------------------------------

@@ -1,0 +1,193 @@
+"""A view's cached opens served by the native plane, which answers ROOT/.quiver's
+connection in C (mountd.fs.native_views): per job and pool, hits already handed out to
+the job are queued there, and the open of a view file by one of the job's processes
+takes the next, with no request reaching Python.
+
+Python keeps the policy: which items a job gets, each once per pass (mountd.view.view_jobs
+plans them as for its own opens), which processes are the job's, and the counters. What
+the plane served comes back here (drained with the read counters) and counts as an open
+here would; an item it could not serve (withdrawn since it was queued, or its file gone)
+is the job's to be served again in its pass, chosen anew like any other it has not had
+(a hit where it is cached again by then).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+import trio
+
+from mountd.view.view_job import Choice, PoolPass, ViewJob
+
+log = logging.getLogger(__name__)
+
+# Hits queued in the plane per job and pool. A queued hit is kept in the store until
+# every job has opened it: 48 held so much of a bucket-bound view's cache that its
+# readahead found no room (the full substitution's view hits 0.85, against 0.98 at 8).
+NATIVE_AHEAD = 8
+REFILL_BELOW = 3  # a queue is topped up once fewer are left in it (the plane says when
+# one is down to 2, mountd/native/view.c VIEW_LOW)
+DRAIN_PAUSE = 0.001  # seconds between drains while a Python open waits for the plane's
+SETTLE_TIMEOUT = 1.0  # seconds after which the plane's opens not reported count as done
+MAX_PIDS = 4096  # processes named to the plane per job (past it, they open through Python)
+
+# (job's number, item, given back, seconds the open took in the plane)
+Event = tuple[int, int, bool, float]
+
+
+class ViewPlane(Protocol):
+    """What the native plane is told of the views' jobs (mountd.fs.native_views)."""
+
+    def job(self, job_id: int, base: int, uid: int) -> bool: ...
+
+    def forget(self, job_id: int) -> None: ...
+
+    def pid(self, job_id: int, pid: int, pgid: int) -> bool: ...
+
+    def push(self, job_id: int, pool: int, items: list[int]) -> bool: ...
+
+    def take(self, job_id: int, pool: int) -> int | None:
+        """The next item queued for the job and pool, taken back (None if none is)."""
+
+    async def woken(self) -> None:
+        """Return once a queue runs low, or an item was given back."""
+
+    def drain(self) -> None:
+        """Hand what the plane did since the last call to ``NativeQueues.drained``."""
+
+
+class NativeQueues:
+    """The view jobs' queues in the native plane: topped up, and what they served."""
+
+    def __init__(self, plane: ViewPlane, plan: Callable[[ViewJob, int, PoolPass, int, bool],
+                                                        Awaitable[None]],
+                 opened: Callable[[ViewJob, int, Choice, float], None]) -> None:
+        self.plane = plane
+        # chooses up to so many of a pass's next items (ViewJobs._plan), under its lock
+        self._plan = plan
+        self._opened = opened  # counts an open of a queued hit (ViewJobs.opened_natively)
+        self._jobs: dict[int, ViewJob] = {}  # by number: the jobs the plane knows
+        self._wanted: dict[tuple[int, int], None] = {}  # (job, pool) to top up, in order
+        self._wake = trio.Event()
+
+    def created(self, job: ViewJob) -> None:
+        if self.plane.job(job.native_id, job.ds.inode_base, job.uid):
+            self._jobs[job.native_id] = job
+
+    def dropped(self, job: ViewJob) -> None:
+        if self._jobs.pop(job.native_id, None) is not None:
+            self.plane.forget(job.native_id)
+
+    def opener(self, job: ViewJob, pid: int, pgid: int) -> None:
+        """``pid``, in process group ``pgid``, reads for ``job``: the plane may serve its
+        opens (while it stays in that group, and under the job's uid)."""
+        if (job.native_id in self._jobs and job.native_pids.get(pid) != pgid
+                and len(job.native_pids) < MAX_PIDS
+                and self.plane.pid(job.native_id, pid, pgid)):
+            job.native_pids[pid] = pgid
+
+    def top_up(self, job: ViewJob, pool: int) -> None:
+        """Queue more of ``job``'s hits of ``pool`` in the plane, soon (``run``)."""
+        if job.native_id in self._jobs:
+            self._wanted[(job.native_id, pool)] = None
+            self._wake.set()
+
+    async def take_back(self, job: ViewJob, pool: int, current: PoolPass) -> Choice | None:
+        """For an open through Python of ``job``'s, whose pass has nothing left to hand
+        out but what is queued in the plane: the next of those, taken back; else None,
+        once the plane's opens of them are drained (the pass has ended)."""
+        deadline = trio.current_time() + SETTLE_TIMEOUT
+        while current.native:
+            item = self.plane.take(job.native_id, pool)
+            if item is not None and item in current.native:
+                return current.native.pop(item)
+            # all opened there: counted once drained (an open under way in the plane
+            # reports it as soon as its file is open)
+            self.plane.drain()
+            if current.native and trio.current_time() > deadline:
+                # reports lost (the plane's ring was full): counted as opened, and the
+                # pass ends; nothing of it stays queued there
+                log.warning("view job %s: %d opens in the native plane were not reported",
+                            job.id, len(current.native))
+                while self.plane.take(job.native_id, pool) is not None:
+                    pass
+                current.native.clear()
+            elif current.native:
+                await trio.sleep(DRAIN_PAUSE)
+        return None
+
+    async def run(self) -> None:
+        """Top up the queues asked for, one at a time, in the order asked; drain the
+        plane when it says a queue runs low (else the read counters do, every 0.1 s)."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._drains)
+            await self._fills()
+
+    async def _drains(self) -> None:
+        while True:
+            await self.plane.woken()
+            self.plane.drain()
+
+    async def _fills(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            while self._wanted:
+                key = next(iter(self._wanted))
+                del self._wanted[key]
+                job = self._jobs.get(key[0])
+                if job is not None:
+                    await self._fill(job, key[1])
+
+    async def _fill(self, job: ViewJob, pool: int) -> None:
+        """Up to NATIVE_AHEAD of the job's hits of its current pass over ``pool``, queued
+        in the plane: planned ones first, then as many as planning finds cached. It plans
+        no miss: where none is cached, the job's next open goes through Python, which
+        plans then (a miss planned here would stay one though its item were loaded
+        before that open: the bucket-bound view's hits halved so)."""
+        current = job.pools.get(pool)
+        if current is None:
+            return
+        async with current.lock:
+            while len(current.native) < NATIVE_AHEAD:
+                if not current.queue:
+                    if not current.pending.any():
+                        return
+                    # hits only (misses=False)
+                    await self._plan(job, pool, current, NATIVE_AHEAD - len(current.native),
+                                     False)
+                hits: list[Choice] = []
+                while (current.queue and current.queue[0].hit
+                       and len(current.native) + len(hits) < NATIVE_AHEAD):
+                    hits.append(current.queue.popleft())
+                if not hits:
+                    return
+                if (job.native_id not in self._jobs
+                        or not self.plane.push(job.native_id, pool, [c.index for c in hits])):
+                    current.queue.extendleft(reversed(hits))  # Python's opens take them
+                    return
+                current.native.update((c.index, c) for c in hits)
+
+    def drained(self, events: list[Event]) -> None:
+        """What the plane did with the queued items: each opened counts as an open of
+        its job; each given back is the job's to be chosen again in its pass (handed
+        out at once as a miss, the bucket-bound view fetched what a chunk would load
+        for all its jobs a little later)."""
+        for job_id, item, returned, seconds in events:
+            job = self._jobs.get(job_id)
+            if job is None:
+                continue  # forgotten since
+            pool = int(job.ds.pools.pool_of[item])
+            current = job.pools.get(pool)
+            choice = None if current is None else current.native.pop(item, None)
+            if current is None or choice is None:
+                continue
+            if returned:  # chosen anew: a hit, where cached again by then
+                job.give_back(current, item)
+                continue
+            job.last_used = time.monotonic()
+            self._opened(job, pool, choice, seconds)
+            if len(current.native) < REFILL_BELOW:
+                self.top_up(job, pool)
