@@ -9,6 +9,7 @@ import pytest
 
 from coordinator.allocation import HEADROOM
 from quiverfs import digest as digest_format
+from quiverfs.bench import floor
 from quiverfs.bench.bucket_dataset import Dataset
 from quiverfs.bench.emulator import emulator_available
 from quiverfs.bench.substitution import SIZES, check_served, paired_gap, run
@@ -22,7 +23,7 @@ SUMMARY_KEYS = {
     "accuracy_sub", "accuracy_view", "accuracy_global_std", "accuracy_sub_std",
     "accuracy_view_std", "accuracy_gap", "accuracy_gap_ci95", "accuracy_gap_view",
     "accuracy_gap_view_ci95", "max_resident_chunks", "sub_vs_exact_cached",
-    "view_vs_exact_cached"}
+    "view_vs_exact_cached", "view_vs_floor_cached"}
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
@@ -55,6 +56,8 @@ def test_tiny_run_reports_the_summary_and_every_item_exactly_once(tmp_path):
     cached = report["cached"]  # the whole dataset cached: the sampler was handed segments
     assert summary["sub_vs_exact_cached"] > 0
     assert summary["view_vs_exact_cached"] > 0
+    if os.path.exists(floor.EXAMPLE):  # make installs libfuse3-dev: the floor is measured
+        assert summary["view_vs_floor_cached"] > 0 and cached["floor_view"]["items_per_s"] > 0
     assert cached["runs"]["sub"]["cache_mode"] == "full"
     assert cached["runs"]["sub"]["counters"]["segments"] >= 1
     for config in report["configs"]:  # lru jobs read exactly: their misses are exact
@@ -120,3 +123,34 @@ def test_paired_gap_of_one_seed_has_no_interval():
     gap = paired_gap([90.0], [88.0])
     assert gap["mean"] == pytest.approx(2.0)
     assert gap["std"] is None and gap["ci95"] is None
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
+def test_the_view_floor_serves_a_files_size_and_bytes_as_they_are_at_each_open(tmp_path):
+    """The view's floor is passthrough_ll serving files as a view's are served, with no
+    attribute timeout in its replies: a file that changes behind it is seen changed at
+    the next open, its size and its bytes (a view file's are the served item's)."""
+    if not os.path.exists(floor.EXAMPLE):
+        pytest.skip(floor.MISSING)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.jpg").write_bytes(b"x" * 10)
+    binary = floor.build(str(tmp_path), view=True)
+    patched = (tmp_path / "passthrough_ll_view.c").read_text(encoding="utf-8")
+    assert all(new in patched and old not in patched for old, new, _ in floor.VIEW_PATCH)
+    with floor.mounted(binary, str(src), str(tmp_path), floor.VIEW_OPTIONS) as (root, _):
+        path = os.path.join(root, "a.jpg")
+        for size, byte in ((10, b"x"), (20, b"y"), (5, b"z")):
+            (src / "a.jpg").write_bytes(byte * size)  # behind the server's back
+            with open(path, "rb") as f:
+                assert (os.fstat(f.fileno()).st_size, f.read()) == (size, byte * size)
+
+
+def test_a_view_floor_patch_that_does_not_apply_is_refused(tmp_path, monkeypatch):
+    example = tmp_path / "passthrough_ll.c"
+    example.write_text("int main(void) { return 0; }\n", encoding="utf-8")
+    monkeypatch.setattr(floor, "EXAMPLE", str(example))
+    if floor.build(str(tmp_path)) is None:
+        pytest.skip("no gcc or pkg-config")
+    with pytest.raises(RuntimeError, match="the view floor's patch does not apply"):
+        floor.build(str(tmp_path), view=True)

@@ -57,7 +57,7 @@ import numpy as np
 
 from digest_tools.create import create_digest
 from quiverfs import digest as digest_format
-from quiverfs.bench import fetch_causes, reading_job
+from quiverfs.bench import fetch_causes, floor, reading_job
 from quiverfs.bench.bucket_dataset import Dataset, upload_synthetic
 from quiverfs.bench.data import write_digits_tree
 from quiverfs.bench.emulator import running_emulator
@@ -359,11 +359,43 @@ def run_cached(data: Dataset, proxy: ThrottleProxy, size: Size, workdir: str
                                  and (not view or _each_epoch_once(counted, data))),
                 "counters": job["counters"] if job else None,
                 "cache_mode": job["chunks"]["mode"] if job and job.get("chunks") else None}
+        backing = shutil.copytree(os.path.join(m.root, DATASET),
+                                  os.path.join(workdir, "floor-src"))
     shutil.rmtree(os.path.join(workdir, "cached-cache"), ignore_errors=True)
+    try:
+        floor_view = _floor_view(backing, size, workdir)
+    finally:
+        shutil.rmtree(backing)
     exact = runs["lru"]["items_per_s"]
     return {"cache_bytes": cache_bytes, "epochs": size.cached_epochs, "runs": runs,
+            "floor_view": floor_view,
             "sub_vs_exact": runs["sub"]["items_per_s"] / exact,
-            "view_vs_exact": runs["view"]["items_per_s"] / exact}
+            "view_vs_exact": runs["view"]["items_per_s"] / exact,
+            "view_vs_floor": (runs["view"]["items_per_s"] / floor_view["items_per_s"]
+                              if "items_per_s" in floor_view else None)}
+
+
+def _floor_view(backing: str, size: Size, workdir: str) -> dict[str, Any]:
+    """The floor for the cached view job: the same job (a plain shuffle of every path,
+    alone, no compute) over libfuse's passthrough_ll serving a copy of the dataset's
+    files as a view's are served (direct I/O, no attributes cached:
+    quiverfs.bench.floor.VIEW_PATCH), with no substitution: what the kernel and libfuse
+    cost for such files with no cache logic at all."""
+    binary = floor.build(workdir, view=True)
+    if binary is None:
+        log.warning("%s", floor.MISSING)
+        return {"skipped": floor.MISSING}
+    with floor.mounted(binary, backing, workdir, floor.VIEW_OPTIONS) as (root, _):
+        spec = JobSpec("lru", root, 0, size.batch_size, 0.0, size.cached_epochs)
+        with running_jobs(reading_job.__name__, {"floor-view": spec}, workdir,
+                          EPOCH_TIMEOUT) as jobs:
+            replies = [run_epoch(jobs, EPOCH_TIMEOUT)[0][0]
+                       for _ in range(size.cached_epochs)]
+            jobs[0].finish(JOB_STOP_TIMEOUT)
+    steady = replies[1:]
+    return {"epoch_seconds": [round(r["seconds"], 3) for r in replies],
+            "items_per_s": sum(len(r["paths"]) for r in steady)
+            / sum(r["seconds"] for r in steady)}
 
 
 def _each_epoch_once(counted: list[dict[str, int]], data: Dataset) -> bool:
@@ -637,6 +669,8 @@ def run(quick: bool, workdir: str, size: str | None = None) -> dict[str, Any]:
         "max_resident_chunks": sub.report["max_resident_chunks"],
         "sub_vs_exact_cached": round(cached["sub_vs_exact"], 3),
         "view_vs_exact_cached": round(cached["view_vs_exact"], 3),
+        "view_vs_floor_cached": (None if cached["view_vs_floor"] is None
+                                 else round(cached["view_vs_floor"], 3)),
     }
     return {
         "dataset": {"items": len(data.paths), "bytes": data.bytes,
@@ -688,7 +722,12 @@ def run(quick: bool, workdir: str, size: str | None = None) -> dict[str, Any]:
                                    "(allotted full), epochs after each job's first",
             "view_vs_exact_cached": "the same for a view job (a plain shuffle of every "
                                     "path, read through a substitutable view of the "
-                                    "dataset) over the lru job"},
+                                    "dataset) over the lru job",
+            "view_vs_floor_cached": "the view job's items/s over the same job's on "
+                                    "libfuse's passthrough_ll serving a copy of the files "
+                                    "as a view's are served (direct I/O, attributes not "
+                                    "cached; quiverfs.bench.floor): null where it cannot "
+                                    "be built"},
         "configs": [c.report for c in configs.values()],
         "cached": cached,
         "accuracy": acc,
