@@ -3,16 +3,16 @@ of their common order (DatasetJobs.in_order) into the store, so that the first j
 want an item finds it cached too.
 
 Each round looks, per pool, for the job with the fewest cached items it is yet to open
-there (the pool's margin; hits handed out to it and queued count), and fetches the next items in the common order that this job
-needs and that are not cached, for the pools of the smallest margins first: the jobs
-read their pools at random rates, and the pools they are about to run out of get the
-room. Rounds overlap, up to a bound on the items in flight, so that the readahead keeps
-up with a fast job; they go on while the dataset's cached bytes are under a share of its
-allotment (the rest is left to the jobs' own misses), and up to a depth per pool. While
-the store evicts items the jobs still need, they fill no more than a share of what was
-cached then: the jobs' own spread (what the first job has had and the last has not)
-fills the cache, and fetching ahead of it would only evict more of it, each eviction a
-second fetch.
+there (the pool's margin; hits handed out to it and queued count), and fetches the next
+items in the common order that this job needs and that are not cached, for the pools of
+the smallest margins first: the jobs read their pools at random rates, and the pools
+they are about to run out of get the room. Rounds overlap, up to a bound on the items
+in flight, so that the readahead keeps up with a fast job; they go on while the
+dataset's cached bytes are under a share of its allotment (the rest is left to the jobs'
+own misses), and up to a depth per pool. While the store evicts items the jobs still
+need, they fill no more than a share of what was cached then: the jobs' own spread
+(what the first job has had and the last has not) fills the cache, and fetching ahead
+of it would only evict more of it, each eviction a second fetch.
 
 A look or a round that fails on a bug below is logged (once in a run of failures per
 dataset) and given up; the jobs' own reads fetch what it would have. Left to

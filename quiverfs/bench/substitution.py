@@ -343,7 +343,6 @@ def run_cached(data: Dataset, proxy: ThrottleProxy, size: Size, workdir: str
                                          else replies[1:])
                 status = m.status()
                 jobs[0].finish(JOB_STOP_TIMEOUT)
-            steady = replies[1:]
             if view:  # what each open served: every item once an epoch
                 job = next((j for j in status["view_jobs"]
                             if j["identity"] == f"env:{name}"), None)
@@ -352,9 +351,7 @@ def run_cached(data: Dataset, proxy: ThrottleProxy, size: Size, workdir: str
                 job = next((j for j in status["jobs"] if j["job"] == jobs[0].job_id), None)
                 served = [r["paths"] for r in checked]
             runs[mode] = {
-                "epoch_seconds": [round(r["seconds"], 3) for r in replies],
-                "items_per_s": sum(len(r["paths"]) for r in steady)
-                / sum(r["seconds"] for r in steady),
+                **_epochs_read(replies),
                 "exactly_once": (all(sorted(paths) == sorted(data.paths) for paths in served)
                                  and (not view or _each_epoch_once(counted, data))),
                 "counters": job["counters"] if job else None,
@@ -392,6 +389,11 @@ def _floor_view(backing: str, size: Size, workdir: str) -> dict[str, Any]:
             replies = [run_epoch(jobs, EPOCH_TIMEOUT)[0][0]
                        for _ in range(size.cached_epochs)]
             jobs[0].finish(JOB_STOP_TIMEOUT)
+    return _epochs_read(replies)
+
+
+def _epochs_read(replies: list[dict[str, Any]]) -> dict[str, Any]:
+    """A lone job's epoch seconds, and its items/s over the epochs after its first."""
     steady = replies[1:]
     return {"epoch_seconds": [round(r["seconds"], 3) for r in replies],
             "items_per_s": sum(len(r["paths"]) for r in steady)
