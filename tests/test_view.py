@@ -449,8 +449,37 @@ def test_a_planned_hit_is_spent_when_the_last_job_opens_it_not_when_planned():
     assert group.cached.cached[order[1]] and not group.cached.cached[order[0]]
 
 
-class _Plane:
-    """The native plane as the view jobs' queues see it (ViewPlane): what is pushed."""
+def test_opens_waiting_on_a_pass_that_runs_out_get_the_next_pass_not_each_others_lock():
+    """Three opens of one job at once, one item of its pass left: one plans it while the
+    others wait for the pass's lock; they then get the next pass's items. (trio hands a
+    released lock straight to the next waiter, so a pass counted as not used up while
+    its lock was held never was: the two waiters handed it to each other for ever,
+    mountd's loop at 100% CPU and the job's reads hung.)"""
+    ds, group, store, jobs, (first, _), pool = _two_view_jobs()
+    jobs.stats = ReadStats()
+    ds.counters = collections.Counter()
+
+    async def job_for(ds, pid: int, uid: int) -> ViewJob:
+        return first
+    jobs.job_for = job_for
+    members = [int(i) for i in ds.pools.members[pool]]
+    current = first.pass_of(pool)
+    first.place(current, members[:-1])
+    got: list[tuple[int, int]] = []
+
+    async def open_one() -> None:
+        choice = await jobs.choose(ds, members[0], 1, 0)
+        got.append((first.pass_number(pool), choice.index))
+
+    async def main() -> None:
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                for _ in range(3):
+                    nursery.start_soon(open_one)
+    trio.run(main)
+    assert (0, members[-1]) in got and len(got) == 3
+    assert first.pass_of(pool) is not current and first.pass_number(pool) == 1
+    assert len({index for _, index in got}) == 3 and current.used_up
 
     def __init__(self) -> None:
         self.pushed: list[int] = []
