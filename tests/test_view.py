@@ -391,9 +391,11 @@ def _two_view_jobs() -> tuple:
     group = DatasetJobs(ds, 400, None)
     group.view = _cycle(group.plan.n_chunks, (2,), 2)
     store = _Store(d)
+    files = types.SimpleNamespace(seen=lambda h: None, seen_lately=lambda h: False)
     services = types.SimpleNamespace(
         bulk=store, recency=store, cluster=types.SimpleNamespace(live=lambda: ["node"]),
-        limiter=None, stats=None, staging=types.SimpleNamespace(planned=lambda hashes: None))
+        limiter=None, stats=None, staging=types.SimpleNamespace(planned=lambda hashes: None),
+        store=types.SimpleNamespace(files=files))
     jobs = ViewJobs(None, services)
     first, second = (ViewJob(f"view:t:0:env:{n}", ds, 0, f"env:{n}", group) for n in "xy")
     group.jobs = {first.id: first, second.id: second}
@@ -481,6 +483,10 @@ def test_opens_waiting_on_a_pass_that_runs_out_get_the_next_pass_not_each_others
     assert first.pass_of(pool) is not current and first.pass_number(pool) == 1
     assert len({index for _, index in got}) == 3 and current.used_up
 
+
+class _Plane:
+    """The native plane as the view jobs' queues see it (ViewPlane): what is pushed."""
+
     def __init__(self) -> None:
         self.pushed: list[int] = []
 
@@ -505,8 +511,6 @@ def test_a_top_up_of_the_planes_queue_chooses_hits_only_a_miss_is_chosen_at_its_
     ds.inode_base, ds.counters = 0, collections.Counter()
     store.hit = lambda h: None
     jobs.staging, jobs.stats = Staging(), ReadStats()
-    jobs.services = types.SimpleNamespace(store=types.SimpleNamespace(
-        files=types.SimpleNamespace(seen=lambda h: None)))
     plane = _Plane()
     jobs.serve_natively(plane)
     jobs.native.created(first)

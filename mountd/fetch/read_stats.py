@@ -33,6 +33,7 @@ class ReadStats:
         self.latency = Histogram("quiver_read_seconds", "Seconds to serve a read, by the "
                                  "tier that served it", ["tier"], buckets=LATENCY_BUCKETS,
                                  registry=None)
+        self._latency: dict[str, Histogram] = {}  # by tier: its labelled child
         self.bucket = BucketMeter()
         self.data_path = "python"  # how cached dataset files are served (--data-path)
         self.native: dict[str, int] = {}  # the native data plane's counters
@@ -67,7 +68,10 @@ class ReadStats:
                 for cause in FetchCause}
 
     def observe(self, tier: str, seconds: float) -> None:
-        self.latency.labels(tier).observe(seconds)
+        child = self._latency.get(tier)
+        if child is None:  # labels() takes a lock and builds a key: once per tier
+            child = self._latency[tier] = self.latency.labels(tier)
+        child.observe(seconds)
 
 
 class BucketMeter:

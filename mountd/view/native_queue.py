@@ -69,11 +69,12 @@ class NativeQueues:
 
     def __init__(self, plane: ViewPlane, plan: Callable[[ViewJob, int, PoolPass, int, bool],
                                                         Awaitable[None]],
-                 opened: Callable[[ViewJob, int, Choice, float], None]) -> None:
+                 opened: Callable[[ViewJob, int, list[tuple[Choice, float]]], None]
+                 ) -> None:
         self.plane = plane
         # chooses up to so many of a pass's next items (ViewJobs._plan), under its lock
         self._plan = plan
-        self._opened = opened  # counts an open of a queued hit (ViewJobs.opened_natively)
+        self._opened = opened  # counts opens of queued hits (ViewJobs.opened_natively)
         self._jobs: dict[int, ViewJob] = {}  # by number: the jobs the plane knows
         self._wanted: dict[tuple[int, int], None] = {}  # (job, pool) to top up, in order
         self._wake = trio.Event()
@@ -178,10 +179,11 @@ class NativeQueues:
                 current.native.update((c.index, c) for c in hits)
 
     def drained(self, events: list[Event]) -> None:
-        """What the plane did with the queued items: each opened counts as an open of
-        its job; each given back is the job's to be chosen again in its pass (handed
-        out at once as a miss, the bucket-bound view fetched what a chunk would load
-        for all its jobs a little later)."""
+        """What the plane did with the queued items: those opened count as opens of
+        their jobs, together per job and pool; each given back is the job's to be chosen
+        again in its pass (handed out at once as a miss, the bucket-bound view fetched
+        what a chunk would load for all its jobs a little later)."""
+        opened: dict[tuple[int, int], list[tuple[Choice, float]]] = {}
         for job_id, item, returned, seconds in events:
             job = self._jobs.get(job_id)
             if job is None:
@@ -193,10 +195,14 @@ class NativeQueues:
                 continue
             if returned:  # chosen anew: a hit, where cached again by then
                 job.give_back(current, item)
-                continue
-            job.last_used = time.monotonic()
-            self._opened(job, pool, choice, seconds)
-            if len(current.native) < _depth(job)[1]:
+            else:
+                opened.setdefault((job_id, pool), []).append((choice, seconds))
+        now = time.monotonic()
+        for (job_id, pool), choices in opened.items():
+            job = self._jobs[job_id]
+            job.last_used = now
+            self._opened(job, pool, choices)
+            if len(job.pools[pool].native) < _depth(job)[1]:
                 self.top_up(job, pool)
 
 

@@ -215,19 +215,31 @@ class ViewJobs:
         self.stats.count(job.ds, ReadCounter.VIEW_HITS if choice.hit
                                     else ReadCounter.VIEW_MISSES)
 
-    def opened_natively(self, job: ViewJob, pool: int, choice: Choice, seconds: float) -> None:
-        """A hit queued in the native plane was opened there: counted as an open and a
-        read of the store here would be, and its plan's promise kept (a read here takes
-        it from the staging), so that a chunk's eviction may drop it."""
-        choice = self._taken(job, pool, choice)
-        self._count(job, choice)
-        ds, h = job.ds, job.ds.digest.hash(choice.index)
-        self.staging.take(h)
-        self.recency.hit(h)
-        self.services.store.files.seen(h)
-        self.stats.observe("local", seconds)
-        self.stats.count(ds, ReadCounter.LOCAL_HITS)
-        self.stats.count(ds, ReadCounter.LOCAL_BYTES, ds.digest.sizes[choice.index])
+    def opened_natively(self, job: ViewJob, pool: int, opened: list[tuple[Choice, float]]
+                        ) -> None:
+        """Hits queued in the native plane that were opened there (drained together, with
+        the seconds each open took): counted as opens and reads of the store here would
+        be, spent as ``_taken`` spends them (all at once), and their plans' promises kept
+        (a read here takes it from the staging), so that a chunk's eviction may drop them."""
+        ds, digest = job.ds, job.ds.digest
+        self._spend(job.group, [c.index for c, _ in opened
+                                if c.hit and self._spent(job, pool, c.index)])
+        hits = sum(c.hit for c, _ in opened)
+        job.counters[ViewJobCounter.OPENS] += len(opened)
+        job.counters[ViewJobCounter.HITS] += hits
+        job.counters[ViewJobCounter.MISSES] += len(opened) - hits
+        self.stats.count(ds, ReadCounter.VIEW_HITS, hits)
+        self.stats.count(ds, ReadCounter.VIEW_MISSES, len(opened) - hits)
+        files = self.services.store.files
+        for choice, seconds in opened:
+            h = digest.hash(choice.index)
+            self.staging.take(h)
+            self.recency.hit(h)
+            files.seen(h)
+            self.stats.observe("local", seconds)
+        self.stats.count(ds, ReadCounter.LOCAL_HITS, len(opened))
+        self.stats.count(ds, ReadCounter.LOCAL_BYTES,
+                         sum(digest.sizes[c.index] for c, _ in opened))
 
     async def _plan(self, job: ViewJob, pool: int, current: PoolPass,
                     batch: int = POOL_BATCH, misses: bool = True) -> None:
@@ -242,7 +254,7 @@ class ViewJobs:
         hits: list[int] = []
         for start in range(0, len(candidates), LOOKUP_BLOCK):
             block = [int(i) for i in candidates[start:start + LOOKUP_BLOCK]]
-            held = await self.bulk.held([digest.hash(i) for i in block])
+            held = await self._held([digest.hash(i) for i in block])
             group.cached.seen(block, held)
             hits.extend(i for i, h in zip(block, held) if h)
             if len(hits) >= batch:
@@ -265,6 +277,20 @@ class ViewJobs:
         self.staging.planned([digest.hash(i) for i in hits])
         self.readahead.wake()
 
+    async def _held(self, hashes: list[bytes]) -> list[bool]:
+        """Which of ``hashes`` are held: those found in the store here in the last
+        seconds (``ValueFiles.seen_lately``, as the sampler's planner takes them) without
+        a look; the rest looked up (a worker thread's, or a peer's). One evicted since is
+        fetched where Python opens it (as one evicted after its look is), and given back
+        by the native plane, which opens its file first."""
+        files = self.services.store.files
+        known = [files.seen_lately(h) for h in hashes]
+        if all(known):
+            return known
+        asked = [h for h, k in zip(hashes, known) if not k]
+        found = iter(await self.bulk.held(asked))
+        return [k or next(found) for k in known]
+
     def _taken(self, job: ViewJob, pool: int, choice: Choice) -> Choice:
         """``choice``, as an open of ``job``'s takes it from its queue: a hit that no
         other job needs any more is spent now, not when planned (the job opens its
@@ -282,8 +308,9 @@ class ViewJobs:
     def _spent(self, job: ViewJob, pool: int, item: int) -> bool:
         """Whether no other job here needs ``item`` of ``pool`` (placed for ``job``) in
         its current pass, nor has chosen it and not opened it yet: on a lone node with
-        view jobs only (elsewhere, other jobs and nodes may still read it)."""
-        if len(self.cluster.live()) > 1:
+        view jobs only (elsewhere, other jobs and nodes may still read it). Never where
+        the dataset is allotted full: it is kept whole, each item for the next pass."""
+        if job.group.mode is CacheMode.FULL or len(self.cluster.live()) > 1:
             return False
         for other in job.group.jobs.values():
             if not isinstance(other, ViewJob):
