@@ -451,6 +451,21 @@ def test_a_planned_hit_is_spent_when_the_last_job_opens_it_not_when_planned():
     assert group.cached.cached[order[1]] and not group.cached.cached[order[0]]
 
 
+def test_nothing_of_a_dataset_allotted_full_is_spent():
+    """Where the dataset is allotted full it is kept whole: the last job's open of a
+    planned hit leaves it counted cached and not the store's first to evict."""
+    ds, group, store, jobs, (first, second), pool = _two_view_jobs()
+    group.view = dataclasses.replace(group.view, mode=CacheMode.FULL)
+    order = group.in_order(ds.pools.members[pool], 0)
+    group.cached.hold(order[:1])
+    store.held_items.add(int(order[0]))
+    for job in (first, second):
+        trio.run(jobs._plan, job, pool, job.pass_of(pool))
+        taken = jobs._taken(job, pool, job.pass_of(pool).queue.popleft())
+        assert (taken.index, taken.hit, taken.keep) == (order[0], True, True)
+    assert not store.spent_items and group.cached.cached[order[0]]
+
+
 def test_opens_waiting_on_a_pass_that_runs_out_get_the_next_pass_not_each_others_lock():
     """Three opens of one job at once, one item of its pass left: one plans it while the
     others wait for the pass's lock; they then get the next pass's items. (trio hands a
