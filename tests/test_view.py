@@ -382,6 +382,22 @@ class _Store:
         self.spent_items -= self._items(hashes)
 
 
+class _Files:
+    """The store's value files as the view sees them: which were found lately."""
+
+    def __init__(self) -> None:
+        self.lately: set[bytes] = set()
+
+    def seen(self, digest: bytes) -> None:
+        self.lately.add(digest)
+
+    def seen_lately(self, digest: bytes) -> bool:
+        return digest in self.lately
+
+    def forget(self, digest: bytes) -> None:
+        self.lately.discard(digest)
+
+
 def _two_view_jobs() -> tuple:
     """Two view jobs on one lone node's dataset of 4 chunks of 4 items (2 of each
     class), chunk 2 resident and 3 next, with a fake store: (ds, group, store, jobs,
@@ -391,7 +407,7 @@ def _two_view_jobs() -> tuple:
     group = DatasetJobs(ds, 400, None)
     group.view = _cycle(group.plan.n_chunks, (2,), 2)
     store = _Store(d)
-    files = types.SimpleNamespace(seen=lambda h: None, seen_lately=lambda h: False)
+    files = _Files()
     services = types.SimpleNamespace(
         bulk=store, recency=store, cluster=types.SimpleNamespace(live=lambda: ["node"]),
         limiter=None, stats=None, staging=types.SimpleNamespace(planned=lambda hashes: None),
@@ -550,8 +566,10 @@ def test_a_top_up_of_the_planes_queue_chooses_hits_only_a_miss_is_chosen_at_its_
     assert promised == [False, True]
     # the plane gives the other back (its file left the store): the job is yet to be
     # served it, and it is chosen anew, a hit again where cached by then
+    jobs.services.store.files.seen(ds.digest.hash(order[1]))  # found when planned
     jobs.native.drained([(first.native_id, order[1], True, 0.0)])
     assert not current.native and not current.queue and first.need[order[1]]
+    assert not jobs.services.store.files.seen_lately(ds.digest.hash(order[1]))
     assert order[1] in current.pending_items() and order[0] not in current.pending_items()
     trio.run(jobs._plan, first, pool, current)
     assert [(c.index, c.hit) for c in current.queue] == [(order[1], True)]

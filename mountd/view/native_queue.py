@@ -69,12 +69,14 @@ class NativeQueues:
 
     def __init__(self, plane: ViewPlane, plan: Callable[[ViewJob, int, PoolPass, int, bool],
                                                         Awaitable[None]],
-                 opened: Callable[[ViewJob, int, list[tuple[Choice, float]]], None]
-                 ) -> None:
+                 opened: Callable[[ViewJob, int, list[tuple[Choice, float]]], None],
+                 gone: Callable[[ViewJob, int], None]) -> None:
         self.plane = plane
         # chooses up to so many of a pass's next items (ViewJobs._plan), under its lock
         self._plan = plan
         self._opened = opened  # counts opens of queued hits (ViewJobs.opened_natively)
+        self._gone = gone  # an item given back: its file is not known to be held
+        # (ViewJobs.given_back)
         self._jobs: dict[int, ViewJob] = {}  # by number: the jobs the plane knows
         self._wanted: dict[tuple[int, int], None] = {}  # (job, pool) to top up, in order
         self._wake = trio.Event()
@@ -195,6 +197,7 @@ class NativeQueues:
                 continue
             if returned:  # chosen anew: a hit, where cached again by then
                 job.give_back(current, item)
+                self._gone(job, item)
             else:
                 opened.setdefault((job_id, pool), []).append((choice, seconds))
         now = time.monotonic()

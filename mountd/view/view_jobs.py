@@ -85,7 +85,7 @@ class ViewJobs:
     def serve_natively(self, plane: ViewPlane) -> None:
         """From now on, queue jobs' hits in the native plane (mountd.view.native_queue),
         which answers their opens."""
-        self.native = NativeQueues(plane, self._plan, self.opened_natively)
+        self.native = NativeQueues(plane, self._plan, self.opened_natively, self.given_back)
 
     # -- which job ----------------------------------------------------------------------
     async def _identity(self, pid: int) -> tuple[str, int | None]:
@@ -276,6 +276,11 @@ class ViewJobs:
                              for i in fetch)
         self.staging.planned([digest.hash(i) for i in hits])
         self.readahead.wake()
+
+    def given_back(self, job: ViewJob, item: int) -> None:
+        """The native plane gave ``item`` back (its file gone, or not the verified one):
+        it is no longer taken as held for having been found lately (``_held``)."""
+        self.services.store.files.forget(job.ds.digest.hash(item))
 
     async def _held(self, hashes: list[bytes]) -> list[bool]:
         """Which of ``hashes`` are held: those found in the store here in the last
