@@ -75,8 +75,7 @@ class NativeQueues:
         # chooses up to so many of a pass's next items (ViewJobs._plan), under its lock
         self._plan = plan
         self._opened = opened  # counts opens of queued hits (ViewJobs.opened_natively)
-        self._gone = gone  # an item given back: its file is not known to be held
-        # (ViewJobs.given_back)
+        self._gone = gone  # an item given back: not taken as held (ViewJobs.given_back)
         self._jobs: dict[int, ViewJob] = {}  # by number: the jobs the plane knows
         self._wanted: dict[tuple[int, int], None] = {}  # (job, pool) to top up, in order
         self._wake = trio.Event()
