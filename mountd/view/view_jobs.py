@@ -204,16 +204,21 @@ class ViewJobs:
             async with current.lock:
                 if not current.queue and current.pending.any():
                     await self._plan(job, pool, current)
-        self._count(job, choice)
+        self._count(job, [choice])
         if self.native is not None:
             self.native.top_up(job, pool)
         return choice
 
-    def _count(self, job: ViewJob, choice: Choice) -> None:
-        job.counters[ViewJobCounter.OPENS] += 1
-        job.counters[ViewJobCounter.HITS if choice.hit else ViewJobCounter.MISSES] += 1
-        self.stats.count(job.ds, ReadCounter.VIEW_HITS if choice.hit
-                                    else ReadCounter.VIEW_MISSES)
+    def _count(self, job: ViewJob, choices: list[Choice]) -> None:
+        """``choices`` served to ``job``'s opens, counted as opens and hits or misses."""
+        hits = sum(c.hit for c in choices)
+        job.counters[ViewJobCounter.OPENS] += len(choices)
+        for key, read_key, n in ((ViewJobCounter.HITS, ReadCounter.VIEW_HITS, hits),
+                                 (ViewJobCounter.MISSES, ReadCounter.VIEW_MISSES,
+                                  len(choices) - hits)):
+            if n:
+                job.counters[key] += n
+                self.stats.count(job.ds, read_key, n)
 
     def opened_natively(self, job: ViewJob, pool: int, opened: list[tuple[Choice, float]]
                         ) -> None:
@@ -224,12 +229,7 @@ class ViewJobs:
         ds, digest = job.ds, job.ds.digest
         self._spend(job.group, [c.index for c, _ in opened
                                 if c.hit and self._spent(job, pool, c.index)])
-        hits = sum(c.hit for c, _ in opened)
-        job.counters[ViewJobCounter.OPENS] += len(opened)
-        job.counters[ViewJobCounter.HITS] += hits
-        job.counters[ViewJobCounter.MISSES] += len(opened) - hits
-        self.stats.count(ds, ReadCounter.VIEW_HITS, hits)
-        self.stats.count(ds, ReadCounter.VIEW_MISSES, len(opened) - hits)
+        self._count(job, [c for c, _ in opened])
         files = self.services.store.files
         for choice, seconds in opened:
             h = digest.hash(choice.index)
