@@ -365,4 +365,7 @@ def test_the_plane_drops_the_store_pages_it_brought_in_and_keeps_the_others(
     after = _native(m)
     assert after["hits"] - before["hits"] == 2 * len(rels)
     assert after["store_drops"] - before["store_drops"] == len(rels)  # none of these
-    assert cached() == whole  # kept
+    # kept: none fewer (reclaim under a memory limit may take a few of a file's pages
+    # before its READ, which brings them back: CI saw 33 of 37 pages become 37)
+    kept = cached()
+    assert all(k >= w for k, w in zip(kept, whole)), list(zip(kept, whole))

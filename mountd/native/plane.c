@@ -264,13 +264,13 @@ struct cache_stat {
 };
 static atomic_int no_cachestat;
 
-/* Whether the page cache holds none of fd's first `size` bytes; 1 where the kernel
+/* Whether the page cache holds none of fd's bytes [off, off + len); 1 where the kernel
  * cannot tell. */
-static int none_cached(int fd, uint64_t size)
+static int none_cached(int fd, uint64_t off, uint64_t len)
 {
 	if (atomic_load_explicit(&no_cachestat, memory_order_relaxed))
 		return 1;
-	struct cache_range at = {0, size};
+	struct cache_range at = {off, len};
 	struct cache_stat st;
 	if (syscall(SYS_cachestat, fd, &at, &st, 0) == 0)
 		return st.nr_cache == 0;
@@ -328,13 +328,12 @@ static int do_read(struct plane *p, const struct fuse_in_header *in,
 		close(fd); /* not the entry's size: Python refuses it, and counts why */
 		goto fallback;
 	}
-	/* The store file's pages go after its last byte is sent (the FUSE inode's pages
-	 * then hold those bytes), but only those the plane brought in: pages cached before
-	 * its first READ (written by a put, kept by the scrubber, read for another mount
-	 * with its own pages gone) are someone else's, and dropping them costs a read. */
-	if (off == 0)
-		atomic_store_explicit(&s->fresh, (unsigned char)none_cached(fd, size),
-				      memory_order_relaxed);
+	/* The store file's pages a READ brought in go once its reply is sent (the FUSE
+	 * inode's pages hold those bytes), but only those: pages cached before it (written
+	 * by a put, kept by the scrubber, read for another mount) are someone else's, and
+	 * dropping them costs a read. Decided per READ: a file's READs may run at once, on
+	 * other workers and for other mounts of the same item. */
+	int fresh = n > 0 && none_cached(fd, off, n);
 	int filled = file_fill(w, in->unique, fd, off, n);
 	if (filled == 0) { /* shorter than its entry: not the verified file */
 		close(fd);
@@ -348,9 +347,11 @@ static int do_read(struct plane *p, const struct fuse_in_header *in,
 		record_hit(p, in->nodeid, started);
 	}
 	file_send(p, w, p->dev_fd, in->unique, n, filled);
-	int drop = off + n >= size && atomic_load_explicit(&s->fresh, memory_order_relaxed);
 	atomic_fetch_sub(&s->inflight, 1);
-	if (drop && posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED) == 0)
+	/* to the end where it ends the file: the kernel keeps a range's partial last page */
+	int last = off + n >= size;
+	if (fresh && posix_fadvise(fd, (off_t)off, last ? 0 : (off_t)n, POSIX_FADV_DONTNEED) == 0 &&
+	    last)
 		atomic_fetch_add_explicit(&p->store_drops, 1, memory_order_relaxed);
 	close(fd);
 	return 1;

@@ -55,7 +55,6 @@ struct slot {
 	uint8_t served; /* stored, verified, and its name known */
 	int32_t backing_id; /* passthrough: the value file's backing id, 0 if none */
 	atomic_uint inflight; /* READs serving its file now, OPENs answering with it */
-	atomic_uchar fresh; /* none of its file's pages were cached at its last READ from 0 */
 	uint8_t condemned; /* withdrawn with wait (found changed): view files open on it fail */
 };
 
