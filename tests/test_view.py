@@ -26,6 +26,7 @@ from mountd.fetch.staging import Staging
 from mountd.jobs.dataset_jobs import DatasetJobs
 from mountd.view.readahead import (EVICTION_PAUSE, IN_FLIGHT, MAX_AHEAD, ROUND_ITEMS,
                                    ViewReadahead, next_items)
+from mountd.view.view_job import Choice
 from mountd.view.view_jobs import ViewJob, ViewJobs, identity_from
 from quiverfs import digest as digest_format
 from quiverfs.bench.processes import MountdProcess
@@ -520,13 +521,108 @@ class _Plane:
 
     def __init__(self) -> None:
         self.pushed: list[int] = []
+        # one job and pool's: (item, the pass it was queued in)
+        self.queued: collections.deque[tuple[int, int]] = collections.deque()
+        self.passes: list[int] = []  # the numbers of the passes said begun
 
     def job(self, job_id: int, base: int, uid: int) -> bool:
         return True
 
-    def push(self, job_id: int, pool: int, items: list[int]) -> bool:
+    def push(self, job_id: int, pool: int, items: list[int], number: int) -> bool:
         self.pushed.extend(items)
+        self.queued.extend((i, number) for i in items)
         return True
+
+    def passed(self, job_id: int, pool: int, number: int) -> None:
+        self.passes.append(number)
+
+    def take(self, job_id: int, pool: int) -> tuple[int, int] | None:
+        return self.queued.popleft() if self.queued else None
+
+    def drain(self) -> None:
+        pass
+
+
+def _opened(queued: tuple[int, int]) -> tuple[int, bool, float, int]:
+    """The plane's report of an open of ``queued`` (item, pass), less the job."""
+    return queued[0], False, 0.001, queued[1]
+
+
+def _full_view_job() -> tuple:
+    """A view job whose dataset is allotted full, every item cached, its queues in a
+    _Plane: (ds, jobs, the job, the pool of item 0, its members, the plane)."""
+    ds, group, store, jobs, (first, _), pool = _two_view_jobs()
+    group.jobs = {first.id: first}
+    group.view = dataclasses.replace(group.view, mode=CacheMode.FULL)
+    ds.inode_base, ds.counters = 0, collections.Counter()
+    store.hit = lambda h: None
+    jobs.staging, jobs.stats = Staging(), ReadStats()
+    members = [int(i) for i in ds.pools.members[pool]]
+    group.cached.hold(members)
+    store.held_items |= set(members)
+    plane = _Plane()
+    jobs.serve_natively(plane)
+    jobs.native.created(first)
+    first.pass_of(pool)  # as the job's first open, through Python, begins it
+    return ds, jobs, first, pool, members, plane
+
+
+def test_where_the_dataset_is_allotted_full_the_next_pass_is_queued_behind_the_current():
+    """Once a pass has handed out every item to the plane, the next pass's hits queue
+    behind them, so that the job's first opens of it are the plane's too (through
+    Python, they were 3% of a cached view epoch's opens); each pass still serves every
+    item once, and the next becomes the current one as the last of the first is opened."""
+    ds, jobs, first, pool, members, plane = _full_view_job()
+    trio.run(jobs.native._fill, first, pool)
+    current, upcoming = first.pools[pool], first.upcoming[pool]
+    assert plane.pushed[:len(members)] == list(current.native)
+    assert sorted(plane.pushed[:len(members)]) == members
+    assert sorted(plane.pushed[len(members):]) == members  # the next pass, behind
+    assert (current.number, upcoming.number) == (0, 1)
+    assert not first.need[members].any()  # the current pass has handed out all
+    events = [(first.native_id, *_opened(plane.take(0, pool))) for _ in members]
+    jobs.native.drained(events[:-1])
+    assert first.pass_of(pool) is current  # one left to open
+    jobs.native.drained(events[-1:])
+    assert first.counters["hits"] == len(members) and not current.native
+    assert first.pass_of(pool) is upcoming and not upcoming.ahead
+    assert first.counters["passes"] == 2 and not first.need[members].any()
+    assert plane.passes == [0, 1]  # the plane told the second has begun
+    # the next pass's first open is served from it, and counted once
+    item, number = plane.take(0, pool)
+    assert number == 1
+    jobs.native.drained([(first.native_id, item, False, 0.001, number)])
+    assert item not in upcoming.native and first.counters["hits"] == len(members) + 1
+
+
+def test_an_open_through_python_after_the_current_pass_is_served_gets_the_next_ones():
+    """An open through Python of a job whose current pass's last hit is opened in the
+    plane and not yet reported, the next pass's queued behind it: it gets an item of
+    the next pass (what it takes back first is that pass's to choose again), and once
+    the report is in, every item of the next pass is served once: to this open, from
+    the plane's queue, or chosen again."""
+    ds, jobs, first, pool, members, plane = _full_view_job()
+    trio.run(jobs.native._fill, first, pool)
+    current, upcoming = first.pools[pool], first.upcoming[pool]
+    opened = [plane.take(0, pool)[0] for _ in members]
+    last = next(i for i in opened if i != plane.queued[0][0])  # opened, not yet reported
+    jobs.native.drained([(first.native_id, i, False, 0.001, 0) for i in opened if i != last])
+
+    async def open_and_report() -> Choice | None:
+        async with trio.open_nursery() as nursery:
+            async def report() -> None:
+                await trio.sleep(0.05)
+                jobs.native.drained([(first.native_id, last, False, 0.001, 0)])
+            nursery.start_soon(report)
+            return await jobs.native.take_back(first, pool, current)
+    got = trio.run(open_and_report)
+    assert current.used_up and first.counters["hits"] == len(members)
+    assert [i for i, _ in plane.queued] == list(upcoming.native)
+    served = [*upcoming.native, *upcoming.pending_items()]
+    if got is not None:
+        served.append(got.index)
+    assert sorted(served) == members
+    assert first.pass_of(pool) is upcoming
 
 
 def test_a_top_up_of_the_planes_queue_chooses_hits_only_a_miss_is_chosen_at_its_open():
@@ -560,14 +656,14 @@ def test_a_top_up_of_the_planes_queue_chooses_hits_only_a_miss_is_chosen_at_its_
     assert sorted(current.native) == sorted(order[:2])
     promised = [jobs.staging.awaiting_read(ds.digest.hash(i)) for i in order[:2]]
     assert promised == [True, True]
-    jobs.native.drained([(first.native_id, order[0], False, 0.001)])  # opened there
+    jobs.native.drained([(first.native_id, order[0], False, 0.001, 0)])  # opened there
     assert first.counters["hits"] == 1 and list(current.native) == [order[1]]
     promised = [jobs.staging.awaiting_read(ds.digest.hash(i)) for i in order[:2]]
     assert promised == [False, True]
     # the plane gives the other back (its file left the store): the job is yet to be
     # served it, and it is chosen anew, a hit again where cached by then
     jobs.services.store.files.seen(ds.digest.hash(order[1]))  # found when planned
-    jobs.native.drained([(first.native_id, order[1], True, 0.0)])
+    jobs.native.drained([(first.native_id, order[1], True, 0.0, 0)])
     assert not current.native and not current.queue and first.need[order[1]]
     assert not jobs.services.store.files.seen_lately(ds.digest.hash(order[1]))
     assert order[1] in current.pending_items() and order[0] not in current.pending_items()

@@ -53,14 +53,17 @@ class NativeViews:
             return False
         return True
 
-    def push(self, job_id: int, pool: int, items: list[int]) -> bool:
+    def push(self, job_id: int, pool: int, items: list[int], number: int) -> bool:
         try:
-            self.plane.view_push(job_id, pool, array.array("I", items))
+            self.plane.view_push(job_id, pool, array.array("I", items), number)
         except OSError:  # the view went, or memory ran out: Python's opens take them
             return False
         return True
 
-    def take(self, job_id: int, pool: int) -> int | None:
+    def passed(self, job_id: int, pool: int, number: int) -> None:
+        self.plane.view_pass(job_id, pool, number)
+
+    def take(self, job_id: int, pool: int) -> tuple[int, int] | None:
         return self.plane.view_take(job_id, pool)
 
     async def woken(self) -> None:

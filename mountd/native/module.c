@@ -509,15 +509,25 @@ static PyObject *Plane_view_pid(PlaneObject *self, PyObject *args)
 
 static PyObject *Plane_view_push(PlaneObject *self, PyObject *args)
 {
-	unsigned int id, pool;
+	unsigned int id, pool, pass;
 	Py_buffer items;
-	if (!PyArg_ParseTuple(args, "IIy*", &id, &pool, &items))
+	if (!PyArg_ParseTuple(args, "IIy*I", &id, &pool, &items, &pass))
 		return NULL;
 	int result = -EINVAL;
 	if (items.len % 4 == 0)
-		result = plane_view_push(self->plane, id, pool, items.buf, (size_t)items.len / 4);
+		result = plane_view_push(self->plane, id, pool, items.buf, (size_t)items.len / 4,
+					 pass);
 	PyBuffer_Release(&items);
 	return errno_result(result);
+}
+
+static PyObject *Plane_view_pass(PlaneObject *self, PyObject *args)
+{
+	unsigned int id, pool, pass;
+	if (!PyArg_ParseTuple(args, "III", &id, &pool, &pass))
+		return NULL;
+	plane_view_pass(self->plane, id, pool, pass);
+	Py_RETURN_NONE;
 }
 
 static PyObject *Plane_view_opened(PlaneObject *self, PyObject *args)
@@ -541,9 +551,9 @@ static PyObject *Plane_view_drain(PlaneObject *self, PyObject *unused)
 	size_t n = plane_view_drain(self->plane, events, DRAIN_MAX);
 	PyObject *list = PyList_New((Py_ssize_t)n);
 	for (size_t i = 0; list && i < n; i++) {
-		PyObject *event = Py_BuildValue("(IIOd)", events[i].job, events[i].item,
+		PyObject *event = Py_BuildValue("(IIOdI)", events[i].job, events[i].item,
 						events[i].returned ? Py_True : Py_False,
-						events[i].ns / 1e9);
+						events[i].ns / 1e9, events[i].pass);
 		if (!event)
 			Py_CLEAR(list);
 		else
@@ -568,10 +578,10 @@ static PyObject *Plane_view_take(PlaneObject *self, PyObject *args)
 	unsigned int id, pool;
 	if (!PyArg_ParseTuple(args, "II", &id, &pool))
 		return NULL;
-	uint32_t item;
-	if (plane_view_take(self->plane, id, pool, &item))
+	uint32_t item, pass;
+	if (plane_view_take(self->plane, id, pool, &item, &pass))
 		Py_RETURN_NONE;
-	return PyLong_FromUnsignedLong(item);
+	return Py_BuildValue("(II)", item, pass);
 }
 
 static PyObject *Plane_view_wake_fd(PlaneObject *self, PyObject *unused)
@@ -622,7 +632,10 @@ static PyMethodDef Plane_methods[] = {
 	{"view_pid", (PyCFunction)Plane_view_pid, METH_VARARGS,
 	 "view_pid(id, pid, pgid): pid reads for job id while in process group pgid"},
 	{"view_push", (PyCFunction)Plane_view_push, METH_VARARGS,
-	 "view_push(id, pool, items): queue items (uint32 entry indexes of that pool)"},
+	 "view_push(id, pool, items, pass): queue items (uint32 entry indexes of that pool) "
+	 "handed out in the job's pass number `pass` over it"},
+	{"view_pass", (PyCFunction)Plane_view_pass, METH_VARARGS,
+	 "view_pass(id, pool, pass): the job's pass number `pass` over pool has begun"},
 	{"view_opened", (PyCFunction)Plane_view_opened, METH_VARARGS,
 	 "view_opened(pid, inode) -> the item pid's latest open here at inode serves, or "
 	 "None"},
@@ -630,13 +643,13 @@ static PyMethodDef Plane_methods[] = {
 	 "view_python_open(pid, inode, delta) -> whether recorded: Python opened (1) or "
 	 "released (-1 recorded, -2 not) a view file for pid at inode"},
 	{"view_take", (PyCFunction)Plane_view_take, METH_VARARGS,
-	 "view_take(id, pool) -> the next item queued for that job and pool, taken back, "
-	 "or None"},
+	 "view_take(id, pool) -> (item, pass): the next item queued for that job and pool, "
+	 "taken back, and the pass it was queued in; or None"},
 	{"view_wake_fd", (PyCFunction)Plane_view_wake_fd, METH_NOARGS,
 	 "view_wake_fd() -> an eventfd, readable once a queue runs low or an item is given "
 	 "back (read it, then drain)"},
 	{"view_drain", (PyCFunction)Plane_view_drain, METH_NOARGS,
-	 "view_drain() -> [(job, item, returned, seconds)] since the last call"},
+	 "view_drain() -> [(job, item, returned, seconds, pass)] since the last call"},
 	{NULL, NULL, 0, NULL},
 };
 

@@ -134,7 +134,8 @@ struct plane_hit {
  * (ENOSYS, as pyfuse3 answers them); every other request goes
  * to the process that serves the connection, through a socket (a stream of requests).
  * Each open is reported (plane_view_drain), and so is each queued item given back
- * (withdrawn, or its file gone): Python hands it out again. */
+ * (withdrawn, or its file gone): Python hands it out again, in the same pass (the
+ * plane serves no later pass's item meanwhile). */
 
 /* Serve ROOT/.quiver's connection dev_fd with `threads` threads, forwarding what they
  * do not answer to the socket fwd_fd. The plane owns both descriptors from now on,
@@ -151,10 +152,15 @@ void plane_view_forget(struct plane *p, uint32_t id);
 /* Process pid, in process group pgid, reads the view at base for job `id` (replacing
  * what was said of pid there). 0, -ENOENT (no such job), -ENOSPC (too many). */
 int plane_view_pid(struct plane *p, uint32_t id, uint32_t pid, int32_t pgid);
-/* Queue items (entry indexes, each of pool `pool`) for job `id`. 0, -ENOENT, -EINVAL
- * (an item not of that pool: none is queued), -ENOMEM. */
+/* Queue items (entry indexes, each of pool `pool`) for job `id`, handed out in its
+ * pass number `pass` over the pool (a pass never behind a later one's). 0, -ENOENT,
+ * -EINVAL (an item not of that pool: none is queued), -ENOMEM. */
 int plane_view_push(struct plane *p, uint32_t id, uint32_t pool, const uint32_t *items,
-		    size_t n);
+		    size_t n, uint32_t pass);
+/* Job `id`'s pass number `pass` over pool has begun in Python (every item of the
+ * earlier ones served): the plane serves its items, and a later pass's after them,
+ * again. Ignored for a pass before the one the plane serves. */
+void plane_view_pass(struct plane *p, uint32_t id, uint32_t pool, uint32_t pass);
 /* Python opened (delta 1) or released a view file for pid at inode (-1: an open
  * recorded, -2: one that was not): that process's GETATTRs of it are Python's while
  * open. Any other process's GETATTR of a view file is answered with the file's own
@@ -163,8 +169,9 @@ int plane_view_push(struct plane *p, uint32_t id, uint32_t pool, const uint32_t 
 int plane_view_python_open(struct plane *p, uint32_t pid, uint64_t inode, int delta);
 
 /* Take back the next item queued for job `id` and pool (an open through Python gets
- * it): 0 and *item, else -ENOENT (none queued). */
-int plane_view_take(struct plane *p, uint32_t id, uint32_t pool, uint32_t *item);
+ * it): 0, *item and the number of the pass it was queued in, else -ENOENT (none). */
+int plane_view_take(struct plane *p, uint32_t id, uint32_t pool, uint32_t *item,
+		    uint32_t *pass);
 /* The item a view file open here at `inode` by pid (its latest) serves: 0 and *item,
  * else -ENOENT. */
 int plane_view_opened(struct plane *p, uint32_t pid, uint64_t inode, uint32_t *item);
@@ -177,7 +184,8 @@ int plane_view_wake_fd(const struct plane *p);
 struct plane_view_event {
 	uint32_t job, item;
 	uint32_t returned;
-	uint64_t ns; /* the OPEN's time here */
+	uint32_t pass; /* the item's, as queued */
+	uint64_t ns;   /* the OPEN's time here */
 };
 
 /* Up to max of the events since the last call. */

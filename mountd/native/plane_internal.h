@@ -98,9 +98,20 @@ struct worker {
 };
 
 /* The views (view.c): a job's items queued for one pool, a ring */
+/* A job's queue for one pool: its items, each tagged with Python's number of the
+ * job's pass over the pool that handed it out. The plane serves the queue in order,
+ * and moves on to a later pass's items by itself unless one of the pass it is in was
+ * given back: then the job's opens go to Python (which hands that item out again)
+ * until Python says the job's next pass has begun (plane_view_pass). */
+struct view_entry {
+	uint32_t item, pass;
+};
 struct view_queue {
-	uint32_t *items; /* entry indexes */
+	struct view_entry *entries;
 	uint32_t head, n, cap;
+	uint32_t pass;    /* the pass it serves */
+	uint32_t opening; /* its items taken by OPENs not answered yet */
+	uint8_t held;     /* an item of that pass was given back: no later one is served */
 };
 
 /* A view job Python named (its id), of the view at base, for uid's processes. */
@@ -187,6 +198,7 @@ struct plane {
 	atomic_int ctl_stopping;
 	pthread_mutex_t fwd_lock; /* one request at a time on ctl_fwd */
 	pthread_mutex_t view_lock; /* the jobs, pids, queues, opens and events below */
+	pthread_cond_t view_settled; /* a queue's last OPEN under way answered */
 	struct view_job **jobs;
 	size_t n_jobs, cap_jobs;
 	struct view_pid *pids;

@@ -27,12 +27,13 @@ void view_init(struct plane *p)
 	p->view_wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
 	pthread_mutex_init(&p->fwd_lock, NULL);
 	pthread_mutex_init(&p->view_lock, NULL);
+	pthread_cond_init(&p->view_settled, NULL);
 }
 
 static void job_free(struct view_job *job)
 {
 	for (uint32_t i = 0; job->queues && i < job->n_pools; i++)
-		free(job->queues[i].items);
+		free(job->queues[i].entries);
 	free(job->queues);
 	free(job);
 }
@@ -50,6 +51,7 @@ void view_free(struct plane *p)
 		close(p->view_wake_fd);
 	pthread_mutex_destroy(&p->fwd_lock);
 	pthread_mutex_destroy(&p->view_lock);
+	pthread_cond_destroy(&p->view_settled);
 }
 
 /* ---- what Python says (under view_lock) ---- */
@@ -62,6 +64,13 @@ static struct view_job *job_by_id(const struct plane *p, uint32_t id, size_t *at
 			return p->jobs[i];
 		}
 	return NULL;
+}
+
+/* Under view_lock: job id's queue of pool, or NULL where the job is gone. */
+static struct view_queue *queue_of(struct plane *p, uint32_t id, uint32_t pool)
+{
+	struct view_job *job = job_by_id(p, id, NULL);
+	return job && pool < job->n_pools ? &job->queues[pool] : NULL;
 }
 
 int plane_view_job(struct plane *p, uint32_t id, uint64_t base, uint32_t uid)
@@ -111,8 +120,10 @@ void plane_view_forget(struct plane *p, uint32_t id)
 	size_t at;
 	pthread_mutex_lock(&p->view_lock);
 	struct view_job *job = job_by_id(p, id, &at);
-	if (job)
+	if (job) {
 		p->jobs[at] = p->jobs[--p->n_jobs];
+		pthread_cond_broadcast(&p->view_settled); /* nothing to wait for of it now */
+	}
 	for (size_t i = 0; i < p->n_pids;)
 		if (p->pids[i].job == id)
 			p->pids[i] = p->pids[--p->n_pids];
@@ -157,20 +168,20 @@ static int queue_room(struct view_queue *q, size_t more)
 		cap *= 2;
 	if (cap > UINT32_MAX)
 		return -ENOMEM;
-	uint32_t *items = malloc(cap * sizeof *items);
-	if (!items)
+	struct view_entry *entries = malloc(cap * sizeof *entries);
+	if (!entries)
 		return -ENOMEM;
 	for (uint32_t i = 0; i < q->n; i++) /* unrolled from the ring */
-		items[i] = q->items[(q->head + i) % q->cap];
-	free(q->items);
-	q->items = items;
+		entries[i] = q->entries[(q->head + i) % q->cap];
+	free(q->entries);
+	q->entries = entries;
 	q->head = 0;
 	q->cap = (uint32_t)cap;
 	return 0;
 }
 
 int plane_view_push(struct plane *p, uint32_t id, uint32_t pool, const uint32_t *items,
-		    size_t n)
+		    size_t n, uint32_t pass)
 {
 	int error = 0;
 	pthread_rwlock_rdlock(&p->lock);
@@ -190,21 +201,34 @@ int plane_view_push(struct plane *p, uint32_t id, uint32_t pool, const uint32_t 
 	if (!error) {
 		struct view_queue *q = &job->queues[pool];
 		for (size_t i = 0; i < n; i++)
-			q->items[(q->head + q->n++) % q->cap] = items[i];
+			q->entries[(q->head + q->n++) % q->cap] =
+				(struct view_entry){.item = items[i], .pass = pass};
 	}
 	pthread_mutex_unlock(&p->view_lock);
 	pthread_rwlock_unlock(&p->lock);
 	return error;
 }
 
-int plane_view_take(struct plane *p, uint32_t id, uint32_t pool, uint32_t *item)
+void plane_view_pass(struct plane *p, uint32_t id, uint32_t pool, uint32_t pass)
+{
+	pthread_mutex_lock(&p->view_lock);
+	struct view_queue *q = queue_of(p, id, pool);
+	if (q && pass > q->pass) {
+		q->pass = pass;
+		q->held = 0;
+	}
+	pthread_mutex_unlock(&p->view_lock);
+}
+
+int plane_view_take(struct plane *p, uint32_t id, uint32_t pool, uint32_t *item,
+		    uint32_t *pass)
 {
 	int error = -ENOENT;
 	pthread_mutex_lock(&p->view_lock);
-	struct view_job *job = job_by_id(p, id, NULL);
-	struct view_queue *q = job && pool < job->n_pools ? &job->queues[pool] : NULL;
+	struct view_queue *q = queue_of(p, id, pool);
 	if (q && q->n) {
-		*item = q->items[q->head];
+		*item = q->entries[q->head].item;
+		*pass = q->entries[q->head].pass;
 		q->head = (q->head + 1) % q->cap;
 		q->n--;
 		error = 0;
@@ -214,7 +238,7 @@ int plane_view_take(struct plane *p, uint32_t id, uint32_t pool, uint32_t *item)
 }
 
 /* Under view_lock: an open file's or a given back item's report for Python. */
-static void view_event(struct plane *p, uint32_t job, uint32_t item, int returned,
+static void view_event(struct plane *p, uint32_t job, struct view_entry e, int returned,
 		       uint64_t ns)
 {
 	if (!p->events && !(p->events = malloc(VIEW_EVENTS * sizeof *p->events))) {
@@ -226,8 +250,8 @@ static void view_event(struct plane *p, uint32_t job, uint32_t item, int returne
 		return;
 	}
 	p->events[(p->event_start + p->event_count++) % VIEW_EVENTS] =
-		(struct plane_view_event){.job = job, .item = item, .returned = (uint32_t)returned,
-					  .ns = ns};
+		(struct plane_view_event){.job = job, .item = e.item,
+					  .returned = (uint32_t)returned, .pass = e.pass, .ns = ns};
 }
 
 static void view_wake(struct plane *p)
@@ -349,10 +373,28 @@ static struct view_open *open_reserve(struct plane *p, uint32_t uid)
 	return o;
 }
 
+/* Under view_lock: the OPEN that took e from job id's queue of pool is answered (given
+ * back where `returned`). A pass with an item given back is held: its later passes'
+ * items wait for Python to hand that one out again (plane_view_pass). */
+static void open_answered(struct plane *p, uint32_t id, uint32_t pool, struct view_entry e,
+			  int returned)
+{
+	struct view_queue *q = queue_of(p, id, pool);
+	if (!q)
+		return;
+	if (returned && e.pass == q->pass)
+		q->held = 1;
+	if (!--q->opening)
+		pthread_cond_broadcast(&p->view_settled);
+}
+
 /* The OPEN of a view file by a process of a job with an item queued for the file's
  * pool: that item's value file, held open for the file's READs. An item withdrawn
  * since it was queued, or whose file is gone or not its size, is given back to
- * Python, and the next one tried. */
+ * Python, and the next one of its pass tried. A later pass's first item is served
+ * once every OPEN that took one of the pass before is answered, none given back:
+ * else Python answers, and hands that item out again first (an epoch of a job's
+ * loader opens each item once). */
 static int view_open(struct plane *p, const struct fuse_in_header *in,
 		     const struct fuse_open_in *arg)
 {
@@ -363,53 +405,72 @@ static int view_open(struct plane *p, const struct fuse_in_header *in,
 	if (group < 0)
 		return 0; /* gone, or not in mountd's pid namespace: Python's "uid" job */
 	for (;;) {
-		uint32_t node, item = 0, slot_index = 0;
+		uint32_t node, slot_index = 0, job_id = 0, pool = 0;
+		struct view_entry e = {0};
 		uint64_t size = 0;
 		char name[PLANE_NAME], path[PATH_MAX];
 		struct view_open *o = NULL;
-		struct view_job *job = NULL;
 		struct slot *s = NULL;
+		int settle = 0;
 		pthread_rwlock_rdlock(&p->lock);
 		struct dataset *ds = dataset_of(p, in->nodeid, &node);
 		if (!ds || !ds->pools || ds->suspended || node < ds->t->n_dirs) {
 			pthread_rwlock_unlock(&p->lock);
 			return 0; /* Python refuses a suspended view's reads */
 		}
-		uint32_t pool = ds->pools[node - ds->t->n_dirs];
+		pool = ds->pools[node - ds->t->n_dirs];
 		pthread_mutex_lock(&p->view_lock);
-		job = job_of(p, ds->base, in->uid, in->pid, group);
+		struct view_job *job = job_of(p, ds->base, in->uid, in->pid, group);
 		struct view_queue *q = job && pool < job->n_pools ? &job->queues[pool] : NULL;
-		if (q && q->n && (o = open_reserve(p, in->uid))) {
-			item = q->items[q->head];
+		if (q && q->n && q->entries[q->head].pass > q->pass) { /* a later pass's */
+			if (q->held)
+				q = NULL; /* Python hands out the item given back first */
+			else if (q->opening)
+				settle = 1;
+			else
+				q->pass = q->entries[q->head].pass;
+		}
+		if (q && q->n && !settle && (o = open_reserve(p, in->uid))) {
+			e = q->entries[q->head];
 			q->head = (q->head + 1) % q->cap;
 			if (--q->n == VIEW_LOW)
 				view_wake(p);
-			slot_index = ds->t->slots[item];
+			slot_index = ds->t->slots[e.item];
 			s = slot_at(p, slot_index);
 			if (s->served) {
+				q->opening++;
 				atomic_fetch_add(&s->inflight, 1);
-				size = ds->t->sizes[item];
+				size = ds->t->sizes[e.item];
 				memcpy(name, s->name, PLANE_NAME);
 				*o = (struct view_open){.seq = o->seq, .fd = -1, .pid = in->pid,
-							.job = job->id, .item = item,
+							.job = job->id, .item = e.item,
 							.opener_uid = in->uid,
 							.slot = slot_index, .uid = ds->uid,
 							.gid = ds->gid, .time_ns = ds->time_ns,
 							.inode = in->nodeid, .size = size};
 				memcpy(o->digest, s->digest, PLANE_DIGEST);
 			} else { /* withdrawn since it was queued */
-				view_event(p, job->id, item, 1, 0);
+				view_event(p, job->id, e, 1, 0);
 				view_wake(p);
 				atomic_fetch_add_explicit(&p->view_returned, 1, memory_order_relaxed);
+				if (e.pass == q->pass)
+					q->held = 1;
 				o->seq = 0;
 				s = NULL;
 			}
 		}
-		uint32_t job_id = job ? job->id : 0;
-		pthread_mutex_unlock(&p->view_lock);
+		if (job)
+			job_id = job->id;
 		pthread_rwlock_unlock(&p->lock);
+		if (settle) { /* the pass before's last OPENs under way: their answers first */
+			while ((q = queue_of(p, job_id, pool)) && q->opening)
+				pthread_cond_wait(&p->view_settled, &p->view_lock);
+			pthread_mutex_unlock(&p->view_lock);
+			continue;
+		}
+		pthread_mutex_unlock(&p->view_lock);
 		if (!o)
-			return 0; /* none queued (or no room): Python chooses */
+			return 0; /* none queued (or no room, or held): Python chooses */
 		if (!s)
 			continue;
 		value_path(p, name, path);
@@ -423,13 +484,14 @@ static int view_open(struct plane *p, const struct fuse_in_header *in,
 		pthread_mutex_lock(&p->view_lock);
 		if (fd < 0) { /* culled behind mountd's back, or not the verified file */
 			o->seq = 0;
-			view_event(p, job_id, item, 1, 0);
+			view_event(p, job_id, e, 1, 0);
 			view_wake(p);
 			atomic_fetch_add_explicit(&p->view_returned, 1, memory_order_relaxed);
 		} else {
 			o->fd = fd;
-			view_event(p, job_id, item, 0, now_ns() - started);
+			view_event(p, job_id, e, 0, now_ns() - started);
 		}
+		open_answered(p, job_id, pool, e, fd < 0);
 		pthread_mutex_unlock(&p->view_lock);
 		if (fd < 0)
 			continue;

@@ -8,10 +8,13 @@ plans them as for its own opens), which processes are the job's, and the counter
 the plane served comes back here (drained with the read counters) and counts as an open
 here would; an item it could not serve (withdrawn since it was queued, or its file gone)
 is the job's to be served again in its pass, chosen anew like any other it has not had
-(a hit where it is cached again by then).
+(a hit where it is cached again by then). Where the dataset is allotted full, a job's
+next pass over a pool is begun once its current one has handed out every item, and its
+hits are queued behind the current one's: the plane serves a queue in order.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -39,8 +42,9 @@ DRAIN_PAUSE = 0.001  # seconds between drains while a Python open waits for the 
 SETTLE_TIMEOUT = 1.0  # seconds after which the plane's opens not reported count as done
 MAX_PIDS = 4096  # processes named to the plane per job (past it, they open through Python)
 
-# (job's number, item, given back, seconds the open took in the plane)
-Event = tuple[int, int, bool, float]
+# (job's number, item, given back, seconds the open took in the plane, the number of
+# the job's pass over the item's pool it was queued in)
+Event = tuple[int, int, bool, float, int]
 
 
 class ViewPlane(Protocol):
@@ -52,10 +56,15 @@ class ViewPlane(Protocol):
 
     def pid(self, job_id: int, pid: int, pgid: int) -> bool: ...
 
-    def push(self, job_id: int, pool: int, items: list[int]) -> bool: ...
+    def push(self, job_id: int, pool: int, items: list[int], number: int) -> bool:
+        """Queue ``items``, handed out in the job's pass ``number`` over ``pool``."""
 
-    def take(self, job_id: int, pool: int) -> int | None:
-        """The next item queued for the job and pool, taken back (None if none is)."""
+    def passed(self, job_id: int, pool: int, number: int) -> None:
+        """The job's pass ``number`` over ``pool`` has begun: the plane may serve it."""
+
+    def take(self, job_id: int, pool: int) -> tuple[int, int] | None:
+        """The next item queued for the job and pool, taken back, with the number of the
+        pass it was queued in (None if none is)."""
 
     async def woken(self) -> None:
         """Return once a queue runs low, or an item was given back."""
@@ -83,6 +92,13 @@ class NativeQueues:
     def created(self, job: ViewJob) -> None:
         if self.plane.job(job.native_id, job.ds.inode_base, job.uid):
             self._jobs[job.native_id] = job
+            job.pass_begun = functools.partial(self._pass_begun, job)
+
+    def _pass_begun(self, job: ViewJob, pool: int, number: int) -> None:
+        """Where the plane held back ``job``'s next pass's hits (an item of the pass
+        before was given back), it serves them again: every item of that pass is served."""
+        if job.native_id in self._jobs:
+            self.plane.passed(job.native_id, pool, number)
 
     def dropped(self, job: ViewJob) -> None:
         if self._jobs.pop(job.native_id, None) is not None:
@@ -108,9 +124,11 @@ class NativeQueues:
         once the plane's opens of them are drained (the pass has ended)."""
         deadline = trio.current_time() + SETTLE_TIMEOUT
         while current.native:
-            item = self.plane.take(job.native_id, pool)
-            if item is not None and item in current.native:
-                return current.native.pop(item)
+            taken = self.plane.take(job.native_id, pool)
+            if taken is not None and taken[1] == current.number and taken[0] in current.native:
+                return current.native.pop(taken[0])
+            if taken is not None:  # the next pass's, queued behind: chosen anew in it
+                self._taken_ahead(job, pool, *taken)
             # all opened there: counted once drained (an open under way in the plane
             # reports it as soon as its file is open)
             self.plane.drain()
@@ -119,12 +137,20 @@ class NativeQueues:
                 # pass ends; nothing of it stays queued there
                 log.warning("view job %s: %d opens in the native plane were not reported",
                             job.id, len(current.native))
-                while self.plane.take(job.native_id, pool) is not None:
-                    pass
+                while (taken := self.plane.take(job.native_id, pool)) is not None:
+                    self._taken_ahead(job, pool, *taken)
                 current.native.clear()
             elif current.native:
                 await trio.sleep(DRAIN_PAUSE)
         return None
+
+    @staticmethod
+    def _taken_ahead(job: ViewJob, pool: int, item: int, number: int) -> None:
+        """``item``, queued in the plane for the job's pass ``number`` over ``pool``, its
+        next, and taken back from it: that pass is to choose it again."""
+        taken = job.native_taken(pool, item, number)
+        if taken is not None:
+            job.give_back(taken[0], item)
 
     async def run(self) -> None:
         """Top up the queues asked for, one at a time, in the order asked; drain the
@@ -150,15 +176,31 @@ class NativeQueues:
                     await self._fill(job, key[1])
 
     async def _fill(self, job: ViewJob, pool: int) -> None:
-        """Up to ``_depth`` of the job's hits of its current pass over ``pool``, queued
-        in the plane: planned ones first, then as many as planning finds cached. It plans
-        no miss: where none is cached, the job's next open goes through Python, which
-        plans then (a miss planned here would stay one though its item were loaded
-        before that open: the bucket-bound view's hits halved so)."""
+        """Up to ``_depth`` of the job's hits of ``pool`` queued in the plane: its current
+        pass's, and where the dataset is allotted full, once that pass has handed out
+        every item, its next pass's behind them (else the first opens of each pass, an
+        epoch's first in a plain loader, went through Python: 3% of the opens of a
+        cached view epoch alone)."""
         current = job.pools.get(pool)
         if current is None:
             return
+        full = job.group.mode is CacheMode.FULL
+        if current.used_up and (full or pool in job.upcoming):
+            current = job.pass_of(pool)  # the next pass (begun ahead, if it was)
         ahead, _ = _depth(job)
+        upcoming = job.upcoming.get(pool)
+        if upcoming is None or not upcoming.native:  # never behind a later pass's
+            await self._fill_pass(job, pool, current, ahead)
+        if full and current.native and not current.queue and not current.pending.any():
+            await self._fill_pass(job, pool, job.next_pass(pool), ahead - len(current.native))
+
+    async def _fill_pass(self, job: ViewJob, pool: int, current: PoolPass, ahead: int
+                         ) -> None:
+        """Up to ``ahead`` hits of the pass ``current`` queued in the plane: planned ones
+        first, then as many as planning finds cached. It plans no miss: where none is
+        cached, the job's next open goes through Python, which plans then (a miss
+        planned here would stay one though its item were loaded before that open: the
+        bucket-bound view's hits halved so)."""
         async with current.lock:
             while len(current.native) < ahead:
                 if not current.queue:
@@ -174,7 +216,8 @@ class NativeQueues:
                 if not hits:
                     return
                 if (job.native_id not in self._jobs
-                        or not self.plane.push(job.native_id, pool, [c.index for c in hits])):
+                        or not self.plane.push(job.native_id, pool, [c.index for c in hits],
+                                               current.number)):
                     current.queue.extendleft(reversed(hits))  # Python's opens take them
                     return
                 current.native.update((c.index, c) for c in hits)
@@ -185,15 +228,15 @@ class NativeQueues:
         again in its pass (handed out at once as a miss, the bucket-bound view fetched
         what a chunk would load for all its jobs a little later)."""
         opened: dict[tuple[int, int], list[tuple[Choice, float]]] = {}
-        for job_id, item, returned, seconds in events:
+        for job_id, item, returned, seconds, number in events:
             job = self._jobs.get(job_id)
             if job is None:
                 continue  # forgotten since
             pool = int(job.ds.pools.pool_of[item])
-            current = job.pools.get(pool)
-            choice = None if current is None else current.native.pop(item, None)
-            if current is None or choice is None:
+            taken = job.native_taken(pool, item, number)
+            if taken is None:
                 continue
+            current, choice = taken
             if returned:  # chosen anew: a hit, where cached again by then
                 job.give_back(current, item)
                 self._gone(job, item)
@@ -204,7 +247,7 @@ class NativeQueues:
             job = self._jobs[job_id]
             job.last_used = now
             self._opened(job, pool, choices)
-            if len(job.pools[pool].native) < _depth(job)[1]:
+            if job.queued_natively(pool) < _depth(job)[1]:
                 self.top_up(job, pool)
 
 

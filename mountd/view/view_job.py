@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -30,8 +31,11 @@ class PoolPass:
     """A job's current pass over one pool: which of its items the job has not been
     served yet, and items chosen not yet served."""
 
-    def __init__(self, number: int, members: np.ndarray) -> None:
+    def __init__(self, number: int, members: np.ndarray, ahead: bool = False) -> None:
         self.number = number
+        # begun while the job's current pass over the pool still has items to open
+        # (ViewJob.next_pass): what it hands out is not counted in the job's needs
+        self.ahead = ahead
         self.members = members  # the pool's items, ascending
         self.pending = np.ones(len(members), dtype=bool)
         self.queue: collections.deque[Choice] = collections.deque()
@@ -76,6 +80,9 @@ class ViewJob:
         self.identity = identity
         self.group = group
         self.pools: dict[int, PoolPass] = {}
+        self.upcoming: dict[int, PoolPass] = {}  # per pool: its next pass, begun ahead
+        # told of each pass begun, with its pool and number (NativeQueues.created)
+        self.pass_begun: Callable[[int, int], None] = lambda pool, number: None
         # per item: whether the job is yet to be served it (in the current pass over its
         # pool, or a first one); False for items that are always served exactly
         self.need = ds.pools.shared.copy()
@@ -96,16 +103,47 @@ class ViewJob:
                 "pools_in_pass": len(self.pools), "remaining": int(self.need.sum())}
 
     def pass_of(self, pool: int) -> PoolPass:
-        """The job's current pass over ``pool``; a new one where the last is used up."""
+        """The job's current pass over ``pool``; where the last is used up, the next (the
+        one begun ahead, if any)."""
         current = self.pools.get(pool)
         if current is not None and not current.used_up:
             return current
-        number = 0 if current is None else current.number + 1
-        members = self.ds.pools.members[pool]
-        self.need[members] = True
+        made = self.upcoming.pop(pool, None)
+        if made is None:
+            made = PoolPass(0 if current is None else current.number + 1,
+                            self.ds.pools.members[pool])
+        made.ahead = False
+        self.need[made.members] = made.pending
         self.counters[ViewJobCounter.PASSES] += 1
-        self.pools[pool] = made = PoolPass(number, members)
+        self.pools[pool] = made
+        self.pass_begun(pool, made.number)
         return made
+
+    def next_pass(self, pool: int) -> PoolPass:
+        """The job's next pass over ``pool``, begun while the current one (which has
+        handed out every item) still has items to open: the native plane's queue
+        serves its hits after theirs."""
+        made = self.upcoming.get(pool)
+        if made is None:
+            current = self.pools[pool]
+            made = self.upcoming[pool] = PoolPass(current.number + 1, current.members, True)
+        return made
+
+    def native_taken(self, pool: int, item: int, number: int
+                     ) -> tuple[PoolPass, Choice] | None:
+        """``item``'s hit queued in the native plane in the job's pass ``number`` over
+        ``pool`` (its current or its next), taken off it; None where it has none."""
+        for current in (self.pools.get(pool), self.upcoming.get(pool)):
+            if current is not None and current.number == number:
+                choice = current.native.pop(item, None)
+                return None if choice is None else (current, choice)
+        return None
+
+    def queued_natively(self, pool: int) -> int:
+        """How many of the job's hits of ``pool`` are queued in the native plane."""
+        return sum(len(current.native) for current in (self.pools.get(pool),
+                                                       self.upcoming.get(pool))
+                   if current is not None)
 
     def pass_number(self, pool: int) -> int:
         """The number of the job's current (or first) pass over ``pool``."""
@@ -115,13 +153,15 @@ class ViewJob:
     def place(self, current: PoolPass, items: list[int]) -> None:
         """Hand out ``items`` in the pass ``current``: each at most once per pass."""
         current.place(items)
-        self.need[items] = False
+        if not current.ahead:
+            self.need[items] = False
 
     def give_back(self, current: PoolPass, item: int) -> None:
         """``item``, handed out in the pass ``current`` and not served (its file left the
         store first), is the job's to be served again in that pass."""
         current.give_back(item)
-        self.need[item] = True
+        if not current.ahead:
+            self.need[item] = True
 
     def unopened(self) -> np.ndarray:
         """Per item: whether the job is yet to open it in its current pass over its pool
@@ -134,9 +174,9 @@ class ViewJob:
 
     def queued(self, pool: int, item: int) -> bool:
         """Whether the job has chosen ``item`` of ``pool`` and not opened it yet."""
-        current = self.pools.get(pool)
-        return current is not None and (item in current.native
-                                        or any(c.index == item for c in current.queue))
+        return any(item in current.native or any(c.index == item for c in current.queue)
+                   for current in (self.pools.get(pool), self.upcoming.get(pool))
+                   if current is not None)
 
     def kept_for(self, items: np.ndarray) -> np.ndarray:
         """Which of an evicted chunk's ``items`` the job is yet to be served."""
