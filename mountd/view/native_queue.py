@@ -241,6 +241,7 @@ class NativeQueues:
                 job.give_back(current, item)
                 self._gone(job, item)
             else:
+                job.opened_in(current)
                 opened.setdefault((job_id, pool), []).append((choice, seconds))
         now = time.monotonic()
         for (job_id, pool), choices in opened.items():

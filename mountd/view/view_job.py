@@ -36,6 +36,7 @@ class PoolPass:
         # begun while the job's current pass over the pool still has items to open
         # (ViewJob.next_pass): what it hands out is not counted in the job's needs
         self.ahead = ahead
+        self.started = False  # an item of it opened: counted in the job's passes
         self.members = members  # the pool's items, ascending
         self.pending = np.ones(len(members), dtype=bool)
         self.queue: collections.deque[Choice] = collections.deque()
@@ -114,10 +115,18 @@ class ViewJob:
                             self.ds.pools.members[pool])
         made.ahead = False
         self.need[made.members] = made.pending
-        self.counters[ViewJobCounter.PASSES] += 1
         self.pools[pool] = made
         self.pass_begun(pool, made.number)
         return made
+
+    def opened_in(self, current: PoolPass) -> None:
+        """An item handed out in the pass ``current`` was opened: the pass is counted as
+        started, once. (Not as it begins here: with its hits queued in the native plane
+        behind the pass before, it begins as that one's last item is reported, often
+        before the epoch that opens it.)"""
+        if not current.started:
+            current.started = True
+            self.counters[ViewJobCounter.PASSES] += 1
 
     def next_pass(self, pool: int) -> PoolPass:
         """The job's next pass over ``pool``, begun while the current one (which has

@@ -204,6 +204,7 @@ class ViewJobs:
             async with current.lock:
                 if not current.queue and current.pending.any():
                     await self._plan(job, pool, current)
+        job.opened_in(current)
         self._count(job, [choice])
         if self.native is not None:
             self.native.top_up(job, pool)
