@@ -366,8 +366,9 @@ def test_the_plane_drops_the_store_pages_it_brought_in_and_keeps_the_others(
     assert _read(os.path.join(m.root, "warm"), rels, 16) == {r: expected[r] for r in rels}
     after = _native(m)
     assert after["hits"] - before["hits"] == 2 * len(rels)
-    assert after["store_drops"] - before["store_drops"] == len(rels)  # none of these
-    # kept: none fewer (reclaim under a memory limit may take a few of a file's pages
-    # before its READ, which brings them back: CI saw 33 of 37 pages become 37)
-    kept = cached()
-    assert all(k >= w for k, w in zip(kept, whole)), list(zip(kept, whole))
+    # kept. Not exactly all: the kernel reclaims a few pages meanwhile (the whole suite
+    # before this test saw 3 of 2,376 files' last ranges gone before their READs, which
+    # then brought them in and dropped them; CI saw a file's pages 33 of 37, then 37)
+    dropped = after["store_drops"] - before["store_drops"] - len(rels)
+    fewer = [(k, w) for k, w in zip(cached(), whole) if k < w]
+    assert dropped <= len(rels) // 100 and len(fewer) <= dropped, (dropped, fewer)

@@ -10,7 +10,9 @@ here would; an item it could not serve (withdrawn since it was queued, or its fi
 is the job's to be served again in its pass, chosen anew like any other it has not had
 (a hit where it is cached again by then). Where the dataset is allotted full, a job's
 next pass over a pool is begun once its current one has handed out every item, and its
-hits are queued behind the current one's: the plane serves a queue in order.
+hits are queued behind the current one's: the plane serves a queue in order, and a
+later pass's hits only once every item of the pass before was served (one given back
+there is served by Python first).
 """
 from __future__ import annotations
 
@@ -133,8 +135,8 @@ class NativeQueues:
             # reports it as soon as its file is open)
             self.plane.drain()
             if current.native and trio.current_time() > deadline:
-                # reports lost (the plane's ring was full): counted as opened, and the
-                # pass ends; nothing of it stays queued there
+                # reports lost (the plane's ring was full): those count as opened;
+                # what is still queued there is taken back, to be chosen again
                 log.warning("view job %s: %d opens in the native plane were not reported",
                             job.id, len(current.native))
                 while (taken := self.plane.take(job.native_id, pool)) is not None:
