@@ -373,19 +373,16 @@ static struct view_open *open_reserve(struct plane *p, uint32_t uid)
 	return o;
 }
 
-/* Under view_lock: the OPEN that took e from job id's queue of pool is answered (given
- * back where `returned`). A pass with an item given back is held: its later passes'
- * items wait for Python to hand that one out again (plane_view_pass). */
-static void open_answered(struct plane *p, uint32_t id, uint32_t pool, struct view_entry e,
-			  int returned)
+/* Under view_lock: e, taken from job id's queue q (NULL: the job is gone), given back
+ * to Python (withdrawn, or its file gone). A pass with an item given back is held: its
+ * later passes' items wait for Python to hand that one out again (plane_view_pass). */
+static void given_back(struct plane *p, uint32_t id, struct view_queue *q, struct view_entry e)
 {
-	struct view_queue *q = queue_of(p, id, pool);
-	if (!q)
-		return;
-	if (returned && e.pass == q->pass)
+	view_event(p, id, e, 1, 0);
+	view_wake(p);
+	atomic_fetch_add_explicit(&p->view_returned, 1, memory_order_relaxed);
+	if (q && e.pass == q->pass)
 		q->held = 1;
-	if (!--q->opening)
-		pthread_cond_broadcast(&p->view_settled);
 }
 
 /* The OPEN of a view file by a process of a job with an item queued for the file's
@@ -450,11 +447,7 @@ static int view_open(struct plane *p, const struct fuse_in_header *in,
 							.inode = in->nodeid, .size = size};
 				memcpy(o->digest, s->digest, PLANE_DIGEST);
 			} else { /* withdrawn since it was queued */
-				view_event(p, job->id, e, 1, 0);
-				view_wake(p);
-				atomic_fetch_add_explicit(&p->view_returned, 1, memory_order_relaxed);
-				if (e.pass == q->pass)
-					q->held = 1;
+				given_back(p, job->id, q, e);
 				o->seq = 0;
 				s = NULL;
 			}
@@ -482,16 +475,16 @@ static int view_open(struct plane *p, const struct fuse_in_header *in,
 		}
 		atomic_fetch_sub(&s->inflight, 1);
 		pthread_mutex_lock(&p->view_lock);
+		q = queue_of(p, job_id, pool); /* the job may be gone meanwhile */
 		if (fd < 0) { /* culled behind mountd's back, or not the verified file */
 			o->seq = 0;
-			view_event(p, job_id, e, 1, 0);
-			view_wake(p);
-			atomic_fetch_add_explicit(&p->view_returned, 1, memory_order_relaxed);
+			given_back(p, job_id, q, e);
 		} else {
 			o->fd = fd;
 			view_event(p, job_id, e, 0, now_ns() - started);
 		}
-		open_answered(p, job_id, pool, e, fd < 0);
+		if (q && !--q->opening) /* the pass's OPENs answered: a later one may go */
+			pthread_cond_broadcast(&p->view_settled);
 		pthread_mutex_unlock(&p->view_lock);
 		if (fd < 0)
 			continue;
