@@ -347,24 +347,18 @@ class CoordinatorState:
         if not users:
             return changed
         refs = [j.epoch_ref() for r in ds.reports.values() for j in r.jobs]
-        # A chunk marked that every job-epoch has already released goes in the same beat,
-        # and its room loads the next one: left to the next beat (the next chunk loaded),
-        # one chunk loaded at a time wherever the jobs outran the bucket.
-        while True:
-            victim = cycle.evictable(refs, now)
-            if victim is not None:
-                cycle.evicted(victim)
-                changed = True
-            if ds.mode is not CacheMode.COOP:
-                return changed
+        victim = cycle.evictable(refs, now)
+        if victim is not None:
+            cycle.evicted(victim)
+            changed = True
+        if ds.mode is CacheMode.COOP:
             # The cycle follows what the jobs still need: in ring order it would load
             # chunks at an epoch's end that are evicted before anyone reads them.
             for chunk in cycle.start_loading(refs):
                 ds.loaders[chunk], ds.done[chunk] = users, set()
                 changed = True
-            if cycle.mark(refs) is None:
-                return changed
-            changed = True
+            changed |= cycle.mark(refs) is not None
+        return changed
 
     def _ask_for_probe(self, ds: DatasetState, now: float) -> None:
         """Ask for the probe of at most one job of ``ds`` at a time, cluster-wide, among

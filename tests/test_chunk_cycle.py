@@ -241,27 +241,3 @@ def test_the_coordinator_loads_only_chunks_jobs_still_need(tmp_path):
         cycle = heartbeat(loaded, float(t))
         loaded = loaded + cycle.loads
     assert sorted(cycle.resident) == list(range(6)) and cycle.marked is None
-
-
-def test_a_chunk_the_jobs_already_released_is_evicted_and_replaced_in_the_same_beat(tmp_path):
-    """Jobs that outrun the bucket have placed every item of a chunk as it loads: the
-    chunk marked in a beat is released already, so it goes in that beat and the next
-    chunks load two at a time (before: one a beat, its room seen only at the next)."""
-    state = CoordinatorState(str(tmp_path), heartbeat_timeout=60.0, probe_batches=0)
-    placed: set[int] = set()  # chunks whose items the job placed: each as it loaded
-
-    def heartbeat(loaded: tuple[LoadedShare, ...], now: float):
-        placed.update(share.chunk for share in loaded)
-        job = JobReport(id="j0", gen=0, gpus=1, probe_seq=0,
-                        remaining=tuple(0 if c in placed else 5 for c in range(20)))
-        report = DatasetReport(name="ds", chunks=20, size=20_000, chunk_bytes=1000,
-                               loaded=loaded, jobs=(job,))
-        beat = Heartbeat("a", "127.0.0.1:1", 8000, {"ident": report})
-        return state.heartbeat(beat, now=now).cycles["ident"]
-
-    view = heartbeat((), 1.0)
-    loading = []
-    for t in range(2, 9):  # each beat reports every load it was given as done
-        view = heartbeat(tuple(view.loads), float(t))
-        loading.append(len(view.loading))
-    assert loading == [MAX_LOADING] * 7  # before: [2, 2, 1, 1, 1, 1, 1]
