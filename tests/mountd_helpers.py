@@ -29,8 +29,12 @@ MountdFactory = Callable[..., MountdProcess]
 
 
 @pytest.fixture
-def mountd_factory(tmp_path) -> Iterator[MountdFactory]:
-    """Start real mountd processes; each is stopped, checked for a clean exit and unmounted."""
+def mountd_factory(tmp_path, shared_workdir) -> Iterator[MountdFactory]:
+    """Start real mountd processes; each is stopped, checked for a clean exit and unmounted.
+    It asks for ``shared_workdir`` so that a test's shared directory, where its mountds
+    may mount, is removed after they are unmounted, whatever order the test names them
+    in (before, its removal ran first, walked into the live mount, failed on the mount
+    point, and left the directory behind)."""
     started: list[MountdProcess] = []
 
     def start(name: str = "node", cache_size: str = "1G", workdir: str | None = None,
