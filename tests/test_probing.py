@@ -19,7 +19,7 @@ from coordinator.allocation import NO_BENEFIT, DatasetDemand, JobBenefit, alloca
 from mountd.fetch.read_stats import METER_MIN_FETCHES, METER_WINDOW, PEAK_HALF_LIFE, BucketMeter
 from mountd.jobs.chunk_loader import ChunkLoader
 from mountd.jobs.dataset_jobs import DatasetJobs
-from mountd.jobs.probing import PROBE_LIMIT, BenefitProbe
+from mountd.jobs.probing import PROBE_LIMIT, WINDOW_SECONDS, BenefitProbe
 from mountd.jobs.registry import Job
 from quiverfs import digest as digest_format
 from quiverfs.chunk_cycle import ChunkState
@@ -79,6 +79,9 @@ def probe() -> BenefitProbe:
 
 
 def test_io_bound_job_benefits(probe):
+    """Four workers hand its batches over in bursts (intervals of 0.85, 0.05, 0.05,
+    0.05 s): the windows take their N/2 intervals, though 9 of them add up to
+    WINDOW_SECONDS (a window cut there would end on a burst: t_miss 0.317 s)."""
     forced = len(train(probe, epochs=4, n=60, compute=0.05, load_miss=1.0, load_hit=0.1))
     t_miss, t_hit = probe.measured
     assert t_miss == pytest.approx(1.0 / 4, rel=0.05)  # four workers reading misses
@@ -104,6 +107,26 @@ def test_a_probe_across_epoch_turns_measures_the_same(probe, probe_at, run_at):
     assert probes == list(range(run_at, run_at + 32))
     t_miss, t_hit = probe.measured
     assert t_miss == pytest.approx(0.25, rel=0.05) and t_hit == pytest.approx(0.05, rel=0.05)
+
+
+def test_a_steady_job_with_long_batches_is_measured_in_seconds_not_in_n_batches():
+    """A job that computes 3 s a batch and hides its misses (one worker, 3 batches
+    ahead), probed with N = 8: its windows end once their intervals add up to
+    WINDOW_SECONDS and agree, so 2 miss intervals (the first, the pipeline's turn, does
+    not agree) and 1 of hits measure it, 11 batches in, not 19 (then ~49 s)."""
+    probe, seen, measured_at = BenefitProbe(), [0], []
+
+    def cached() -> bool:
+        if probe.measured is not None and not measured_at:
+            measured_at.append(seen[0])
+        seen[0] += 1
+        return True
+
+    probes = train(probe, epochs=2, n=40, compute=3.0, load_miss=0.5, load_hit=0.05,
+                   workers=1, prefetch=3, probe_batches=8, cached=cached)
+    assert probes == list(range(6)) and probe.miss == [3.0, 3.0] and probe.hit == [3.0]
+    assert probe.measured == (3.0, 3.0) and measured_at == [11]
+    assert 3.0 >= WINDOW_SECONDS
 
 
 def test_probes_that_cannot_measure_end(probe):

@@ -10,10 +10,12 @@ or all with the cache): the epoch's first N/2 intervals (the burst, and a pipeli
 filling) and the turn from probe to cache are never measured. This assumes the loader
 asks for at most N/2 batches ahead, which the default N = 100 leaves room for.
 
-A probe plans batches without cache hits until N/2 miss intervals are measured. Its
-misses are items that are not cached, not being fetched, and not kept for their chunk's
-load, from the chunk that loads next, then those loading now, where there are enough for
-a whole run of N batches (so other jobs hit them afterwards; the chunk loader leaves them
+A probe plans batches without cache hits until a window of miss intervals is measured:
+N/2 of them, or fewer that add up to WINDOW_SECONDS (a job with 3-s batches is measured
+in 1 of them, not in 4, and its allocation settles in seconds, not minutes). Its misses
+are items that are not cached, not being fetched, and not kept for their chunk's load,
+from the chunk that loads next, then those loading now, where there are enough for a
+whole run of N batches (so other jobs hit them afterwards; the chunk loader leaves them
 to the probed job's read, so each is a real miss; a run that ran short would read again
 what others fetched): while there are not, it waits, planning batches with the cache,
 for up to PROBE_LIMIT * N batches, and only then reads what the cache holds or cannot
@@ -28,26 +30,26 @@ the cluster) takes its misses anywhere, and the dataset's chunk loads wait until
 misses are measured (``ChunkLoader``): without the cache, nothing would share the bucket
 with its reads. It ends unmeasured after N + 1 batches if the job reported nothing (it
 reads manifests without the helper's loop), after PROBE_LIMIT * N batches in any case,
-and at once in epochs of N/2 batches or fewer. Then t_hit is the mean of N/2 hit
-intervals from the job's next epoch on, or from N batches after the probe in a long
-epoch: right after it the cache is still warming (and, with two chunks, the probe's
-random reads left the job's items spread over the chunk cycle). The pair is kept until
-the next probe measures a new one, except that while the dataset is allotted no cache,
-every N/2 intervals of batches planned without it (after N/2 such batches) replace
-t_miss: a probe measures one job's misses while the dataset's other jobs hit, and where
-they share a bucket that leaves to spare, its misses look cheap (the job hides them
-behind its compute) although all of them missing at once are not; without this a cache
-turned off on such a measure would stay off, and every job would read the whole
-dataset from the bucket every epoch.
+and at once in epochs of N/2 batches or fewer. Then t_hit is the mean of a window of hit
+intervals from the job's next epoch on, or in a long epoch from N batches, or 2 *
+WINDOW_SECONDS, after the probe: right after it the cache is still warming (and, with
+two chunks, the probe's random reads left the job's items spread over the chunk cycle).
+The pair is kept until the next probe measures a new one, except that while the dataset
+is allotted no cache, every window of intervals of batches planned without it (after N/2
+such batches) replaces t_miss: a probe measures one job's misses while the dataset's
+other jobs hit, and where they share a bucket that leaves to spare, its misses look
+cheap (the job hides them behind its compute) although all of them missing at once are
+not; without this a cache turned off on such a measure would stay off, and every job
+would read the whole dataset from the bucket every epoch.
 
-Where the cache holds the dataset (allotted ``full``, or every chunk may be resident),
-a probe forces no misses: they would read from the bucket what the cache holds. It
-measures the batches the job reads anyway: t_hit from N/2 intervals of batches that
-found all their items cached, and t_miss from N/2 of those that found none (the job's
-epoch 0 on a cold dataset) or, without them, from a model: a batch's bytes at the
-bandwidth this node's fetches get, overlapped with the job's step,
-max(t_hit, bytes / bandwidth). It is a lower bound on t_miss (jobs that miss together
-share the bucket), so the benefit it gives is too.
+Where the cache holds the dataset (allotted ``full``, or every chunk may be resident), a
+probe forces no misses: they would read from the bucket what the cache holds. It
+measures the batches the job reads anyway: t_hit from a window of intervals of batches
+that found all their items cached, and t_miss from a window of those that found none
+(the job's epoch 0 on a cold dataset) or, without them, from a model: a batch's bytes at
+the bandwidth this node's fetches get, overlapped with the job's step, max(t_hit, bytes
+/ bandwidth). It is a lower bound on t_miss (jobs that miss together share the bucket),
+so the benefit it gives is too.
 """
 from __future__ import annotations
 
@@ -58,6 +60,15 @@ from collections.abc import Callable
 log = logging.getLogger(__name__)
 
 PROBE_LIMIT = 4  # a probe that measured too little after this many times N batches ends
+# A window of intervals ends at N/2 of them, or sooner once they add up to this many
+# seconds and agree, with the interval before the last, within AGREE: each interval's
+# noise (the bucket's latency, the scheduler) is about the same in seconds whatever the
+# batch, so one 3-s batch of a steady job measures what four short ones do, and a job
+# with long batches is measured in a time like any other's. A loader whose workers hand
+# batches over in bursts (intervals of 0.85, 0.05, 0.05, 0.05 s) needs its N/2 intervals
+# to average over them: a window cut by time would end on a burst and count it too often.
+WINDOW_SECONDS = 2.5
+AGREE = 1.1  # the longest of such intervals over the shortest, at most
 # How a batch was planned; MISSED: with the cache, and it found nothing cached
 HIT, PROBE, NO_CACHE, UNKNOWN, MISSED = 0, 1, 2, 3, 4
 
@@ -76,11 +87,15 @@ class BenefitProbe:
         self.miss: list[float] = []
         self.hit: list[float] = []
         self.ended_at: tuple[int, int] | None = None  # (epoch, batch) of the last miss interval
+        self.since_end = 0.0  # seconds of intervals reported since, while t_hit is measured
+        self._last: tuple[int, int, float] | None = None  # the last interval reported
+        self._before = 0.0  # the interval before it in its epoch (0: none)
         self.measured: tuple[float, float] | None = None  # (t_miss, t_hit)
         self.uncached: list[float] = []  # intervals since, with the dataset allotted no cache
         # t_hit -> t_miss (None: not known yet), while a probe that forces no misses runs
         self.model: Callable[[float], float | None] | None = None
         self.missed: list[float] = []  # its intervals of batches that found nothing cached
+        self.missed_whole = False  # whether those make a whole window
         self._plans: dict[int, bytearray] = {}  # epoch -> how each batch was planned
 
     @property
@@ -105,7 +120,7 @@ class BenefitProbe:
         self.model = model if batches > 0 else None
         self.forced, self.deferred, self.reported = 0, 0, False
         self.miss, self.hit, self.uncached, self.ended_at = [], [], [], None
-        self.missed = []
+        self.missed, self.missed_whole, self.since_end = [], False, 0.0
 
     def planned_hits(self, epoch: int, index: int, hits: int, items: int) -> None:
         """Batch ``index`` of ``epoch``, planned with the cache, found ``hits`` of its
@@ -129,9 +144,18 @@ class BenefitProbe:
             return self.measured
         return None, None
 
+    def _enough(self, intervals: list[float]) -> bool:
+        """Whether ``intervals``, the last one just reported, make a whole window
+        (WINDOW_SECONDS says when it ends early)."""
+        if len(intervals) >= self.window:
+            return True
+        steady = [*intervals, self._before]
+        return (sum(intervals) >= WINDOW_SECONDS and min(steady) > 0
+                and max(steady) <= AGREE * min(steady))
+
     @property
     def run(self) -> int:
-        """Batches of one run of probe batches: N/2 to settle, N/2 measured."""
+        """Batches of one run of probe batches: N/2 to settle, N/2 measured (at most)."""
         return self.settle + self.window
 
     def may_wait(self, epoch: int, index: int) -> bool:
@@ -181,32 +205,44 @@ class BenefitProbe:
     def record(self, epoch: int, batch: int, seconds: float) -> None:
         """The interval the job reported for ``batch`` of ``epoch``."""
         self.reported = True
+        last, self._last = self._last, (epoch, batch, seconds)
+        self._before = last[2] if last is not None and last[:2] == (epoch, batch - 1) else 0.0
         plans = self._plans.get(epoch)
         if not self.settle or plans is None or not self.settle <= batch < len(plans):
             return
+        if self.ended_at is not None and (epoch, batch) > self.ended_at:
+            self.since_end += seconds
         kinds = set(plans[batch - self.settle:batch + 1])
         if self.model is not None:
             self._record_unforced(kinds, seconds)
         elif kinds == {PROBE} and self.active:
             self.miss.append(seconds)
-            if len(self.miss) >= self.window:
+            if self._enough(self.miss):
                 self.active, self.ended_at = False, (epoch, batch)
                 log.info("probe %d: misses measured over %d batches", self.seq,
                          len(self.miss))
-        elif (kinds == {HIT} and self.ended_at is not None and len(self.hit) < self.window
-              and (epoch > self.ended_at[0] or batch >= self.ended_at[1] + 2 * self.settle)):
+        elif kinds == {HIT} and self._warm(epoch, batch):
             self.hit.append(seconds)
-            if len(self.hit) == self.window:
+            if self._enough(self.hit):
                 self.measured = (statistics.fmean(self.miss), statistics.fmean(self.hit))
+                self.ended_at = None
                 log.info("probe %d: t_miss %.4f s, t_hit %.4f s per batch", self.seq,
                          *self.measured)
         elif kinds == {NO_CACHE} and self.measured is not None and not self.active:
             self.uncached.append(seconds)
-            if len(self.uncached) == self.window:
+            if self._enough(self.uncached):
                 self.measured = (statistics.fmean(self.uncached), self.measured[1])
                 self.uncached = []
                 log.info("t_miss %.4f s per batch with the dataset allotted no cache",
                          self.measured[0])
+
+    def _warm(self, epoch: int, batch: int) -> bool:
+        """Whether an interval of hits at ``batch`` of ``epoch`` measures t_hit: the
+        probe's misses are measured, and the cache has warmed since (the job's next
+        epoch, or N batches or 2 * WINDOW_SECONDS after its last miss interval)."""
+        return self.ended_at is not None and (
+            epoch > self.ended_at[0] or batch >= self.ended_at[1] + 2 * self.settle
+            or self.since_end >= 2 * WINDOW_SECONDS)
 
     def _record_unforced(self, kinds: set[int], seconds: float) -> None:
         """An interval for a probe that forces no misses; it ends once t_hit and t_miss
@@ -214,18 +250,18 @@ class BenefitProbe:
         it measures hits afresh)."""
         if kinds == {HIT}:
             self.hit.append(seconds)
-        elif kinds == {MISSED} and len(self.missed) < self.window:
+        elif kinds == {MISSED} and not self.missed_whole:
             self.missed.append(seconds)
-        if len(self.hit) < self.window:
+            self.missed_whole = self._enough(self.missed)
+        if kinds != {HIT} or not self._enough(self.hit):
             return
         assert self.model is not None
         t_hit = statistics.fmean(self.hit)
-        t_miss = (statistics.fmean(self.missed) if len(self.missed) == self.window
-                  else self.model(t_hit))
+        missed = self.missed_whole
+        t_miss = statistics.fmean(self.missed) if missed else self.model(t_hit)
         self.hit = []
         if t_miss is None:
             return
         self.measured, self.model = (t_miss, t_hit), None
         log.info("probe %d (no forced misses): t_miss %.4f s (%s), t_hit %.4f s per batch",
-                 self.seq, t_miss, "measured" if len(self.missed) == self.window
-                 else "modelled", t_hit)
+                 self.seq, t_miss, "measured" if missed else "modelled", t_hit)

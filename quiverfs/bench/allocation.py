@@ -139,7 +139,8 @@ def workloads(size: Size) -> list[Workload]:
 # budget twice, and the io dataset in full plus two medium chunks fit 30%. The heavy
 # job's compute hides its share of the bucket. Probes of 8 batches (4 settle: a job reads
 # at most 2 batches ahead) measure every job within the 75 s warm-up (the heavy job's
-# t_hit 8 batches after its probe: about 65 s). The io job computes 20 ms per 16 items
+# 3-s batches in windows of 1-2 intervals, ``mountd.jobs.probing.WINDOW_SECONDS``: its
+# t_hit 11 batches in, about 30 s). The io job computes 20 ms per 16 items
 # (tiny: 5 ms per batch of 4). In the wide workload the io dataset is 45% of the bytes
 # (800 of 60 KB against medium's 18 MB and heavy's 40 MB).
 SIZES = {
