@@ -11,17 +11,17 @@ filling) and the turn from probe to cache are never measured. This assumes the l
 asks for at most N/2 batches ahead, which the default N = 100 leaves room for.
 
 A probe plans batches without cache hits until a window of miss intervals is measured:
-N/2 of them, or fewer that add up to WINDOW_SECONDS (a job with 3-s batches is measured
-in 1 of them, not in 4, and its allocation settles in seconds, not minutes). Its misses
-are items that are not cached, not being fetched, and not kept for their chunk's load,
-from the chunk that loads next, then those loading now, where there are enough for a
-whole run of N batches (so other jobs hit them afterwards; the chunk loader leaves them
-to the probed job's read, so each is a real miss; a run that ran short would read again
-what others fetched): while there are not, it waits, planning batches with the cache,
-for up to PROBE_LIMIT * N batches, and only then reads what the cache holds or cannot
-keep. It waits only before a run of probe batches begins: a batch with the cache inside
-a run would leave the run unmeasured (each interval needs the N/2 batches before it
-planned the same way), and when misses ran short after every probe batch, runs of one
+N/2 of them, or fewer that add up to WINDOW_SECONDS and agree (a steady job with 3-s
+batches is measured in 1 or 2 of them, not 4, and its allocation settles sooner). Its
+misses are items that are not cached, not being fetched, and not kept for their chunk's
+load, from the chunk that loads next, then those loading now, where there are enough for
+a whole run of N batches (so other jobs hit them afterwards; the chunk loader leaves
+them to the probed job's read, so each is a real miss; a run that ran short would read
+again what others fetched): while there are not, it waits, planning batches with the
+cache, for up to PROBE_LIMIT * N batches, and only then reads what the cache holds or
+cannot keep. It waits only before a run of probe batches begins: a batch with the cache
+inside a run would leave the run unmeasured (each interval needs the N/2 batches before
+it planned the same way), and when misses ran short after every probe batch, runs of one
 batch each used up the probe with nothing measured; so once begun, a run reads what
 misses it finds. Nor does a run begin after an epoch's first batch with fewer than N
 batches left in it: the next epoch's first N/2 are never measured, so that run would
