@@ -31,6 +31,7 @@ import trio
 
 from mountd.cluster.membership import Cluster
 from mountd.datasets.dataset import MountedDataset
+from mountd.fetch.demand import Demand
 from mountd.fetch.fair_share import FetchThreads, TooManyWaiting, WaitingReads
 from mountd.fetch.integrity_budget import IntegrityBudget
 from mountd.fetch.loader_pool import (LoaderPool, LoaderUnavailable, LoadFailed, LoadMismatch,
@@ -90,6 +91,7 @@ class ItemReader:
         self.puts = puts
         self.probed = probed
         self.pool = pool  # loader processes for misses from GCS; None: all in mountd
+        self.demand = Demand()  # the datasets allotted full being filled now
         self._inflight: dict[bytes, _Flight] = {}
 
     def expect_misses(self, backend: Backend) -> None:
@@ -226,7 +228,8 @@ class ItemReader:
         kept = (self.staging.take_for_load(digest) if keep
                 else None if cause is FetchCause.PROBE else self.staging.kept_bytes(digest))
         started = time.perf_counter()
-        with self._flying(ds, digest, flight):
+        with (self._flying(ds, digest, flight),
+              self.demand.fetching(ds.reg.uid, ds.reg.identity, ds.cache_mode, cause)):
             async with ds.fetch_slots:
                 # bytes kept for a load are not the bucket's: not metered
                 with self._metered() if kept is None else contextlib.nullcontext([]) as got:

@@ -175,6 +175,9 @@ class ChunkLoader:
             cause = FetchCause.REFILL if share is None else FetchCause.CHUNK_LOAD
             for start in range(0, len(mine), CHECK_BLOCK):
                 await self._after_lone_probe(group)
+                # ahead of its jobs, a load waits while a dataset allotted full fills
+                reg = group.ds.reg
+                await self.bulk.reader.demand.wait_for_others(reg.uid, reg.identity)
                 await self.bulk.load(group.ds, mine[start:start + CHECK_BLOCK], counters, cause)
                 self._tell_users(group)
             if share is not None:
