@@ -125,6 +125,13 @@ class DatasetJobs:
             kept |= job.kept_for(items)
         return kept
 
+    def others_loading_known(self, me: str) -> bool:
+        """Whether ``others_loading`` answers at once (nothing to build: no chunk loads
+        elsewhere, or its mask is that of the loads now); an event loop may call it."""
+        view = self.view
+        return (view is None or all(load.loaders == (me,) for load in view.loads)
+                or self._others is not None and self._others[0] == view.loads)
+
     def others_loading(self, me: str) -> np.ndarray | None:
         """A mask over all items: those of the loading chunks that other nodes load (by
         rendezvous among each chunk's loaders); None when every loading chunk is loaded

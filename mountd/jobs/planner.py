@@ -242,18 +242,38 @@ class BatchPlanner:
         probing = job.probe.plan(plan.epoch, sampler.planned, sampler.n_batches,
                                  group.mode is not CacheMode.NONE, cooperative)
 
+        def usable_mask() -> np.ndarray:
+            mask = np.zeros(group.plan.n_chunks, dtype=bool)
+            mask[group.usable(ref)] = True
+            return mask
+
         async def is_cached(items: np.ndarray) -> np.ndarray:
             # Hits come from the usable chunks. A probe's misses must be real ones: it
             # looks up every item, and takes one in hand (being fetched, or kept for its
             # chunk's load) as held.
             held = np.zeros(len(items), dtype=bool)
             asked = (np.ones(len(items), dtype=bool) if probing
-                     else np.isin(chunk_of[items], group.usable(ref)))
+                     else usable_mask()[chunk_of[items]])
             if asked.any():
                 held[asked] = await self.bulk.held([digest.hash(int(i)) for i in items[asked]])
             if probing:
                 held |= [self.reader.in_hand(digest.hash(int(i))) for i in items]
             return held
+
+        def plan_here(answer: np.ndarray | None) -> tuple[np.ndarray | None, Batch | None]:
+            # The steps from ``answer`` on, each block looked up in this node's store
+            # while it owns every item asked about: one thread hop a batch (a hop a
+            # block cost more CPU than the planning). A probe's blocks, and a block with
+            # an item another node owns, go back to the loop (is_cached).
+            items, batch = advance(steps, answer)
+            while batch is None and not probing:
+                hashes = [digest.hash(int(i)) for i in items[usable[chunk_of[items]]]]
+                if any(self.cluster.other_owner(h) is not None for h in hashes):
+                    break
+                held = np.zeros(len(items), dtype=bool)
+                held[usable[chunk_of[items]]] = [h in self.store for h in hashes]
+                items, batch = advance(steps, held)
+            return items, batch
 
         if not probing:
             await self._wait_for_chunks(job, group, plan, need)
@@ -273,20 +293,20 @@ class BatchPlanner:
             # whereas a loading chunk's loader may have the item in hand already and
             # make the miss look cheap.
             chunks = chunk_of[items]
-            rank = 3 * np.isin(chunks, group.usable(ref)) + 2 * (chunks == upcoming)
+            rank = 3 * usable[chunks] + 2 * (chunks == upcoming)
             if probing:
                 rank += 3 * np.isin(chunks, loading) + 5 * np.isin(chunks, ahead)
             if others is not None:
                 rank[others[items]] = 1
             return rank
-        # The sampler's steps run in a worker; each block it asks about is looked up
-        # from here, between two steps, so no worker waits for another's token.
+        # The sampler's steps run in a worker, with the usable chunks as the planning
+        # begins; a block only a peer or the loop can answer is looked up from here,
+        # between two steps, so no worker waits for another's token.
+        usable = usable_mask()
         steps = sampler.planning(prefer, group.oldest_usable(ref), probe=probing)
-        items, batch = await trio.to_thread.run_sync(advance, steps, None,
-                                                     limiter=self.limiter)
+        items, batch = await trio.to_thread.run_sync(plan_here, None, limiter=self.limiter)
         while batch is None:
-            items, batch = await trio.to_thread.run_sync(advance, steps,
-                                                         await is_cached(items),
+            items, batch = await trio.to_thread.run_sync(plan_here, await is_cached(items),
                                                          limiter=self.limiter)
         resident = {*group.usable(ref), upcoming, *ahead}
         if probing:
@@ -357,6 +377,9 @@ class BatchPlanner:
         return found
 
     async def _others_loading(self, group: DatasetJobs) -> np.ndarray | None:
+        """``group.others_loading``: its mask over every item is built in a worker."""
+        if group.others_loading_known(self.cluster.me):
+            return group.others_loading(self.cluster.me)
         return await trio.to_thread.run_sync(group.others_loading, self.cluster.me,
                                              limiter=self.limiter)
 
