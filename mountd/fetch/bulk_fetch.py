@@ -43,6 +43,13 @@ class BulkFetch:
         self.probed = probed
         self.pool = pool  # None: every fetch runs in mountd
 
+    def held_here(self, hashes: list[bytes]) -> list[bool] | None:
+        """``held``, where this node owns every hash: its store answers (for a worker:
+        it may block on the disk). None where a peer owns one (``held`` asks it)."""
+        if any(self.cluster.other_owner(h) is not None for h in hashes):
+            return None
+        return [h in self.store for h in hashes]
+
     async def held(self, hashes: list[bytes]) -> list[bool]:
         """Which hashes their owners hold (this node's store, or a peer's); a peer that
         cannot be asked counts as holding nothing."""

@@ -129,7 +129,7 @@ class DatasetJobs:
         """Whether ``others_loading`` answers at once (nothing to build: no chunk loads
         elsewhere, or its mask is that of the loads now); an event loop may call it."""
         view = self.view
-        return (view is None or all(load.loaders == (me,) for load in view.loads)
+        return (view is None or _loaded_here_alone(view, me)
                 or self._others is not None and self._others[0] == view.loads)
 
     def others_loading(self, me: str) -> np.ndarray | None:
@@ -138,7 +138,7 @@ class DatasetJobs:
         here alone, or none loads. A job here fetching those too would read them from
         the bucket twice."""
         view = self.view
-        if view is None or all(load.loaders == (me,) for load in view.loads):
+        if view is None or _loaded_here_alone(view, me):
             return None
         if self._others is None or self._others[0] != view.loads:
             digest = self.ds.digest
@@ -193,3 +193,8 @@ def _mixed(items: np.ndarray, salt: int) -> np.ndarray:
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return z ^ (z >> np.uint64(31))
+
+
+def _loaded_here_alone(view: CycleView, me: str) -> bool:
+    """Whether every chunk loading is loaded by node ``me`` alone (or none loads)."""
+    return all(load.loaders == (me,) for load in view.loads)

@@ -267,11 +267,12 @@ class BatchPlanner:
             # an item another node owns, go back to the loop (is_cached).
             items, batch = advance(steps, answer)
             while batch is None and not probing:
-                hashes = [digest.hash(int(i)) for i in items[usable[chunk_of[items]]]]
-                if any(self.cluster.other_owner(h) is not None for h in hashes):
+                asked = usable[chunk_of[items]]
+                found = self.bulk.held_here([digest.hash(int(i)) for i in items[asked]])
+                if found is None:
                     break
                 held = np.zeros(len(items), dtype=bool)
-                held[usable[chunk_of[items]]] = [h in self.store for h in hashes]
+                held[asked] = found
                 items, batch = advance(steps, held)
             return items, batch
 
