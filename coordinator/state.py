@@ -273,8 +273,7 @@ class CoordinatorState:
                 probes[job] = seq
         return CycleView(
             chunks=cycle.n_chunks, states=tuple(cycle.states), resident=tuple(cycle.resident),
-            marked=cycle.marked, generation=cycle.generation,
-            marked_generation=cycle.marked_generation, next=cycle.next,
+            marked=dict(cycle.marks), generation=cycle.generation, next=cycle.next,
             capacity=cycle.capacity, max_resident=cycle.max_resident,
             loads=tuple(LoadedShare(c, tuple(ds.loaders.get(c, ()))) for c in cycle.loading),
             users=tuple(_users(ds)), mode=ds.mode, probe_batches=self.probe_batches,
@@ -347,8 +346,7 @@ class CoordinatorState:
         if not users:
             return changed
         refs = [j.epoch_ref() for r in ds.reports.values() for j in r.jobs]
-        victim = cycle.evictable(refs, now)
-        if victim is not None:
+        while (victim := cycle.evictable(refs, now)) is not None:
             cycle.evicted(victim)
             changed = True
         if ds.mode is CacheMode.COOP:
@@ -357,7 +355,8 @@ class CoordinatorState:
             for chunk in cycle.start_loading(refs):
                 ds.loaders[chunk], ds.done[chunk] = users, set()
                 changed = True
-            changed |= cycle.mark(refs) is not None
+            while cycle.mark(refs) is not None:
+                changed = True
         return changed
 
     def _ask_for_probe(self, ds: DatasetState, now: float) -> None:

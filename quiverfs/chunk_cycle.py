@@ -9,6 +9,13 @@ before the mark. A marked chunk is evicted once no such job-epoch has items left
 or by force ``force_after`` seconds after the first of them finished it; that frees
 room for the next load. Double buffering is the case K = 2.
 
+As many chunks may be marked at once as may load at once (while one loaded chunk stays
+unmarked), so that one round of releases makes room for both loads. With one marked at
+a time, a chunk left each time every job had planned a batch after its mark: where a
+batch spans more than a chunk (small caches, large batches), the jobs ran out of loaded
+items and read the rest as misses (make demo's sweep: 5 items a chunk, 8 a batch, hits
+5/8, a release round of 80 ms setting the epoch's pace).
+
 The cycle follows what the job-epochs still need: it loads next the first chunk in
 ring order that one of them has items left in, and it stops (marks nothing) while none
 of them needs a chunk that is not resident: a chunk loaded then would be evicted
@@ -55,10 +62,10 @@ class ChunkCycle:
         self.max_loading = max_loading
         self.states = [ChunkState.EVICTED] * n_chunks
         self.resident: list[int] = []  # resident chunks, oldest load first
-        self.marked: int | None = None
+        # the marked chunks, in the order marked: the generation each was marked in
+        self.marks: dict[int, int] = {}
         self.generation = 0  # bumped at every mark
-        self.marked_generation = 0  # the generation the marked chunk was marked in
-        self._first_release: float | None = None
+        self._first_release: dict[int, float] = {}  # by marked chunk, once released
         self.next = 0  # the chunk that loads next
         self.timeline: list[tuple[float, int, str]] = []
         self.max_resident = 0
@@ -66,6 +73,11 @@ class ChunkCycle:
     @property
     def loading(self) -> list[int]:
         return [c for c in self.resident if self.states[c] is ChunkState.LOADING]
+
+    @property
+    def marked(self) -> list[int]:
+        """The marked chunks, in the order marked."""
+        return list(self.marks)
 
     @property
     def active(self) -> list[int]:
@@ -117,51 +129,53 @@ class ChunkCycle:
 
     def mark(self, refs: list[EpochRef]) -> int | None:
         """Mark the oldest loaded chunk for eviction when the cycle is full (or over its
-        capacity) and no chunk is marked; the chunk marked, if any. The cycle keeps one
-        loaded chunk unmarked, and never marks when the whole dataset fits, nor while
-        the job-epochs of ``refs`` (if any) need no chunk that is not resident."""
+        capacity) and fewer than ``max_loading`` are marked; the chunk marked, if any.
+        The cycle keeps one loaded chunk unmarked, and never marks when the whole
+        dataset fits, nor while the job-epochs of ``refs`` (if any) need no chunk that
+        is not resident."""
         active = self.active
         full = len(self.resident) >= min(self.capacity, self.n_chunks)
-        if (self.marked is not None or len(active) < 2 or not full
+        if (len(self.marks) >= self.max_loading or len(active) < 2 or not full
                 or self.n_chunks <= self.capacity):
             return None
         if refs and not self._needed(refs):
             return None
-        self.marked = active[0]
+        chunk = active[0]
         self.generation += 1
-        self.marked_generation = self.generation
-        self._first_release = None
-        self._set(self.marked, ChunkState.MARKED)
-        return self.marked
+        self.marks[chunk] = self.generation
+        self._set(chunk, ChunkState.MARKED)
+        return chunk
 
     def evictable(self, refs: list[EpochRef], now: float | None = None) -> int | None:
-        """The marked chunk, once released by every job-epoch that may use it, or once
-        ``force_after`` seconds passed since the first one released it."""
-        if self.marked is None:
-            return None
+        """The first marked chunk released by every job-epoch that may use it, or
+        ``force_after`` seconds after the first one released it."""
         now = time.time() if now is None else now
-        holders = [r for r in refs if r.started_generation < self.marked_generation
-                   and r.remaining_chunks[self.marked] > 0]
-        released_some = len(holders) < len(refs) or not refs
-        if released_some and self._first_release is None:
-            self._first_release = now
-        if not holders:
-            return self.marked
-        if self._first_release is not None and now - self._first_release >= self.force_after:
-            return self.marked
+        for chunk, generation in self.marks.items():
+            holders = [r for r in refs if r.started_generation < generation
+                       and r.remaining_chunks[chunk] > 0]
+            released_some = len(holders) < len(refs) or not refs
+            if released_some:
+                self._first_release.setdefault(chunk, now)
+            if not holders:
+                return chunk
+            first = self._first_release.get(chunk)
+            if first is not None and now - first >= self.force_after:
+                return chunk
         return None
 
     def evict_all(self) -> list[int]:
         """Drop every resident chunk (the dataset lost its cache allocation)."""
         chunks = list(self.resident)
-        self.resident, self.marked = [], None
+        self.resident = []
+        self.marks.clear()
+        self._first_release.clear()
         for c in chunks:
             self._set(c, ChunkState.EVICTED)
         return chunks
 
     def evicted(self, chunk: int) -> None:
-        if chunk == self.marked:
-            self.marked = None
+        self.marks.pop(chunk, None)
+        self._first_release.pop(chunk, None)
         if chunk in self.resident:
             self.resident.remove(chunk)
         self._set(chunk, ChunkState.EVICTED)
@@ -170,8 +184,10 @@ class ChunkCycle:
         """The whole state, as the coordinator persists it (``restore`` takes it back)."""
         return {"chunks": self.n_chunks, "capacity": self.capacity,
                 "resident": list(self.resident), "marked": self.marked,
-                "generation": self.generation, "marked_generation": self.marked_generation,
-                "first_release": self._first_release, "next": self.next,
+                "generation": self.generation,
+                "marked_generations": list(self.marks.values()),
+                "first_release": [self._first_release.get(c) for c in self.marks],
+                "next": self.next,
                 "max_resident": self.max_resident,
                 "states": [s.value for s in self.states]}
 
@@ -188,10 +204,20 @@ class ChunkCycle:
                 or sorted(cycle.resident) != [c for c, s in enumerate(cycle.states)
                                               if s is not ChunkState.EVICTED]):
             raise ValueError("resident chunks do not match the chunk states")
-        cycle.marked = snap["marked"]
+        marked, generations, released = (snap["marked"], snap.get("marked_generations"),
+                                         snap["first_release"])
+        if not isinstance(marked, list):  # written by a cycle with one marked chunk
+            marked = [] if marked is None else [marked]
+            generations, released = [snap["marked_generation"]] * len(marked), [released]
+        if not len(marked) == len(generations) == len(released):
+            raise ValueError("the marked chunks do not match their generations")
+        cycle.marks = {int(c): int(g) for c, g in zip(marked, generations)}
+        cycle._first_release = {int(c): float(t) for c, t in zip(marked, released)
+                                if t is not None}
+        if sorted(cycle.marks) != [c for c, s in enumerate(cycle.states)
+                                   if s is ChunkState.MARKED]:
+            raise ValueError("the marked chunks do not match the chunk states")
         cycle.generation = int(snap["generation"])
-        cycle.marked_generation = int(snap["marked_generation"])
-        cycle._first_release = snap["first_release"]
         cycle.next = int(snap["next"])
         cycle.max_resident = int(snap["max_resident"])
         return cycle

@@ -152,9 +152,8 @@ class CycleView:
     chunks: int
     states: tuple[ChunkState, ...]
     resident: tuple[int, ...]  # resident chunks, oldest load first
-    marked: int | None
+    marked: dict[int, int]  # the marked chunks, in the order marked: the generation of each
     generation: int  # bumped at every mark
-    marked_generation: int  # the generation the marked chunk was marked in
     next: int  # the chunk that loads next
     capacity: int  # K: chunks the dataset's allotment holds
     max_resident: int
@@ -175,13 +174,14 @@ class CycleView:
 
     def usable(self, ref: EpochRef) -> list[int]:
         """Chunks a job-epoch may take hits from, oldest first: the loaded and loading
-        ones, and the marked one while the epoch began before the mark."""
-        return [c for c in self.resident if c != self.marked
-                or ref.started_generation < self.marked_generation]
+        ones, and each marked one while the epoch began before its mark."""
+        marked = self.marked
+        return [c for c in self.resident if c not in marked
+                or ref.started_generation < marked[c]]
 
     def key(self) -> tuple[Any, ...]:
         """What a change of the cycle that jobs wait on is judged by."""
-        return self.resident, self.loading, self.marked, self.generation, self.mode
+        return self.resident, self.loading, tuple(self.marked), self.generation, self.mode
 
 
 @dataclasses.dataclass(frozen=True)

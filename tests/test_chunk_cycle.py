@@ -22,11 +22,11 @@ def step(cycle: ChunkCycle, refs: list[EpochRef]) -> None:
     """What the coordinator does each heartbeat, with every loading chunk loaded."""
     for chunk in cycle.loading:
         cycle.loaded(chunk)
-    victim = cycle.evictable(refs, now=0.0)
-    if victim is not None:
+    while (victim := cycle.evictable(refs, now=0.0)) is not None:
         cycle.evicted(victim)
     cycle.start_loading(refs)
-    cycle.mark(refs)
+    while cycle.mark(refs) is not None:
+        pass
 
 
 def test_a_deep_cycle_keeps_k_resident_and_loads_ahead_in_ring_order():
@@ -38,17 +38,20 @@ def test_a_deep_cycle_keeps_k_resident_and_loads_ahead_in_ring_order():
     cycle.loaded(0)
     cycle.loaded(2)
     assert cycle.start_loading([]) == [3, 4]
-    # full (loads count): the oldest is marked, so that its release makes room early
+    # full (loads count): the oldest are marked, so that their release makes room early,
+    # as many at once as may load at once
     assert cycle.mark([]) == 0 and cycle.states[0] is ChunkState.MARKED
-    assert cycle.mark([]) is None  # one marked at a time
+    assert cycle.mark([]) == 1 and cycle.mark([]) is None
+    assert cycle.marked == [0, 1] and cycle.marks[1] == cycle.marks[0] + 1
     for chunk in (3, 4):
         cycle.loaded(chunk)
     assert cycle.resident == [0, 1, 2, 3, 4] and cycle.start_loading([]) == []
-    assert cycle.active == [1, 2, 3, 4]
+    assert cycle.active == [2, 3, 4]
     job = ref(cycle)
-    assert cycle.evictable([job], now=0.0) == 0  # began after the mark: holds nothing
+    assert cycle.evictable([job], now=0.0) == 0  # began after the marks: holds nothing
     cycle.evicted(0)
     assert cycle.start_loading([]) == [5] and cycle.resident == [1, 2, 3, 4, 5]
+    assert cycle.evictable([job], now=0.0) == 1
 
     seen = set()
     for _ in range(40):  # around the ring, twice, for a job that needs every chunk
@@ -63,8 +66,9 @@ def test_a_marked_chunk_waits_for_the_epochs_that_began_before_the_mark():
     cycle = ChunkCycle(6, capacity=3, force_after=30.0)
     for _ in range(2):
         step(cycle, [])
-    assert cycle.resident == [0, 1, 2] and cycle.marked == 0
-    early = EpochRef(cycle.marked_generation - 1, np.full(6, 4))  # began before the mark
+    # one loaded chunk stays unmarked: chunk 1 is not marked beside chunk 0
+    assert cycle.resident == [0, 1, 2] and cycle.marked == [0]
+    early = EpochRef(cycle.marks[0] - 1, np.full(6, 4))  # began before the mark
     assert cycle.evictable([early], now=10.0) is None
     late = ref(cycle, 4)
     assert cycle.evictable([early, late], now=10.0) is None  # `late` released it at 10 s
@@ -77,11 +81,11 @@ def test_a_marked_chunk_waits_for_the_epochs_that_began_before_the_mark():
 def test_double_buffering_is_k_equal_two():
     cycle = ChunkCycle(3, capacity=2)
     step(cycle, [])
-    assert cycle.resident == [0, 1] and cycle.marked is None
-    step(cycle, [])  # both loaded: the older is marked
-    assert cycle.active == [1] and cycle.marked == 0
+    assert cycle.resident == [0, 1] and cycle.marked == []
+    step(cycle, [])  # both loaded: the older is marked, the other stays usable
+    assert cycle.active == [1] and cycle.marked == [0]
     step(cycle, [])  # released: evicted, the next one loads, nothing more is marked
-    assert cycle.resident == [1, 2] and cycle.loading == [2] and cycle.marked is None
+    assert cycle.resident == [1, 2] and cycle.loading == [2] and cycle.marked == []
 
 
 def test_the_cycle_loads_what_jobs_still_need_and_stops_while_they_need_nothing_else():
@@ -94,7 +98,7 @@ def test_the_cycle_loads_what_jobs_still_need_and_stops_while_they_need_nothing_
     for chunk in (0, 1):
         cycle.loaded(chunk)
     assert cycle.mark([job]) == 0  # chunk 5 is needed: the cycle goes on
-    job.started_generation = cycle.marked_generation - 1  # it began before the mark
+    job.started_generation = cycle.marks[0] - 1  # it began before the mark
     job.remaining_chunks[0] = 0
     assert cycle.evictable([job], now=0.0) == 0
     cycle.evicted(0)
@@ -102,7 +106,7 @@ def test_the_cycle_loads_what_jobs_still_need_and_stops_while_they_need_nothing_
     cycle.loaded(5)
     job.remaining_chunks[5] = 0
     assert cycle.mark([job]) is None  # nothing needed outside the resident chunks
-    assert cycle.resident == [1, 5] and cycle.marked is None
+    assert cycle.resident == [1, 5] and cycle.marked == []
     job.remaining_chunks[:] = 1  # the next epoch began: the cycle goes on
     assert cycle.mark([job]) == 1 and cycle.start_loading([job]) == []
     cycle.evicted(1)
@@ -114,14 +118,14 @@ def test_a_dataset_that_fits_is_never_marked():
     cycle = ChunkCycle(3, capacity=5)
     for _ in range(4):
         step(cycle, [])
-    assert cycle.active == [0, 1, 2] and cycle.marked is None
+    assert cycle.active == [0, 1, 2] and cycle.marked == []
     single = ChunkCycle(1, capacity=2)
     step(single, [])
     step(single, [])
     assert single.active == [0] and single.start_loading([]) == []
 
 
-def test_a_smaller_allotment_drains_the_cycle_a_chunk_at_a_time():
+def test_a_smaller_allotment_drains_the_cycle_through_its_marks():
     cycle = ChunkCycle(10, capacity=6)
     for _ in range(4):
         step(cycle, [])
@@ -131,7 +135,8 @@ def test_a_smaller_allotment_drains_the_cycle_a_chunk_at_a_time():
     for _ in range(8):
         step(cycle, [])
         sizes.append(len(cycle.resident))
-    assert sizes[:3] == [5, 4, 3] and set(sizes[3:]) == {3}  # one eviction per step
+    # two chunks marked at once leave each step, none past the new depth
+    assert sizes[:2] == [4, 3] and set(sizes[2:]) == {3}
 
 
 def test_snapshots_round_trip_and_two_chunk_snapshots_still_load():
@@ -145,8 +150,18 @@ def test_snapshots_round_trip_and_two_chunk_snapshots_still_load():
            "states": ["marked", "active", "loading", "evicted"]}
     restored = ChunkCycle.restore(old, 120.0)
     assert restored.resident == [0, 1, 2] and restored.loading == [2] and restored.capacity == 2
+    assert restored.marks == {0: 3}
+    first, second = cycle.marked
+    one_marked = {**cycle.snapshot(), "marked": first, "marked_generation": 5,
+                  "first_release": 7.0}  # written by a cycle with one marked chunk
+    one_marked["states"] = ["active" if c == second else s
+                            for c, s in enumerate(one_marked["states"])]
+    assert ChunkCycle.restore(one_marked, 120.0).marks == {first: 5}
     with pytest.raises(ValueError):
         ChunkCycle.restore({**cycle.snapshot(), "resident": [7]}, 120.0)
+    with pytest.raises(ValueError):  # a marked chunk the states do not mark
+        ChunkCycle.restore({**cycle.snapshot(), "marked": [cycle.active[0]],
+                            "marked_generations": [1], "first_release": [None]}, 120.0)
 
 
 def test_spare_budget_deepens_pipelines_by_gain_within_the_headroom():
@@ -200,7 +215,7 @@ def test_the_coordinator_sizes_the_cycle_to_the_budget_and_loads_chunks_in_paral
     for t in range(2, 12):
         view = state.heartbeat(beat("a", 1, loaded), now=float(t)).cycles["ident"]
         loaded = loaded + view.loads
-    assert len(view.resident) == 6 and view.marked == view.resident[0]
+    assert len(view.resident) == 6 and list(view.marked) == list(view.resident[:2])
     assert state.status()["datasets"][0]["capacity"] == 6
     state.save()
     restarted = CoordinatorState(str(tmp_path), heartbeat_timeout=60.0, probe_batches=0)
@@ -240,4 +255,4 @@ def test_the_coordinator_loads_only_chunks_jobs_still_need(tmp_path):
     for t in range(2, 12):
         cycle = heartbeat(loaded, float(t))
         loaded = loaded + cycle.loads
-    assert sorted(cycle.resident) == list(range(6)) and cycle.marked is None
+    assert sorted(cycle.resident) == list(range(6)) and cycle.marked == {}

@@ -101,7 +101,7 @@ def drive(c: CoordinatorProcess) -> dict:
 
 def cycles(s: dict) -> dict:
     """What must survive a takeover of each dataset: its cycle and its loaders."""
-    keep = ("states", "resident", "marked", "generation", "marked_generation", "next",
+    keep = ("states", "resident", "marked", "generation", "marked_generations", "next",
             "capacity", "max_resident", "loaders", "mode")
     return {d["identity"]: {k: d[k] for k in keep} for d in s["datasets"]}
 

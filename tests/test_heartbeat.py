@@ -106,7 +106,7 @@ def test_typed_reports_drive_the_cycle_and_survive_a_restart(tmp_path):
     # b's cache deepens the cycle to the whole dataset; the next chunks load, by both
     assert view.capacity == 4 and view.active == (0, 1) and view.loading == (2, 3)
     assert [load.loaders for load in view.loads] == [("a", "b")] * 2
-    assert view.users == ("a", "b") and view.marked is None
+    assert view.users == ("a", "b") and view.marked == {}
     assert view.usable(beat("a").datasets["ident"].jobs[0].epoch_ref()) == [0, 1, 2, 3]
 
     data = state.changes()

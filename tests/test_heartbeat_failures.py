@@ -67,8 +67,8 @@ def _group(name: str) -> DatasetJobs:
 
 
 def _view(loads: tuple[LoadedShare, ...] = ()) -> CycleView:
-    return CycleView(CHUNKS, (ChunkState.ACTIVE,) * CHUNKS, tuple(range(CHUNKS)), None, 0,
-                     0, 0, CHUNKS, CHUNKS, loads, ("node",), CacheMode.FULL, 100, {})
+    return CycleView(CHUNKS, (ChunkState.ACTIVE,) * CHUNKS, tuple(range(CHUNKS)), {}, 0,
+                     0, CHUNKS, CHUNKS, loads, ("node",), CacheMode.FULL, 100, {})
 
 
 @pytest.fixture

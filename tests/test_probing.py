@@ -305,7 +305,7 @@ def test_a_lone_jobs_chunk_loads_wake_when_its_probe_ends_without_polling():
     d = digest_format.decode(digest_format.encode("t", "file:///x", items))
     ds = types.SimpleNamespace(digest=d, name="t", mean_item_bytes=10)
     group = DatasetJobs(ds, 40, None)
-    group.view = CycleView(4, (ChunkState.ACTIVE,) * 4, (0, 1, 2, 3), None, 0, 0, 0, 4, 4,
+    group.view = CycleView(4, (ChunkState.ACTIVE,) * 4, (0, 1, 2, 3), {}, 0, 0, 4, 4,
                            (), ("node",), CacheMode.COOP, 100, {})
     loader = object.__new__(ChunkLoader)
     loader.cluster = types.SimpleNamespace(me="node")

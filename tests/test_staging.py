@@ -1,5 +1,5 @@
 """Staging's bounds: bytes held for one read, and misses' bytes kept for their chunk's
-load, each dropped oldest first past its limit."""
+load, each dropped oldest first past its limit; and the reads manifests promised."""
 from __future__ import annotations
 
 import hashlib
@@ -31,3 +31,21 @@ def test_bytes_kept_for_loads_drop_the_oldest_past_their_bound(monkeypatch):
     assert [s.kept_for_load(d) for d, _ in items] == [False, False, True, True]
     s.keep(*items[0])  # the read's staging is bounded on its own
     assert items[0][0] in s and s.kept_for_load(items[3][0])
+
+
+def test_an_item_promised_to_several_jobs_is_kept_until_each_has_read_it(monkeypatch):
+    s = Staging()
+    digest, _ = item(1)
+    s.planned([digest])
+    s.planned([digest])  # two jobs' manifests: two reads due
+    assert s.awaiting_read(digest)
+    assert s.take(digest) is None and s.awaiting_read(digest)  # one read came
+    assert s.take(digest) is None and not s.awaiting_read(digest)
+    assert s.take(digest) is None and not s.awaiting_read(digest)  # a read not promised
+    clock = [100.0]
+    monkeypatch.setattr(staging.time, "monotonic", lambda: clock[0])
+    s.planned([digest])  # a read that never comes (the page cache served it)
+    clock[0] += staging.PLANNED_GRACE
+    assert not s.awaiting_read(digest)  # kept no longer than the grace
+    s.planned([digest])  # promised anew: the stale count is not carried over
+    assert s.take(digest) is None and not s.awaiting_read(digest)

@@ -334,7 +334,7 @@ def _classes_digest(per_class: int, size: int, classes: str = "ab") -> digest_fo
 def _cycle(n_chunks: int, resident: tuple[int, ...], capacity: int) -> CycleView:
     states = [ChunkState.ACTIVE if c in resident else ChunkState.EVICTED
               for c in range(n_chunks)]
-    return CycleView(n_chunks, tuple(states), resident, None, 0, 0,
+    return CycleView(n_chunks, tuple(states), resident, {}, 0,
                      (max(resident) + 1) % n_chunks, capacity, capacity, (), ("node",),
                      CacheMode.COOP, 0, {})
 

@@ -1,5 +1,5 @@
 """Items held in memory for one coming read, misses kept for their chunk's load, and
-hits promised in manifests.
+items promised in manifests.
 
 A substitutable job's miss outside the resident chunks, and a hit a peer owns, are
 fetched when its batch is planned and kept here until the job's worker reads them once:
@@ -56,7 +56,8 @@ class Staging:
     def __init__(self) -> None:
         self._staged = _Bounded(MAX_STAGED)
         self._for_load = _Bounded(MAX_FOR_LOAD)
-        self._planned: dict[bytes, float] = {}  # hits in manifests, not read yet: when
+        # items in manifests not read yet: how many reads are due, and when last promised
+        self._planned: dict[bytes, tuple[int, float]] = {}
 
     def __contains__(self, digest: bytes) -> bool:
         return digest in self._staged.items
@@ -66,8 +67,13 @@ class Staging:
         self._staged.add(digest, data)
 
     def take(self, digest: bytes) -> bytes | None:
-        """The staged bytes of ``digest``, given up to this read; the promise is kept."""
-        self._planned.pop(digest, None)
+        """The staged bytes of ``digest``, given up to this read; one promise is kept."""
+        due = self._planned.get(digest)
+        if due is not None:
+            if due[0] > 1:
+                self._planned[digest] = (due[0] - 1, due[1])
+            else:
+                del self._planned[digest]
         return self._staged.pop(digest)
 
     def keep_for_load(self, digest: bytes, data: bytes) -> None:
@@ -86,14 +92,23 @@ class Staging:
         return self._for_load.pop(digest)
 
     def planned(self, hashes: list[bytes]) -> None:
-        """These hits were promised in a manifest: keep them until read (or a while)."""
+        """These items were promised in a manifest: keep each until read as often as
+        it was promised (every job plans the same items), or PLANNED_GRACE. One promise
+        per item let the first job's read free it, and a chunk evicted soon after its
+        release dropped it before the other jobs' reads (read again from the bucket). A
+        read the kernel's page cache serves gives none back: that item stays past its
+        chunk's eviction for PLANNED_GRACE, unless the store's LRU takes it first."""
         now = time.monotonic()
-        if len(self._planned) > MAX_PLANNED:
-            self._planned = {h: t for h, t in self._planned.items()
-                             if now - t < PLANNED_GRACE}
-        self._planned.update(dict.fromkeys(hashes, now))
+        planned = self._planned
+        if len(planned) > MAX_PLANNED:
+            self._planned = planned = {h: d for h, d in planned.items()
+                                       if now - d[1] < PLANNED_GRACE}
+        for h in hashes:
+            due = planned.get(h)
+            planned[h] = (1 if due is None or now - due[1] >= PLANNED_GRACE else due[0] + 1,
+                          now)
 
     def awaiting_read(self, digest: bytes) -> bool:
-        """Whether a manifest promised this hit and its read has not come yet."""
-        t = self._planned.get(digest)
-        return t is not None and time.monotonic() - t < PLANNED_GRACE
+        """Whether a manifest promised this item and a read of it has not come yet."""
+        due = self._planned.get(digest)
+        return due is not None and time.monotonic() - due[1] < PLANNED_GRACE

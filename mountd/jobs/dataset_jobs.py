@@ -88,11 +88,11 @@ class DatasetJobs:
 
     def take(self, ref: EpochRef, items: list[int]) -> bool:
         """Take items placed for a job-epoch off its per-chunk counts; whether that
-        released the marked chunk (then the heartbeat should tell the coordinator)."""
-        marked = self.view.marked if self.view is not None else None
-        held_marked = marked is not None and ref.remaining_chunks[marked] > 0
+        released a marked chunk (then the heartbeat should tell the coordinator)."""
+        marked = list(self.view.marked) if self.view is not None else []
+        held = ref.remaining_chunks[marked] > 0
         np.subtract.at(ref.remaining_chunks, self.plan.chunk_of[items], 1)
-        return held_marked and not ref.remaining_chunks[marked]
+        return bool((held & (ref.remaining_chunks[marked] == 0)).any())
 
     def in_order(self, items: np.ndarray, pass_number: int) -> np.ndarray:
         """``items`` in the order every view job takes a pool's items in, in its pass

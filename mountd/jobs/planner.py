@@ -318,7 +318,9 @@ class BatchPlanner:
             await self.bulk.fetch_all(group.ds, batch.fetch, job.counters, FetchCause.COOP_MISS,
                                       (chunk_of, resident) if group.mode is CacheMode.COOP
                                       else None)
-            self.staging.planned([digest.hash(i) for i in batch.hits])
+            # misses too: fetched now, a chunk's eviction must not drop them before
+            # their read (with two chunks marked at once, it could)
+            self.staging.planned([digest.hash(i) for i in batch.items])
             self._push(job, group, plan, batch.hits, batch.index)
             if self.cluster.peers is not None:
                 await self.bulk.stage_from_peers(group.ds, batch.hits)
@@ -331,9 +333,9 @@ class BatchPlanner:
     def _account(self, job: Job, group: DatasetJobs, ref: EpochRef, batch: Batch,
                  hits: int) -> None:
         """Take a planned batch's items off the job-epoch's per-chunk counts (poking the
-        heartbeat if that released the marked chunk), and count its hits."""
+        heartbeat if that released a marked chunk), and count its hits."""
         if group.take(ref, batch.items):
-            self.cluster.poke()  # this job-epoch released the marked chunk
+            self.cluster.poke()  # this job-epoch released a marked chunk
         job.counters[SamplerJobCounter.HITS] += hits
         job.counters[SamplerJobCounter.FETCHED] += len(batch.items) - hits
 
@@ -390,7 +392,7 @@ class BatchPlanner:
         of the job's pending items: cached, or for this node to load. Until then its
         batch would be filled with misses that no other job shares now (or that another
         node is loading), so the bucket's bandwidth is better left to the loaders. A
-        job with items left in the marked chunk never waits: its batches release it.
+        job with items left in a marked chunk never waits: its batches release it.
         Before the coordinator's first view, every job waits for it: batches planned
         then would all be misses, read again when their chunks load. Nor does a lone
         job being probed: the dataset's loads wait for its probe (``ChunkLoader``), so
@@ -406,7 +408,6 @@ class BatchPlanner:
                     key = group.cycle_key()
                     continue
                 usable = group.usable(plan.ref)
-                marked = group.view.marked
                 supply = int(plan.ref.remaining_chunks[usable].sum())
                 others = await self._others_loading(group)
                 if others is not None:  # other nodes' shares count once they hold them
@@ -416,9 +417,9 @@ class BatchPlanner:
                         held = await self.bulk.held([group.ds.digest.hash(int(i))
                                                      for i in theirs])
                         supply -= len(theirs) - sum(held)
-                if (supply >= need
-                        or marked in usable and plan.ref.remaining_chunks[marked] > 0):
-                    break  # enough to plan from, or the job holds back the marked chunk
+                held = [c for c in group.view.marked if c in usable]
+                if supply >= need or plan.ref.remaining_chunks[held].any():
+                    break  # enough to plan from, or the job holds back a marked chunk
                 await changed.wait()  # the cycle moved, or another node loaded more
                 key = group.cycle_key()
         if scope.cancelled_caught:
