@@ -246,7 +246,7 @@ class Mountd:
             if self.peer_server is not None:
                 await nursery.start(self.peer_server.serve)
                 await nursery.start(self.cluster.peers.tasks.run)
-                await nursery.start(self.coordinators.run)
+            await nursery.start(self.cluster.link.run)
             await nursery.start(self.loader.run)
             if self.metrics is not None:
                 await nursery.start(self.metrics.serve)

@@ -168,6 +168,28 @@ async def test_a_node_leaves_out_a_report_out_of_range_and_beats_on(tmp_path):
     assert link.state.bucket_bandwidth(link.state.now()) == 2e6  # what its fetches measured
 
 
+async def test_the_embedded_coordinator_writes_its_state_off_the_heartbeats_path(tmp_path):
+    """A heartbeat's reply does not wait for the state file: the link's own task writes
+    it after the beats that changed it, and once more as it stops."""
+    link = EmbeddedCoordinator(str(tmp_path), FORCE_EVICT_AFTER, PROBE_BATCHES,
+                               trio.CapacityLimiter(1))
+    path = tmp_path / "coordinator.json"
+    await link.heartbeat(beat("a"))
+    assert not path.exists()  # not by the beat itself
+    async with trio.open_nursery() as nursery:
+        await nursery.start(link.run)
+        with trio.fail_after(10):
+            while not path.exists():
+                await trio.sleep(0.01)
+        await link.heartbeat(beat("b"))  # within a second of the first write
+        nursery.cancel_scope.cancel()
+    saved = json.loads(path.read_text())
+    assert sorted(n["id"] for n in saved["nodes"]) == ["a", "b"]  # written as it stopped
+    restarted = EmbeddedCoordinator(str(tmp_path), FORCE_EVICT_AFTER, PROBE_BATCHES,
+                                    trio.CapacityLimiter(1))
+    assert sorted(restarted.state.nodes) == ["a", "b"]
+
+
 @pytest.mark.parametrize("rate", [float("nan"), float("inf"), 0.0, -1.0])
 async def test_a_bandwidth_out_of_range_is_not_reported(tmp_path, rate):
     link = EmbeddedCoordinator(str(tmp_path), FORCE_EVICT_AFTER, PROBE_BATCHES,

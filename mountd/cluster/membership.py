@@ -28,6 +28,10 @@ class CoordinatorLink(Protocol):
 
     interval: float  # seconds between heartbeats
 
+    async def run(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+        """Its own tasks, until cancelled: the RPC clients of remote coordinators, the
+        state file's writes of an embedded one."""
+
     async def heartbeat(self, beat: Heartbeat) -> HeartbeatReply: ...
 
 
