@@ -355,7 +355,8 @@ class CoordinatorState:
             for chunk in cycle.start_loading(refs):
                 ds.loaders[chunk], ds.done[chunk] = users, set()
                 changed = True
-            while cycle.mark(refs) is not None:
+            at_once = _marks_at_once(ds)
+            while cycle.mark(refs, at_once) is not None:
                 changed = True
         return changed
 
@@ -396,6 +397,15 @@ class CoordinatorState:
                                    for n, r in d.reports.items() for j in r.jobs],
                           "timeline": d.cycle.timeline[-200:]}
                          for d in self.datasets.values()]}
+
+
+def _marks_at_once(ds: DatasetState) -> int:
+    """Chunks of ``ds`` to mark at once: as many as the largest batch its jobs report
+    spans at the mean chunk's size, so that one round of releases makes room for a
+    batch of each (ChunkCycle)."""
+    batch = max((j.batch_bytes for r in ds.reports.values() for j in r.jobs), default=0)
+    spans = [batch * r.chunks / r.size for r in ds.reports.values() if r.size]
+    return max(1, math.ceil(max(spans, default=0)))
 
 
 def _users(ds: DatasetState) -> list[str]:

@@ -9,12 +9,14 @@ before the mark. A marked chunk is evicted once no such job-epoch has items left
 or by force ``force_after`` seconds after the first of them finished it; that frees
 room for the next load. Double buffering is the case K = 2.
 
-As many chunks may be marked at once as may load at once (while one loaded chunk stays
-unmarked), so that one round of releases makes room for both loads. With one marked at
-a time, a chunk left each time every job had planned a batch after its mark: where a
-batch spans more than a chunk (small caches, large batches), the jobs ran out of loaded
-items and read the rest as misses (make demo's sweep: 5 items a chunk, 8 a batch, hits
-5/8, a release round of 80 ms setting the epoch's pace).
+Where a job's batch spans more than a chunk (small caches, large batches), as many
+chunks are marked at once as a batch spans, up to as many as may load at once (while one
+loaded chunk stays unmarked): one round of releases then makes room for a batch of every
+job. With one marked at a time, a chunk left each time every job had planned a batch
+after its mark, and the jobs read the rest of their batches as misses (make demo's
+sweep: 5 items a chunk, 8 a batch, hits 5/8, a release round of 80 ms setting the
+epoch's pace). Where chunks are larger than batches, one at a time keeps the most
+chunks usable to job-epochs that begin after a mark.
 
 The cycle follows what the job-epochs still need: it loads next the first chunk in
 ring order that one of them has items left in, and it stops (marks nothing) while none
@@ -127,15 +129,16 @@ class ChunkCycle:
         if self.states[chunk] is ChunkState.LOADING:
             self._set(chunk, ChunkState.ACTIVE)
 
-    def mark(self, refs: list[EpochRef]) -> int | None:
+    def mark(self, refs: list[EpochRef], at_once: int = 1) -> int | None:
         """Mark the oldest loaded chunk for eviction when the cycle is full (or over its
-        capacity) and fewer than ``max_loading`` are marked; the chunk marked, if any.
+        capacity) and fewer than ``at_once`` are marked (``max_loading`` at most); the
+        chunk marked, if any.
         The cycle keeps one loaded chunk unmarked, and never marks when the whole
         dataset fits, nor while the job-epochs of ``refs`` (if any) need no chunk that
         is not resident."""
         active = self.active
         full = len(self.resident) >= min(self.capacity, self.n_chunks)
-        if (len(self.marks) >= self.max_loading or len(active) < 2 or not full
+        if (len(self.marks) >= min(at_once, self.max_loading) or len(active) < 2 or not full
                 or self.n_chunks <= self.capacity):
             return None
         if refs and not self._needed(refs):

@@ -18,14 +18,14 @@ def ref(cycle: ChunkCycle, left: int = 0) -> EpochRef:
     return EpochRef(cycle.generation, np.full(cycle.n_chunks, left))
 
 
-def step(cycle: ChunkCycle, refs: list[EpochRef]) -> None:
+def step(cycle: ChunkCycle, refs: list[EpochRef], at_once: int = 1) -> None:
     """What the coordinator does each heartbeat, with every loading chunk loaded."""
     for chunk in cycle.loading:
         cycle.loaded(chunk)
     while (victim := cycle.evictable(refs, now=0.0)) is not None:
         cycle.evicted(victim)
     cycle.start_loading(refs)
-    while cycle.mark(refs) is not None:
+    while cycle.mark(refs, at_once) is not None:
         pass
 
 
@@ -38,10 +38,11 @@ def test_a_deep_cycle_keeps_k_resident_and_loads_ahead_in_ring_order():
     cycle.loaded(0)
     cycle.loaded(2)
     assert cycle.start_loading([]) == [3, 4]
-    # full (loads count): the oldest are marked, so that their release makes room early,
-    # as many at once as may load at once
+    # full (loads count): the oldest is marked, so that its release makes room early;
+    # where a batch spans two chunks, two at once (as many as may load at once, at most)
     assert cycle.mark([]) == 0 and cycle.states[0] is ChunkState.MARKED
-    assert cycle.mark([]) == 1 and cycle.mark([]) is None
+    assert cycle.mark([]) is None  # one at a time
+    assert cycle.mark([], at_once=3) == 1 and cycle.mark([], at_once=3) is None
     assert cycle.marked == [0, 1] and cycle.marks[1] == cycle.marks[0] + 1
     for chunk in (3, 4):
         cycle.loaded(chunk)
@@ -65,7 +66,7 @@ def test_a_deep_cycle_keeps_k_resident_and_loads_ahead_in_ring_order():
 def test_a_marked_chunk_waits_for_the_epochs_that_began_before_the_mark():
     cycle = ChunkCycle(6, capacity=3, force_after=30.0)
     for _ in range(2):
-        step(cycle, [])
+        step(cycle, [], at_once=2)
     # one loaded chunk stays unmarked: chunk 1 is not marked beside chunk 0
     assert cycle.resident == [0, 1, 2] and cycle.marked == [0]
     early = EpochRef(cycle.marks[0] - 1, np.full(6, 4))  # began before the mark
@@ -125,7 +126,7 @@ def test_a_dataset_that_fits_is_never_marked():
     assert single.active == [0] and single.start_loading([]) == []
 
 
-def test_a_smaller_allotment_drains_the_cycle_through_its_marks():
+def test_a_smaller_allotment_drains_the_cycle_a_chunk_at_a_time():
     cycle = ChunkCycle(10, capacity=6)
     for _ in range(4):
         step(cycle, [])
@@ -135,14 +136,13 @@ def test_a_smaller_allotment_drains_the_cycle_through_its_marks():
     for _ in range(8):
         step(cycle, [])
         sizes.append(len(cycle.resident))
-    # two chunks marked at once leave each step, none past the new depth
-    assert sizes[:2] == [4, 3] and set(sizes[2:]) == {3}
+    assert sizes[:3] == [5, 4, 3] and set(sizes[3:]) == {3}  # one eviction per step
 
 
 def test_snapshots_round_trip_and_two_chunk_snapshots_still_load():
     cycle = ChunkCycle(8, capacity=4)
     for _ in range(3):
-        step(cycle, [])
+        step(cycle, [], at_once=2)
     again = ChunkCycle.restore(cycle.snapshot(), 120.0)
     assert again.snapshot() == cycle.snapshot()
     old = {"chunks": 4, "loading": 2, "active": 1, "marked": 0, "generation": 3,
@@ -192,13 +192,15 @@ def test_spare_chunks_go_to_the_datasets_worth_caching_first():
 
 
 def beat(node: str, jobs: int, loaded: tuple[LoadedShare, ...] = (),
-         probes: dict[str, tuple[int, bool]] | None = None) -> Heartbeat:
+         probes: dict[str, tuple[int, bool]] | None = None, batch_bytes: int = 0
+         ) -> Heartbeat:
     """``jobs`` jobs j0, j1, ...; ``probes``: job -> (the probe it began, whether it is
     in it)."""
     probes = probes or {}
     reports = tuple(JobReport(id=f"j{k}", gen=0, gpus=1, remaining=(5,) * 20,
                               probe_seq=probes.get(f"j{k}", (0, False))[0],
-                              probing=probes.get(f"j{k}", (0, False))[1])
+                              probing=probes.get(f"j{k}", (0, False))[1],
+                              batch_bytes=batch_bytes)
                     for k in range(jobs))
     report = DatasetReport(name="ds", chunks=20, size=20_000, chunk_bytes=1000,
                            loaded=loaded, jobs=reports)
@@ -215,11 +217,26 @@ def test_the_coordinator_sizes_the_cycle_to_the_budget_and_loads_chunks_in_paral
     for t in range(2, 12):
         view = state.heartbeat(beat("a", 1, loaded), now=float(t)).cycles["ident"]
         loaded = loaded + view.loads
-    assert len(view.resident) == 6 and list(view.marked) == list(view.resident[:2])
+    assert len(view.resident) == 6 and list(view.marked) == [view.resident[0]]
     assert state.status()["datasets"][0]["capacity"] == 6
     state.save()
     restarted = CoordinatorState(str(tmp_path), heartbeat_timeout=60.0, probe_batches=0)
     assert restarted.datasets["ident"].cycle.resident == list(view.resident)
+
+
+@pytest.mark.parametrize("batch_bytes, marked", [(0, 1), (1000, 1), (1500, 2), (9000, 2)])
+def test_the_coordinator_marks_as_many_chunks_at_once_as_a_batch_spans(tmp_path, batch_bytes,
+                                                                       marked):
+    """Chunks of 1000 bytes: a batch of 1500 spans two, so two are marked at once (so
+    that one round of releases frees a batch); never more than may load at once."""
+    state = CoordinatorState(str(tmp_path), heartbeat_timeout=60.0, probe_batches=0)
+    loaded: tuple[LoadedShare, ...] = ()
+    for t in range(1, 12):
+        view = state.heartbeat(beat("a", 1, loaded, batch_bytes=batch_bytes),
+                               now=float(t)).cycles["ident"]
+        loaded = loaded + view.loads
+    assert len(view.resident) == 6 and list(view.marked) == list(view.resident[:marked])
+    assert marked <= MAX_LOADING
 
 
 def test_one_job_of_a_dataset_is_probed_at_a_time(tmp_path):
