@@ -132,10 +132,9 @@ class ChunkCycle:
     def mark(self, refs: list[EpochRef], at_once: int = 1) -> int | None:
         """Mark the oldest loaded chunk for eviction when the cycle is full (or over its
         capacity) and fewer than ``at_once`` are marked (``max_loading`` at most); the
-        chunk marked, if any.
-        The cycle keeps one loaded chunk unmarked, and never marks when the whole
-        dataset fits, nor while the job-epochs of ``refs`` (if any) need no chunk that
-        is not resident."""
+        chunk marked, if any. The cycle keeps one loaded chunk unmarked, and never marks
+        when the whole dataset fits, nor while the job-epochs of ``refs`` (if any) need
+        no chunk that is not resident."""
         active = self.active
         full = len(self.resident) >= min(self.capacity, self.n_chunks)
         if (len(self.marks) >= min(at_once, self.max_loading) or len(active) < 2 or not full

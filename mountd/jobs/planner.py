@@ -417,8 +417,8 @@ class BatchPlanner:
                         held = await self.bulk.held([group.ds.digest.hash(int(i))
                                                      for i in theirs])
                         supply -= len(theirs) - sum(held)
-                held = [c for c in group.view.marked if c in usable]
-                if supply >= need or plan.ref.remaining_chunks[held].any():
+                marked = [c for c in group.view.marked if c in usable]
+                if supply >= need or plan.ref.remaining_chunks[marked].any():
                     break  # enough to plan from, or the job holds back a marked chunk
                 await changed.wait()  # the cycle moved, or another node loaded more
                 key = group.cycle_key()
