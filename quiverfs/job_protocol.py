@@ -18,7 +18,9 @@ JOB_FILES = ("config", "report", "error", "stats", "paths", "next")  # in ROOT/.
 # Whole names, matched with fullmatch ('$' would also accept a trailing newline).
 JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a sampler job's directory
 BATCH_NAME = re.compile(r"e(\d{1,5})-b(\d{1,7})")  # JOB/eE-bI: batch I of epoch E
-ASK = re.compile(r"(\d{1,5}) (\d{1,7})")  # JOB/next: the batch asked for, "EPOCH BATCH"
+# JOB/next: the batch asked for, "EPOCH BATCH"; " ahead" where the job asks for an
+# epoch's first batch while it still reads the epoch before (its wait is hidden)
+ASK = re.compile(r"(\d{1,5}) (\d{1,7})( ahead)?")
 JOB_ENV = "QUIVER_JOB"  # a view's reader names its job with this environment variable
 VIEWS = ("exact", "substitutable")  # quiver mount DIGEST --view VIEW
 DEFAULT_SCAN_FACTOR = 10  # how far past its next items a sampler looks for cached ones
@@ -29,9 +31,10 @@ def batch_name(epoch: int, batch: int) -> str:
     return f"e{epoch}-b{batch}"
 
 
-def ask_line(epoch: int, batch: int) -> bytes:
-    """The last line of a write to JOB/next: which batch's manifest its reads return."""
-    return f"{epoch} {batch}\n".encode()
+def ask_line(epoch: int, batch: int, ahead: bool = False) -> bytes:
+    """The last line of a write to JOB/next: which batch's manifest its reads return
+    (``ahead``: asked while the job still reads the batches before it)."""
+    return f"{epoch} {batch}{' ahead' if ahead else ''}\n".encode()
 
 
 def report_line(epoch: int, batch: int, seconds: float) -> str:

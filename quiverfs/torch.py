@@ -26,7 +26,8 @@ starts halfway through the segment, not as it starts: an epoch's first batches a
 read while the loader refills, and mountd's planning of the next segment (and the
 pushes of its items) would hold up those reads. Where a segment runs to the end of the
 epoch and the job moved on by one epoch last time, the next epoch's first manifest is
-read ahead the same way (mountd then starts that epoch; a job that runs another epoch
+read ahead the same way (mountd then starts that epoch, and since the job is not
+waiting for it, hands out as long a first segment as any; a job that runs another epoch
 instead has it started afresh), unless the epoch is the last of the ``epochs`` the job
 said it runs. A single batch's manifest
 (items still being cached, or a probe timing the job) is read when the batch is asked
@@ -185,6 +186,8 @@ class QuiverBatchSampler(Sampler[list[int]]):
         self._previous_epoch: int | None = None  # the epoch iterated last
         # (epoch, its first manifest) read ahead
         self._next_epoch: tuple[int, concurrent.futures.Future[Manifest]] | None = None
+        # the write of an epoch's last reports, by the thread
+        self._reports_sent: concurrent.futures.Future[None] | None = None
 
     def _error(self) -> str:
         with open(os.path.join(self.job_dir, "error"), encoding="utf-8") as f:
@@ -231,11 +234,13 @@ class QuiverBatchSampler(Sampler[list[int]]):
                 raise RuntimeError(f"quiver: {self._error()}") from None
             raise
 
-    def _ask(self, reports: bytes, batch: int, epoch: int) -> Manifest:
+    def _ask(self, reports: bytes, batch: int, epoch: int, ahead: bool = False) -> Manifest:
         """Write ``reports`` and ask for batch ``batch`` of ``epoch`` in one write to
-        JOB/next, and read its manifest (what ``manifest`` reads from JOB/eE-bI)."""
+        JOB/next, and read its manifest (what ``manifest`` reads from JOB/eE-bI);
+        ``ahead``: by the thread, while the loader still takes the batches before it
+        (mountd then plans an epoch's first segment as long as any)."""
         with self._asking, self._refusal_raised():
-            os.pwrite(self._next, reports + ask_line(epoch, batch), 0)
+            os.pwrite(self._next, reports + ask_line(epoch, batch, ahead), 0)
             return _decoded(_read_whole(self._next), epoch, batch)
 
     def _indices(self, paths: list[str]) -> list[int]:
@@ -266,6 +271,9 @@ class QuiverBatchSampler(Sampler[list[int]]):
         return self._ask(b"", 0, self.epoch)
 
     def __iter__(self) -> Iterator[list[int]]:
+        sent, self._reports_sent = self._reports_sent, None
+        if sent is not None:
+            sent.result()
         self._last = None
         batch = 0
         if self._ahead is None:
@@ -297,15 +305,18 @@ class QuiverBatchSampler(Sampler[list[int]]):
                 elif i == ask_at and after < len(self):
                     # the reports so far, then the next manifest, in the thread
                     next_manifest = ahead.submit(self._ask, self._take_reports(), after,
-                                                 self.epoch)
+                                                 self.epoch, ahead=True)
                 elif i == ask_at and successive:
                     # the rest of the epoch: the next one's first manifest, in the thread
                     next_manifest = None
                     self._next_epoch = (self.epoch + 1, ahead.submit(
-                        self._ask, self._take_reports(), 0, self.epoch + 1))
+                        self._ask, self._take_reports(), 0, self.epoch + 1, ahead=True))
                 batch += 1
                 yield indices
-        self._flush_reports()
+        # the last batches' times: by the thread, after what it reads ahead, so that the
+        # loader's next epoch does not wait for the write (the next one's start and close
+        # do; the next start raises what it met)
+        self._reports_sent = ahead.submit(self._write_reports, self._take_reports())
 
     def close(self) -> None:
         """Unregister the job (also done when the sampler is garbage collected)."""

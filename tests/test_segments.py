@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from mountd.jobs.planner import FIRST_SEGMENT_BATCHES, SEGMENT_BATCHES
+from mountd.jobs.planner import FIRST_SEGMENT_BATCHES
 from mountd.jobs.substitution import EpochSampler, epoch_shard
 from quiverfs.bench.processes import CoordinatorProcess, MountdProcess, unmount
 from quiverfs.torch import QuiverBatchSampler
@@ -56,6 +56,10 @@ def warm(root: str, paths: list[str]) -> None:
 
 
 def job_counters(sampler: QuiverBatchSampler) -> dict[str, int]:
+    """The job's counters, once the sampler's thread has written the last epoch's
+    reports (it writes them after the epoch's last batch, not before the next epoch)."""
+    if sampler._reports_sent is not None:
+        sampler._reports_sent.result()
     with open(os.path.join(sampler.job_dir, "stats"), encoding="utf-8") as f:
         return json.load(f)["counters"]
 
@@ -123,7 +127,8 @@ def test_an_epoch_opens_with_a_short_segment_and_the_next_is_read_ahead(warm_dig
     replies: dict[int, dict] = {}
     ask = sampler._ask  # every manifest the sampler reads (through JOB/next)
     sampler._ask = (  # type: ignore[method-assign]
-        lambda r, b, e: replies.setdefault(b, ask(r, b, e)) if e == 1 else ask(r, b, e))
+        lambda r, b, e, **kw: replies.setdefault(b, ask(r, b, e, **kw)) if e == 1
+        else ask(r, b, e, **kw))
     try:
         n = len(sampler)
         epoch_indices(iter(sampler))
@@ -152,8 +157,9 @@ def test_an_epoch_opens_with_a_short_segment_and_the_next_is_read_ahead(warm_dig
         lengths = [1 + len(replies[b].segment) for b in starts]
         assert starts == [sum(lengths[:k]) for k in range(len(starts))]  # each read once
         assert sum(lengths) == n == 225
-        # each as long as the epoch's batches before it: 8, 8, 16, 32, then 64 at most
-        assert lengths == [8, 8, 16, 32, SEGMENT_BATCHES, SEGMENT_BATCHES, 33], lengths
+        # epoch 1 was not read ahead (epoch 0 was no successor): each segment as long
+        # as the epoch's batches before it, from 8, up to 4096 items (512 batches)
+        assert lengths == [8, 8, 16, 32, 64, 97], lengths
     finally:
         sampler.close()
 
@@ -161,13 +167,15 @@ def test_an_epoch_opens_with_a_short_segment_and_the_next_is_read_ahead(warm_dig
 def test_the_next_epochs_first_manifest_is_read_ahead(warm_digits):
     m, root = warm_digits
     sampler = QuiverBatchSampler(root, 32, seed=2)
-    reads: list[tuple[int, int, bool]] = []  # (epoch, batch, read ahead by a thread)
+    # (epoch, batch, read ahead by a thread, batches the reply handed out)
+    reads: list[tuple[int, int, bool, int]] = []
     ask = sampler._ask  # every manifest the sampler reads (through JOB/next)
 
-    def recorded(reports: bytes, b: int, e: int) -> dict:
+    def recorded(reports: bytes, b: int, e: int, **kw: bool) -> dict:
         ahead = threading.current_thread() is not threading.main_thread()
-        reads.append((e, b, ahead))
-        return ask(reports, b, e)
+        manifest = ask(reports, b, e, **kw)
+        reads.append((e, b, ahead, 1 + len(manifest.segment)))
+        return manifest
 
     sampler._ask = recorded  # type: ignore[method-assign]
     try:
@@ -180,8 +188,12 @@ def test_the_next_epochs_first_manifest_is_read_ahead(warm_digits):
         sampler.close()  # after the last read ahead
     # epoch 1 followed epoch 0: from then on each next epoch's first manifest was read
     # ahead (as the segment that ends the epoch before began), and only so
-    assert [(e, ahead) for e, b, ahead in reads if b == 0] == [
+    assert [(e, ahead) for e, b, ahead, _ in reads if b == 0] == [
         (0, False), (1, False), (2, True), (3, True), (4, True)], reads
+    # epoch 1's first segment was short, as the loader waited for it; the epochs read
+    # ahead were each handed out whole in their first manifest (57 batches of 32)
+    assert [n for e, _, _, n in reads if e == 1] == [8, 8, 16, 25], reads
+    assert [(e, b, n) for e, b, _, n in reads if e in (2, 3)] == [(2, 0, 57), (3, 0, 57)]
 
 
 def test_nothing_is_planned_after_the_last_epoch_a_job_says_it_runs(warm_digits):
@@ -195,8 +207,8 @@ def test_nothing_is_planned_after_the_last_epoch_a_job_says_it_runs(warm_digits)
     replies: list[tuple[int, int, int]] = []  # (epoch, batch, batches it hands out)
     ask = sampler._ask  # every manifest the sampler reads (through JOB/next)
 
-    def recorded(reports: bytes, b: int, e: int) -> dict:
-        manifest = ask(reports, b, e)
+    def recorded(reports: bytes, b: int, e: int, **kw: bool) -> dict:
+        manifest = ask(reports, b, e, **kw)
         replies.append((e, b, 1 + len(manifest.segment)))
         return manifest
 

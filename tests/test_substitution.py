@@ -351,7 +351,9 @@ def test_next_returns_the_asked_batchs_manifest_and_refuses_what_it_cannot_read(
         assert (second.epoch, second.batch) == (0, 1)
         assert sampler.manifest(1) == second  # the batch file holds the same manifest
         assert settled_job(m)["counters"]["reported_batches"] == 1
-        for bad in (b"0 0 0.1\n", b"1 x\n", b"\n"):
+        os.pwrite(fd, b"0 2 ahead\n", 0)  # asked ahead: the same manifest
+        assert decode_manifest(os.pread(fd, 1 << 20, 0)) == sampler.manifest(2)
+        for bad in (b"0 0 0.1\n", b"1 x\n", b"\n", b"0 3 behind\n", b"0 3 ahead \n"):
             with pytest.raises(OSError) as info:
                 os.pwrite(fd, bad, 0)
             assert info.value.errno == 22 and "the last line written" in sampler._error()

@@ -272,6 +272,7 @@ class ControlHandle:
         self.batch = batch
         self.data: bytes | None = None
         self.asked = False  # JOB/next: a batch was asked for (epoch, batch)
+        self.ahead = False  # JOB/next: asked while the job reads the batches before it
 
     async def read(self, off: int, size: int) -> bytes:
         if self.data is None:
@@ -285,7 +286,7 @@ class ControlHandle:
             raise pyfuse3.FUSEError(errno.EINVAL)
         if self.kind in ("batch", "next"):
             try:
-                return await self.planner.manifest(job, self.epoch, self.batch)
+                return await self.planner.manifest(job, self.epoch, self.batch, self.ahead)
             except JobError as exc:
                 job.error = str(exc)
                 raise pyfuse3.FUSEError(errno.EINVAL) from None
@@ -329,8 +330,9 @@ class ControlHandle:
         """JOB/next's last line: the batch whose manifest the next reads return."""
         m = ASK.fullmatch(line)
         if m is None:
-            self.job.error = (f"JOB/next: the last line written must be 'EPOCH BATCH', "
-                              f"not {line[:80]!r}")
+            self.job.error = ("JOB/next: the last line written must be 'EPOCH BATCH' (or "
+                              f"'EPOCH BATCH ahead'), not {line[:80]!r}")
             raise pyfuse3.FUSEError(errno.EINVAL)
         self.epoch, self.batch = int(m.group(1)), int(m.group(2))
+        self.ahead = m.group(3) is not None
         self.data, self.asked = None, True

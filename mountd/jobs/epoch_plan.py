@@ -16,6 +16,7 @@ class EpochPlan:
     epoch: int
     sampler: EpochSampler
     ref: EpochRef
+    first_segment: int  # batches the epoch's first segment hands out at most
     # batch -> its manifest; a segment's batch until a reader asks for its own
     manifests: dict[int, bytes | Batch] = dataclasses.field(default_factory=dict)
     # first batch -> (the reply handing out a segment from it, batches it covers)

@@ -50,20 +50,26 @@ PROBE_LOOKUPS = 1024  # pending items of a chunk looked up before a probe run, a
 # QuiverBatchSampler reads the next segment as one starts), so an allotment that leaves
 # ``full``, or a probe the coordinator asks for, reaches it up to two segments later (a
 # segment planned ahead and not yet handed out is handed out batch by batch instead).
-# More saves little: at 64 the manifest's read and planning are already spread over 64
-# batches, and a reply stays around 0.5 MB for batches of 256.
+# Or up to SEGMENT_ITEMS items, where that is more batches: each manifest costs a write
+# and a read through the ``.quiver`` process and a planning call, which batches of a
+# few items would otherwise pay every few hundred items. More saves little: a reply
+# stays around 0.5 MB for batches of 256.
 SEGMENT_BATCHES = 64
+SEGMENT_ITEMS = 4096
 # A segment is at most as long as the batches of the epoch planned before it, and at
 # least this: the job waits for an epoch's first segment, so that one is short (its
 # planning time is the job's wait), and each later one is planned while the job reads
 # the one before (the sampler reads it as that one starts), so it must not take longer
-# to plan than that one to read.
+# to plan than that one to read. An epoch asked for ahead (the sampler reads its first
+# manifest while it reads the epoch before) is planned while the job reads, so its
+# first segment is as long as any.
 FIRST_SEGMENT_BATCHES = 8
 # A segment of up to this many items is looked up (``ContentStore.leading_known``) and
 # its reply made on mountd's loop: a job waits for an epoch's first segment, and a
 # worker hop for the look-up and another for the reply would add to that wait, and the
 # segment's pushes are queued after the reply so they do not delay it. A longer
-# segment would hold the loop from every other request.
+# segment would hold the loop from every other request: the same look, and its reply,
+# are made in a worker.
 LOOP_SEGMENT_ITEMS = 512
 MIN_SEGMENT = 2  # fewer cached batches ahead are planned one at a time
 
@@ -82,8 +88,9 @@ class BatchPlanner:
         self.probed = services.probed
         self.tasks = BackgroundTasks()  # where plans ahead run
 
-    async def manifest(self, job: Job, epoch: int, index: int) -> bytes:
-        """The manifest of batch ``index`` of ``epoch`` (planning earlier ones first)."""
+    async def manifest(self, job: Job, epoch: int, index: int, ahead: bool = False) -> bytes:
+        """The manifest of batch ``index`` of ``epoch`` (planning earlier ones first);
+        ``ahead``: the job asks while it still reads the batches before."""
         async with job.lock:
             group = job.group
             if job.config is None or group is None:
@@ -96,7 +103,7 @@ class BatchPlanner:
             if plan is not None and epoch < plan.epoch and index > 0:
                 raise JobError(f"epoch {epoch} is over (the job is at epoch {plan.epoch})")
             if plan is None or epoch != plan.epoch:
-                plan = self._start_epoch(job, job.config, group, epoch)
+                plan = self._start_epoch(job, job.config, group, epoch, ahead and index == 0)
             sampler = plan.sampler
             if index >= sampler.n_batches:
                 raise JobError(f"epoch {epoch} has {sampler.n_batches} batches")
@@ -141,16 +148,19 @@ class BatchPlanner:
                               plan.sampler.planned)
 
     @staticmethod
-    def _start_epoch(job: Job, cfg: JobConfig, group: DatasetJobs, epoch: int) -> EpochPlan:
+    def _start_epoch(job: Job, cfg: JobConfig, group: DatasetJobs, epoch: int, ahead: bool
+                     ) -> EpochPlan:
         """The job's plan of ``epoch``, begun (a chunk wait that timed out carries over:
-        it is not repeated until the cycle moves)."""
+        it is not repeated until the cycle moves); ``ahead``: its first batch was asked
+        for ahead, so its first segment may be as long as any."""
         order = epoch_shard(job.universe, cfg.seed, epoch, cfg.rank, cfg.world_size)
         sampler = EpochSampler(order, cfg.batch_size, seed=cfg.seed + epoch,
                                scan_factor=cfg.scan_factor, chunk_of=group.plan.chunk_of)
         generation = group.view.generation if group.view is not None else 0
         ref = EpochRef(generation, np.bincount(group.plan.chunk_of[order],
                                                minlength=group.plan.n_chunks))
-        job.plan = EpochPlan(epoch, sampler, ref,
+        first = _max_segment(cfg.batch_size) if ahead else FIRST_SEGMENT_BATCHES
+        job.plan = EpochPlan(epoch, sampler, ref, first,
                              gave_up_on=job.plan.gave_up_on if job.plan is not None else None)
         return job.plan
 
@@ -181,11 +191,11 @@ class BatchPlanner:
     async def _plan_segment(self, job: Job, group: DatasetJobs, plan: EpochPlan
                             ) -> tuple[bytes, list[Batch]] | None:
         """Place the next batches of the job's pending items in its exact order, as many
-        (up to SEGMENT_BATCHES) as the cache holds from the first on: the reply that
+        (up to ``_max_segment``) as the cache holds from the first on: the reply that
         hands them out, and the batches; None, placing nothing, where that is fewer than
         MIN_SEGMENT."""
         sampler, ref, size = plan.sampler, plan.ref, plan.sampler.batch_size
-        most = min(SEGMENT_BATCHES, max(FIRST_SEGMENT_BATCHES, sampler.planned))
+        most = min(_max_segment(size), max(plan.first_segment, sampler.planned))
         items = sampler.pending_in_order(min(most * size, sampler.remaining))
         digest = group.ds.digest
         hashes = [digest.hash(int(i)) for i in items]
@@ -193,7 +203,9 @@ class BatchPlanner:
         # where every item is, and a miss near the head ends the look (what the loop
         # cannot tell at once is looked up in a worker)
         store = self.store
-        cached = store.leading_known(hashes) if len(hashes) <= LOOP_SEGMENT_ITEMS else 0
+        cached = (store.leading_known(hashes) if len(hashes) <= LOOP_SEGMENT_ITEMS
+                  else await trio.to_thread.run_sync(store.leading_known, hashes,
+                                                     limiter=self.limiter))
         if cached < len(hashes):
             cached += await trio.to_thread.run_sync(store.leading_held, hashes[cached:],
                                                     limiter=self.limiter)
@@ -427,3 +439,7 @@ class BatchPlanner:
             log.info("job %s: no chunk came in %.0f s; fetching misses", job.id, CHUNK_WAIT)
         job.counters[SamplerJobCounter.CHUNK_WAIT_S] += trio.current_time() - started
 
+
+def _max_segment(batch_size: int) -> int:
+    """The most batches of ``batch_size`` items one segment hands out."""
+    return max(SEGMENT_BATCHES, SEGMENT_ITEMS // batch_size)
