@@ -741,8 +741,9 @@ def run(quick: bool, workdir: str, size: str | None = None) -> dict[str, Any]:
                             "95% confidence interval (Student t, seeds - 1 degrees of "
                             "freedom; null with one seed)",
             "sub_vs_exact_cached": "items/s of a sub job over an lru job (exact reads), "
-                                   "each alone with no compute, the whole dataset cached "
-                                   "(allotted full), epochs after each job's first",
+                                   "their epochs taken in turn, each alone with no "
+                                   "compute, the whole dataset cached (allotted full), "
+                                   "epochs after each job's first",
             "view_vs_exact_cached": "the same for a view job (a plain shuffle of every "
                                     "path, read through a substitutable view of the "
                                     "dataset) over the lru job",
