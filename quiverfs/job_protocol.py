@@ -18,8 +18,8 @@ JOB_FILES = ("config", "report", "error", "stats", "paths", "next")  # in ROOT/.
 # Whole names, matched with fullmatch ('$' would also accept a trailing newline).
 JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a sampler job's directory
 BATCH_NAME = re.compile(r"e(\d{1,5})-b(\d{1,7})")  # JOB/eE-bI: batch I of epoch E
-# JOB/next: the batch asked for, "EPOCH BATCH"; " ahead" where the job asks for an
-# epoch's first batch while it still reads the epoch before (its wait is hidden)
+# JOB/next: the batch asked for, "EPOCH BATCH"; " ahead" where the job asks while it
+# still reads the batches before (an epoch's first segment may then be long)
 ASK = re.compile(r"(\d{1,5}) (\d{1,7})( ahead)?")
 JOB_ENV = "QUIVER_JOB"  # a view's reader names its job with this environment variable
 VIEWS = ("exact", "substitutable")  # quiver mount DIGEST --view VIEW
