@@ -339,15 +339,10 @@ def run_cached(data: Dataset, proxy: ThrottleProxy, size: Size, workdir: str
             for job in jobs:
                 job.finish(JOB_STOP_TIMEOUT)
         for job in jobs:
-            mode = specs[job.name].mode
-            counted = next((j for j in status["jobs"] if j["job"] == job.job_id), None)
-            runs[mode] = {
-                **_epochs_read(replies[job.name]),
-                "exactly_once": all(sorted(r["paths"]) == sorted(data.paths)
-                                    for r in replies[job.name]),
-                "counters": counted["counters"] if counted else None,
-                "cache_mode": (counted["chunks"]["mode"]
-                               if counted and counted.get("chunks") else None)}
+            runs[specs[job.name].mode] = _cached_run(
+                replies[job.name],
+                all(sorted(r["paths"]) == sorted(data.paths) for r in replies[job.name]),
+                next((j for j in status["jobs"] if j["job"] == job.job_id), None))
         runs["view"] = _cached_view(m, data, size, workdir)
         backing = shutil.copytree(os.path.join(m.root, DATASET),
                                   os.path.join(workdir, "floor-src"))
@@ -384,11 +379,18 @@ def _cached_view(m: MountdProcess, data: Dataset, size: Size, workdir: str
         checked = [replies[0], run_epoch(jobs, EPOCH_TIMEOUT)[0][0]]
         status = m.status()
         jobs[0].finish(JOB_STOP_TIMEOUT)
-    job = next((j for j in status["view_jobs"] if j["identity"] == f"env:{name}"), None)
     served = [[path for _, path, _ in r["served"]] for r in checked]
-    return {**_epochs_read(replies),
-            "exactly_once": (all(sorted(paths) == sorted(data.paths) for paths in served)
-                             and _each_epoch_once(counted, data)),
+    return _cached_run(
+        replies, (all(sorted(paths) == sorted(data.paths) for paths in served)
+                  and _each_epoch_once(counted, data)),
+        next((j for j in status["view_jobs"] if j["identity"] == f"env:{name}"), None))
+
+
+def _cached_run(replies: list[dict[str, Any]], exactly_once: bool,
+                job: dict[str, Any] | None) -> dict[str, Any]:
+    """A cached job's record: its epochs, whether it read every item once each, and its
+    counters and cache mode from mountd's status (``job``; None where it was missing)."""
+    return {**_epochs_read(replies), "exactly_once": exactly_once,
             "counters": job["counters"] if job else None,
             "cache_mode": job["chunks"]["mode"] if job and job.get("chunks") else None}
 
