@@ -60,6 +60,10 @@ def test_encode_decode_round_trip() -> None:
         {"path": "ünï/cödé.png", "label": "ünï", "hash": sha(b"zzz"), "size": 3,
          "location": {"uri": "gs://bucket/pre/packs/p1", "offset": 4096, "length": 3}},
     ]
+    some = [2, 0, 2]  # many at once, as one at a time (a non-ASCII path among them)
+    assert d.paths_of(some) == ["ünï/cödé.png", "a/y.jpg", "ünï/cödé.png"]
+    assert d.hashes_of(some) == [d.hash(i) for i in some] == [
+        hashlib.sha256(b).digest() for b in (b"zzz", b"yy", b"zzz")]
 
 
 def test_plain_items_store_no_location_columns() -> None:

@@ -43,6 +43,11 @@ def test_sampler_places_exact_segments_among_substituted_batches():
     assert sorted(seen + placed) == list(range(1000))
     with pytest.raises(IndexError):
         sampler.place_in_order(1)
+    whole = EpochSampler(order, 64, seed=3)  # an epoch in one segment: its last batch short
+    batches = whole.place_in_order(whole.n_batches)
+    assert [len(b.items) for b in batches] == [64] * 15 + [40]
+    assert [i for b in batches for i in b.items] == order.tolist()
+    assert (whole.remaining, whole.hits, whole.planned) == (0, 1000, 16)
 
 
 def digits_paths(root: str) -> list[str]:

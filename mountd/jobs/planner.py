@@ -196,9 +196,9 @@ class BatchPlanner:
         MIN_SEGMENT."""
         sampler, ref, size = plan.sampler, plan.ref, plan.sampler.batch_size
         most = min(_max_segment(size), max(plan.first_segment, sampler.planned))
-        items = sampler.pending_in_order(min(most * size, sampler.remaining))
+        items = sampler.pending_in_order(min(most * size, sampler.remaining)).tolist()
         digest = group.ds.digest
-        hashes = [digest.hash(int(i)) for i in items]
+        hashes = digest.hashes_of(items)
         # segments are planned on a lone node only (_segments_allowed): its store is
         # where every item is, and a miss near the head ends the look (what the loop
         # cannot tell at once is looked up in a worker)
@@ -213,16 +213,17 @@ class BatchPlanner:
         if n < MIN_SEGMENT:
             return None
         batches = sampler.place_in_order(n)
+        placed = items[:n * size]
         for batch in batches:
             job.probe.plan(plan.epoch, batch.index, sampler.n_batches, cached=True)
-            self._account(job, group, ref, batch, len(batch.items))
+        self._account(job, group, ref, placed, len(placed))
         if n * size <= LOOP_SEGMENT_ITEMS:
             reply = self._segment_reply(job, plan.epoch, digest, batches)
         else:
             reply = await trio.to_thread.run_sync(self._segment_reply, job, plan.epoch, digest,
                                                   batches, limiter=self.limiter)
         self.staging.planned(hashes[:n * size])
-        self._push(job, group, plan, [int(i) for i in items[:n * size]], batches[0].index)
+        self._push(job, group, plan, placed, batches[0].index)
         return reply, batches
 
     @classmethod
@@ -339,24 +340,26 @@ class BatchPlanner:
         hits = 0 if probing else len(batch.hits)
         if not probing:
             job.probe.planned_hits(plan.epoch, batch.index, hits, len(batch.items))
-        self._account(job, group, ref, batch, hits)
+        self._account(job, group, ref, batch.items, hits)
         return batch.index, encode_manifest(self._manifest(job, plan.epoch, digest, batch, hits))
 
-    def _account(self, job: Job, group: DatasetJobs, ref: EpochRef, batch: Batch,
+    def _account(self, job: Job, group: DatasetJobs, ref: EpochRef, items: list[int],
                  hits: int) -> None:
-        """Take a planned batch's items off the job-epoch's per-chunk counts (poking the
-        heartbeat if that released a marked chunk), and count its hits."""
-        if group.take(ref, batch.items):
+        """Take planned items (a batch's, or a segment's) off the job-epoch's per-chunk
+        counts (poking the heartbeat if that released a marked chunk), and count the
+        hits among them."""
+        if group.take(ref, items):
             self.cluster.poke()  # this job-epoch released a marked chunk
         job.counters[SamplerJobCounter.HITS] += hits
-        job.counters[SamplerJobCounter.FETCHED] += len(batch.items) - hits
+        job.counters[SamplerJobCounter.FETCHED] += len(items) - hits
 
     @staticmethod
     def _paths(job: Job, digest: Digest, items: list[int]) -> list[str]:
         """The items' paths relative to the job's prefix."""
         prefix = job.config.prefix.strip("/")
         cut = len(prefix) + 1 if prefix else 0
-        return [digest.path(i)[cut:] for i in items]
+        paths = digest.paths_of(items)
+        return [p[cut:] for p in paths] if cut else paths
 
     @staticmethod
     def _manifest(job: Job, epoch: int, digest: Digest, batch: Batch, hits: int,
@@ -365,7 +368,8 @@ class BatchPlanner:
         return Manifest(epoch=epoch, batch=batch.index, hits=hits,
                         paths=BatchPlanner._paths(job, digest, items),
                         labels=[digest.label(i) for i in items],
-                        hashes=[digest.hash(i).hex() for i in items], segment=segment or [])
+                        hashes=[h.hex() for h in digest.hashes_of(items)],
+                        segment=segment or [])
 
     async def _uncached_ahead(self, plan: EpochPlan, group: DatasetJobs, need: int) -> float:
         """About how many of the job's pending items in the loading chunks, and the two

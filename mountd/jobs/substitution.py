@@ -142,17 +142,16 @@ class EpochSampler:
         as hits (the caller found them cached): no substitution."""
         if self.planned + n_batches > self.n_batches:
             raise IndexError(f"the epoch has {self.n_batches - self.planned} batches left")
-        batches = []
-        for _ in range(n_batches):
-            need = min(self.batch_size, self._remaining)
-            positions = self._pending_positions(need)
-            self._consumed[positions] = True
+        size = self.batch_size
+        positions = self._pending_positions(min(n_batches * size, self._remaining))
+        self._consumed[positions] = True
+        if len(positions):
             self._head = int(positions[-1]) + 1
-            hits = self.order[positions].tolist()
-            self.hits += len(hits)
-            batches.append(self._placed(need, hits, []))
+        items = self.order[positions].tolist()
+        self.hits += len(items)
         self.all_hits = True
-        return batches
+        return [self._placed(len(hits), hits, [])
+                for hits in (items[k:k + size] for k in range(0, len(items), size))]
 
     def pending_in(self, chunk: int) -> np.ndarray:
         """Items of ``chunk`` not yet placed (the sampler must have been given

@@ -207,10 +207,10 @@ class ContentStore:
         """How many of ``digests``, from the first, are stored as far as this process
         knows at once (up to the first it cannot tell): found lately (SEEN_LATELY_S), or
         ``held_known``; for an event loop."""
-        for n, digest in enumerate(digests):
-            if not (self.files.seen_lately(digest) or self.held_known(digest)):
-                return n
-        return len(digests)
+        n = self.files.leading_seen(digests)
+        while n < len(digests) and self.held_known(digests[n]):
+            n += 1 + self.files.leading_seen(digests, n + 1)
+        return n
 
     def leading_held(self, digests: Sequence[bytes]) -> int:
         """How many of ``digests``, from the first, are stored (up to the first that is

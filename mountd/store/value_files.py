@@ -12,6 +12,7 @@ import errno
 import logging
 import os
 import time
+from collections.abc import Sequence
 from typing import Protocol
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,17 @@ class ValueFiles:
         return ((now - self._seen_since < 2 * SEEN_LATELY_S and digest in self._seen_new)
                 or (now - self._seen_old_since < 2 * SEEN_LATELY_S
                     and digest in self._seen_old))
+
+    def leading_seen(self, digests: Sequence[bytes], start: int = 0) -> int:
+        """How many of ``digests`` from ``start`` on were ``seen_lately``, up to the first
+        that was not (a segment's thousands, with the clock read once)."""
+        now = time.monotonic()
+        new = self._seen_new if now - self._seen_since < 2 * SEEN_LATELY_S else set()
+        old = self._seen_old if now - self._seen_old_since < 2 * SEEN_LATELY_S else set()
+        for n in range(start, len(digests)):
+            if digests[n] not in new and digests[n] not in old:
+                return n - start
+        return len(digests) - start
 
     def forget(self, digest: bytes) -> None:
         self._new.pop(digest, None)
