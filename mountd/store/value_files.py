@@ -114,10 +114,7 @@ class ValueFiles:
     def seen_lately(self, digest: bytes) -> bool:
         """Whether ``digest``'s entry was found at most 2 × SEEN_LATELY_S seconds ago (and
         not forgotten since): a generation vouches while it began less than that ago."""
-        now = time.monotonic()
-        return ((now - self._seen_since < 2 * SEEN_LATELY_S and digest in self._seen_new)
-                or (now - self._seen_old_since < 2 * SEEN_LATELY_S
-                    and digest in self._seen_old))
+        return self.leading_seen((digest,)) == 1
 
     def leading_seen(self, digests: Sequence[bytes], start: int = 0) -> int:
         """How many of ``digests`` from ``start`` on were ``seen_lately``, up to the first
