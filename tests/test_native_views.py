@@ -13,7 +13,6 @@ import time
 
 import pytest
 
-from mountd.view.native_queue import NATIVE_AHEAD
 from quiverfs import digest as digest_format
 from quiverfs.bench.processes import MountdProcess
 from tests.mountd_helpers import make_digest, mount, mountd_factory  # noqa: F401
@@ -41,19 +40,18 @@ def native_counters(m: MountdProcess) -> collections.Counter[str]:
 
 def test_a_cached_view_pass_is_opened_read_and_released_by_the_native_plane(
         mountd_factory, digits_tree):
-    """Every item cached, a second pass of a plain reader (open, fstat, read to the end,
-    fgetxattr, close) over the view is served by the native plane on the ``.quiver``
-    connection: each open takes the next hit mountd queued for the reader's job, and
-    mountd sees an OPEN only where the job's queue of that pool was empty (a pass's
-    first open of each pool, or a queue not yet topped up), not a READ; and the
-    process serving the connection sees a few requests a folder, not each path's
-    GETATTR. The reader
-    still gets every item once a pass, each whole and of its path's folder; fstat says
-    its size, and the extended attributes name it."""
+    """Every item cached, a plain reader's passes (open, fstat, read to the end,
+    fgetxattr, close) over the view are served by the native plane on the ``.quiver``
+    connection, but for the first open, through which mountd learns the reader's job:
+    each open takes the next hit mountd queued for the job, or where the job's queue of
+    that pool is empty, waits there for mountd to queue more; mountd sees an OPEN only
+    where it declines such a wait, and no READ; the process serving the connection
+    sees a few requests a folder, not each path's GETATTR. The reader still gets every
+    item once a pass, each whole and of its path's folder; fstat says its size, and
+    the extended attributes name it."""
     m = mountd_factory()
     d, root = cached_view(m, digits_tree)
     paths = sorted(d.path(i) for i in range(len(d)))
-    pools = {os.path.dirname(p) for p in paths}
     by_path = {d.path(i): d.hash(i).hex() for i in range(len(d))}
 
     def read_pass() -> collections.Counter[str]:
@@ -73,13 +71,21 @@ def test_a_cached_view_pass_is_opened_read_and_released_by_the_native_plane(
     def hits() -> int:
         return sum(j["counters"].get("hits", 0) for j in m.status()["view_jobs"])
 
+    before, native_before = control_requests(m), native_counters(m)
     assert read_pass() == digest_hashes(d)  # the first looks the names up
+    got, native = control_requests(m) - before, native_counters(m) - native_before
+    # the plane knows the job from its first open through mountd on: an open that
+    # finds the job's queue of its pool empty waits there for mountd to queue the
+    # pass's next items, and goes to mountd only where mountd declines
+    assert native["view_waits"] > 0
+    assert got["open"] == 1 + native["view_declined"], (got, native)
+    assert got["open"] + native["view_opens"] == len(d)
     before, native_before, hits_before = control_requests(m), native_counters(m), hits()
     assert read_pass() == digest_hashes(d)
     assert hits() - hits_before == len(d)
     got, native = control_requests(m) - before, native_counters(m) - native_before
     assert got["open"] + native["view_opens"] == len(d)
-    assert got["open"] <= 2 * len(pools), got  # most are the plane's
+    assert got["open"] == native["view_declined"], (got, native)
     assert native["view_releases"] == native["view_opens"]
     assert native["view_reads"] >= native["view_opens"]
     assert got["read"] == 0
@@ -152,10 +158,9 @@ def test_items_queued_in_the_plane_and_dropped_from_the_store_are_fetched_again(
     assert served == digest_hashes(d)
     served.clear()
     read(paths[0])  # a second: the job's next hits of that folder go to the plane
-    folder = sum(os.path.dirname(p) == os.path.dirname(paths[0]) for p in paths)
     deadline = time.monotonic() + 30
-    while m.status()["view_jobs"][0]["remaining"] > folder - NATIVE_AHEAD:
-        assert time.monotonic() < deadline, m.status()["view_jobs"][0]["remaining"]
+    while not m.status()["view_jobs"][0]["queued_natively"]:
+        assert time.monotonic() < deadline, "no hit was queued in the native plane"
         time.sleep(0.02)
     store = os.path.join(m.cache_dir, "store")
     for dirpath, _, files in os.walk(store):

@@ -26,6 +26,7 @@ from mountd.fetch.staging import Staging
 from mountd.jobs.dataset_jobs import DatasetJobs
 from mountd.view.readahead import (EVICTION_PAUSE, IN_FLIGHT, MAX_AHEAD, ROUND_ITEMS,
                                    ViewReadahead, next_items)
+from mountd.view.native_queue import NEEDED, OPENED, RETURNED
 from mountd.view.view_job import Choice
 from mountd.view.view_jobs import ViewJob, ViewJobs, identity_from
 from quiverfs import digest as digest_format
@@ -524,9 +525,17 @@ class _Plane:
         # one job and pool's: (item, the pass it was queued in)
         self.queued: collections.deque[tuple[int, int]] = collections.deque()
         self.passes: list[int] = []  # the numbers of the passes said begun
+        self.waiting_opens = 0  # opens waiting on the queue (plane_view_waiting)
+        self.declined = 0
 
     def job(self, job_id: int, base: int, uid: int) -> bool:
         return True
+
+    def waiting(self, job_id: int, pool: int) -> int:
+        return self.waiting_opens
+
+    def decline(self, job_id: int, pool: int) -> None:
+        self.declined += 1
 
     def push(self, job_id: int, pool: int, items: list[int], number: int) -> bool:
         self.pushed.extend(items)
@@ -543,9 +552,9 @@ class _Plane:
         pass
 
 
-def _opened(queued: tuple[int, int]) -> tuple[int, bool, float, int]:
+def _opened(queued: tuple[int, int]) -> tuple[int, int, float, int]:
     """The plane's report of an open of ``queued`` (item, pass), less the job."""
-    return queued[0], False, 0.001, queued[1]
+    return queued[0], OPENED, 0.001, queued[1]
 
 
 def _full_view_job() -> tuple:
@@ -593,7 +602,7 @@ def test_where_the_dataset_is_allotted_full_the_next_pass_is_queued_behind_the_c
     # the next pass's first open is served from it, and counted once
     item, number = plane.take(0, pool)
     assert number == 1
-    jobs.native.drained([(first.native_id, item, False, 0.001, number)])
+    jobs.native.drained([(first.native_id, item, OPENED, 0.001, number)])
     assert item not in upcoming.native and first.counters["hits"] == len(members) + 1
     assert first.counters["passes"] == 2
 
@@ -609,13 +618,13 @@ def test_an_open_through_python_after_the_current_pass_is_served_gets_the_next_o
     current, upcoming = first.pools[pool], first.upcoming[pool]
     opened = [plane.take(0, pool)[0] for _ in members]
     last = next(i for i in opened if i != plane.queued[0][0])  # opened, not yet reported
-    jobs.native.drained([(first.native_id, i, False, 0.001, 0) for i in opened if i != last])
+    jobs.native.drained([(first.native_id, i, OPENED, 0.001, 0) for i in opened if i != last])
 
     async def open_and_report() -> Choice | None:
         async with trio.open_nursery() as nursery:
             async def report() -> None:
                 await trio.sleep(0.05)
-                jobs.native.drained([(first.native_id, last, False, 0.001, 0)])
+                jobs.native.drained([(first.native_id, last, OPENED, 0.001, 0)])
             nursery.start_soon(report)
             return await jobs.native.take_back(first, pool, current)
     got = trio.run(open_and_report)
@@ -659,19 +668,68 @@ def test_a_top_up_of_the_planes_queue_chooses_hits_only_a_miss_is_chosen_at_its_
     assert sorted(current.native) == sorted(order[:2])
     promised = [jobs.staging.awaiting_read(ds.digest.hash(i)) for i in order[:2]]
     assert promised == [True, True]
-    jobs.native.drained([(first.native_id, order[0], False, 0.001, 0)])  # opened there
+    jobs.native.drained([(first.native_id, order[0], OPENED, 0.001, 0)])  # opened there
     assert first.counters["hits"] == 1 and list(current.native) == [order[1]]
     promised = [jobs.staging.awaiting_read(ds.digest.hash(i)) for i in order[:2]]
     assert promised == [False, True]
     # the plane gives the other back (its file left the store): the job is yet to be
     # served it, and it is chosen anew, a hit again where cached by then
     jobs.services.store.files.seen(ds.digest.hash(order[1]))  # found when planned
-    jobs.native.drained([(first.native_id, order[1], True, 0.0, 0)])
+    jobs.native.drained([(first.native_id, order[1], RETURNED, 0.0, 0)])
     assert not current.native and not current.queue and first.need[order[1]]
     assert not jobs.services.store.files.seen_lately(ds.digest.hash(order[1]))
     assert order[1] in current.pending_items() and order[0] not in current.pending_items()
     trio.run(jobs._plan, first, pool, current)
     assert [(c.index, c.hit) for c in current.queue] == [(order[1], True)]
+
+
+def test_an_open_waiting_on_an_empty_queue_is_given_a_hit_else_its_miss_once_loaded():
+    """An open of a job's waits in the native plane on its empty queue of a pool (a
+    NEEDED event): mountd queues the pass's next hits there; where none is cached, it
+    chooses the miss then, fetches it into the store and queues it, a miss (counted as
+    one once opened). A fetch that fails is declined: the open comes to Python, which
+    finds the miss at the head of the pass's queue and fetches it (or fails) itself.
+    With no open waiting any more (a top-up served it), nothing is chosen."""
+    ds, group, store, jobs, (first, _), pool = _two_view_jobs()
+    ds.inode_base, ds.counters = 0, collections.Counter()
+    store.hit = lambda h: None
+    jobs.staging, jobs.stats = Staging(), ReadStats()
+    plane = _Plane()
+    jobs.serve_natively(plane)
+    jobs.native.created(first)
+    order = [int(i) for i in group.in_order(ds.pools.members[pool], 0)]
+    loaded: list[int] = []
+
+    async def load(job: ViewJob, choice: Choice) -> bool:
+        loaded.append(choice.index)
+        if choice.index == order[2]:
+            return False  # the bucket failed it
+        store.held_items.add(choice.index)
+        return True
+    jobs.native._load = load
+
+    def needed() -> None:
+        jobs.native.drained([(first.native_id, pool, NEEDED, 0.0, 0)])
+        trio.run(jobs.native._supply, first, pool)
+
+    needed()  # no open waits: nothing chosen
+    assert not plane.pushed and not loaded and not first.pools
+    plane.waiting_opens = 1
+    needed()  # nothing cached: the first of the common order, fetched, then queued
+    current = first.pools[pool]
+    assert loaded == plane.pushed == [order[0]] and plane.declined == 0
+    assert not current.native[order[0]].hit and order[0] not in current.pending_items()
+    jobs.native.drained([(first.native_id, order[0], OPENED, 0.001, 0)])
+    assert (first.counters["misses"], first.counters["hits"]) == (1, 0)
+    group.cached.hold(order[1:2])  # loaded since, by another job's open
+    store.held_items.add(order[1])
+    needed()  # a hit: queued at once
+    assert plane.pushed == order[:2] and loaded == [order[0]] and current.native[order[1]].hit
+    jobs.native.drained([(first.native_id, order[1], OPENED, 0.001, 0)])
+    needed()  # its fetch fails: declined, the miss left for Python's open
+    assert loaded == [order[0], order[2]] and plane.pushed == order[:2]
+    assert plane.declined == 1 and not current.native
+    assert [(c.index, c.hit) for c in current.queue] == [(order[2], False)]
 
 
 def test_a_jobs_queued_hits_count_as_cached_items_ahead_of_it_for_the_readahead():

@@ -80,6 +80,10 @@ NATIVE_COUNTERS = {
                        "connection the plane handed to the process that serves it"),
     "view_events_dropped": ("quiver_native_view_dropped_events", "View opens not reported "
                             "to mountd: Python drained them too slowly"),
+    "view_waits": ("quiver_native_view_waits", "View OPENs that found their job's queue "
+                   "empty and waited for mountd to queue an item"),
+    "view_declined": ("quiver_native_view_declined", "Of those, the OPENs that went to "
+                      "mountd's Python: declined, or what was queued taken by another"),
 }
 
 

@@ -63,6 +63,12 @@ class NativeViews:
     def passed(self, job_id: int, pool: int, number: int) -> None:
         self.plane.view_pass(job_id, pool, number)
 
+    def decline(self, job_id: int, pool: int) -> None:
+        self.plane.view_decline(job_id, pool)
+
+    def waiting(self, job_id: int, pool: int) -> int:
+        return self.plane.view_waiting(job_id, pool)
+
     def take(self, job_id: int, pool: int) -> tuple[int, int] | None:
         return self.plane.view_take(job_id, pool)
 

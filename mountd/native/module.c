@@ -425,7 +425,7 @@ static PyObject *Plane_counters(PlaneObject *self, PyObject *unused)
 	(void)unused;
 	struct plane_counters c;
 	plane_counters(self->plane, &c);
-	return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "lookups",
+	return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "lookups",
 			     c.lookups, "getattrs", c.getattrs, "reads", c.reads, "read_bytes",
 			     c.read_bytes, "copied", c.copied, "hits", c.hits, "forwarded",
 			     c.forwarded, "fallbacks", c.fallbacks,
@@ -436,7 +436,8 @@ static PyObject *Plane_counters(PlaneObject *self, PyObject *unused)
 			     c.view_read_bytes, "view_getattrs", c.view_getattrs,
 			     "view_releases", c.view_releases, "view_returned", c.view_returned,
 			     "view_forwarded", c.view_forwarded, "view_events_dropped",
-			     c.view_events_dropped);
+			     c.view_events_dropped, "view_waits", c.view_waits, "view_declined",
+			     c.view_declined);
 }
 
 static PyObject *Plane_set_passthrough(PlaneObject *self, PyObject *arg)
@@ -530,6 +531,23 @@ static PyObject *Plane_view_pass(PlaneObject *self, PyObject *args)
 	Py_RETURN_NONE;
 }
 
+static PyObject *Plane_view_decline(PlaneObject *self, PyObject *args)
+{
+	unsigned int id, pool;
+	if (!PyArg_ParseTuple(args, "II", &id, &pool))
+		return NULL;
+	plane_view_decline(self->plane, id, pool);
+	Py_RETURN_NONE;
+}
+
+static PyObject *Plane_view_waiting(PlaneObject *self, PyObject *args)
+{
+	unsigned int id, pool;
+	if (!PyArg_ParseTuple(args, "II", &id, &pool))
+		return NULL;
+	return PyLong_FromUnsignedLong(plane_view_waiting(self->plane, id, pool));
+}
+
 static PyObject *Plane_view_opened(PlaneObject *self, PyObject *args)
 {
 	unsigned int pid;
@@ -551,9 +569,8 @@ static PyObject *Plane_view_drain(PlaneObject *self, PyObject *unused)
 	size_t n = plane_view_drain(self->plane, events, DRAIN_MAX);
 	PyObject *list = PyList_New((Py_ssize_t)n);
 	for (size_t i = 0; list && i < n; i++) {
-		PyObject *event = Py_BuildValue("(IIOdI)", events[i].job, events[i].item,
-						events[i].returned ? Py_True : Py_False,
-						events[i].ns / 1e9, events[i].pass);
+		PyObject *event = Py_BuildValue("(IIIdI)", events[i].job, events[i].item,
+						events[i].kind, events[i].ns / 1e9, events[i].pass);
 		if (!event)
 			Py_CLEAR(list);
 		else
@@ -649,7 +666,12 @@ static PyMethodDef Plane_methods[] = {
 	 "view_wake_fd() -> an eventfd, readable once a queue runs low or an item is given "
 	 "back (read it, then drain)"},
 	{"view_drain", (PyCFunction)Plane_view_drain, METH_NOARGS,
-	 "view_drain() -> [(job, item, returned, seconds, pass)] since the last call"},
+	 "view_drain() -> [(job, item, kind, seconds, pass)] since the last call (kind 0: "
+	 "opened, 1: given back, 2: an OPEN waits on the empty queue of pool `item`)"},
+	{"view_decline", (PyCFunction)Plane_view_decline, METH_VARARGS,
+	 "view_decline(id, pool): an OPEN waiting on that queue goes to Python"},
+	{"view_waiting", (PyCFunction)Plane_view_waiting, METH_VARARGS,
+	 "view_waiting(id, pool) -> n: OPENs waiting on that queue, not declined"},
 	{NULL, NULL, 0, NULL},
 };
 

@@ -702,4 +702,6 @@ void plane_counters(struct plane *p, struct plane_counters *out)
 	out->view_returned = atomic_load(&p->view_returned);
 	out->view_forwarded = atomic_load(&p->view_forwarded);
 	out->view_events_dropped = atomic_load(&p->view_events_dropped);
+	out->view_waits = atomic_load(&p->view_waits);
+	out->view_declined = atomic_load(&p->view_declined);
 }

@@ -44,6 +44,9 @@ struct plane_counters {
 	uint64_t view_returned; /* queued items given back to Python: withdrawn, file gone */
 	uint64_t view_forwarded; /* the connection's requests handed to its process */
 	uint64_t view_events_dropped; /* opens and returns not reported: drained too slowly */
+	uint64_t view_waits;    /* OPENs that found their queue empty and asked Python */
+	uint64_t view_declined; /* of them, those that went to Python: declined, what was
+				 * queued taken by another OPEN, or VIEW_WAIT_S passed */
 };
 
 /* A plane for the value files under store_dir, served by `threads` threads once
@@ -168,6 +171,13 @@ void plane_view_pass(struct plane *p, uint32_t id, uint32_t pool, uint32_t pass)
  * GETATTR of a view file is then Python's until it is released). */
 int plane_view_python_open(struct plane *p, uint32_t pid, uint64_t inode, int delta);
 
+/* An OPEN of job `id`'s waits on pool's empty queue (a VIEW_NEEDED event): Python
+ * answers it itself (the plane forwards it), not by queueing an item. Ignored where
+ * no OPEN waits. */
+void plane_view_decline(struct plane *p, uint32_t id, uint32_t pool);
+/* How many OPENs of job `id`'s wait on pool's empty queue, less those declined. */
+uint32_t plane_view_waiting(struct plane *p, uint32_t id, uint32_t pool);
+
 /* Take back the next item queued for job `id` and pool (an open through Python gets
  * it): 0, *item and the number of the pass it was queued in, else -ENOENT (none). */
 int plane_view_take(struct plane *p, uint32_t id, uint32_t pool, uint32_t *item,
@@ -180,10 +190,12 @@ int plane_view_opened(struct plane *p, uint32_t pid, uint64_t inode, uint32_t *i
  * was given back: Python drains the events and tops the queues up. */
 int plane_view_wake_fd(const struct plane *p);
 
-/* A view file opened here, or a queued item given back (returned). */
+/* A view file opened here, a queued item given back, or an OPEN waiting on an empty
+ * queue (item: its pool; pass: the one the queue serves). */
+enum plane_view_kind { VIEW_OPENED = 0, VIEW_RETURNED = 1, VIEW_NEEDED = 2 };
 struct plane_view_event {
 	uint32_t job, item;
-	uint32_t returned;
+	uint32_t kind; /* enum plane_view_kind */
 	uint32_t pass; /* the item's, as queued */
 	uint64_t ns;   /* the OPEN's time here */
 };

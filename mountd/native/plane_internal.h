@@ -111,6 +111,9 @@ struct view_queue {
 	uint32_t head, n, cap;
 	uint32_t pass;    /* the pass it serves */
 	uint32_t opening; /* its items taken by OPENs not answered yet */
+	uint32_t waiting; /* OPENs waiting for Python to queue an item (view_wait) */
+	uint32_t declined; /* of them, those Python sent on to itself */
+	uint32_t pushes;  /* times items were queued (a waiting OPEN sees another take them) */
 	uint8_t held;     /* an item of that pass was given back: no later one is served */
 };
 
@@ -210,9 +213,11 @@ struct plane {
 	size_t n_py_opens, py_unrecorded; /* those past VIEW_PY_OPENS, not recorded */
 	struct plane_view_event *events; /* a ring of VIEW_EVENTS */
 	size_t event_start, event_count;
+	uint32_t view_waiting; /* OPENs waiting in view_wait, every queue's */
 
 	atomic_uint_fast64_t view_opens, view_reads, view_read_bytes, view_getattrs,
-		view_releases, view_returned, view_forwarded, view_events_dropped;
+		view_releases, view_returned, view_forwarded, view_events_dropped, view_waits,
+		view_declined;
 
 	atomic_uint_fast64_t lookups, getattrs, reads, read_bytes, copied, served_files,
 		forwarded, fallbacks, hits_dropped, forgets, opens, releases, backing_failures,

@@ -20,6 +20,7 @@
 #define VIEW_EVENTS 65536
 #define VIEW_PY_OPENS 8192 /* view files Python has open, recorded (GETATTR is its) */
 #define VIEW_LOW 2 /* a queue left this short wakes Python to top it up */
+#define VIEW_WAIT_S 10 /* seconds an OPEN waits for Python to queue an item, then Python's */
 
 void view_init(struct plane *p)
 {
@@ -203,6 +204,10 @@ int plane_view_push(struct plane *p, uint32_t id, uint32_t pool, const uint32_t 
 		for (size_t i = 0; i < n; i++)
 			q->entries[(q->head + q->n++) % q->cap] =
 				(struct view_entry){.item = items[i], .pass = pass};
+		if (n)
+			q->pushes++;
+		if (q->waiting && n)
+			pthread_cond_broadcast(&p->view_settled);
 	}
 	pthread_mutex_unlock(&p->view_lock);
 	pthread_rwlock_unlock(&p->lock);
@@ -218,6 +223,26 @@ void plane_view_pass(struct plane *p, uint32_t id, uint32_t pool, uint32_t pass)
 		q->held = 0;
 	}
 	pthread_mutex_unlock(&p->view_lock);
+}
+
+void plane_view_decline(struct plane *p, uint32_t id, uint32_t pool)
+{
+	pthread_mutex_lock(&p->view_lock);
+	struct view_queue *q = queue_of(p, id, pool);
+	if (q && q->declined < q->waiting) {
+		q->declined++;
+		pthread_cond_broadcast(&p->view_settled);
+	}
+	pthread_mutex_unlock(&p->view_lock);
+}
+
+uint32_t plane_view_waiting(struct plane *p, uint32_t id, uint32_t pool)
+{
+	pthread_mutex_lock(&p->view_lock);
+	struct view_queue *q = queue_of(p, id, pool);
+	uint32_t n = q ? q->waiting - q->declined : 0;
+	pthread_mutex_unlock(&p->view_lock);
+	return n;
 }
 
 int plane_view_take(struct plane *p, uint32_t id, uint32_t pool, uint32_t *item,
@@ -238,8 +263,8 @@ int plane_view_take(struct plane *p, uint32_t id, uint32_t pool, uint32_t *item,
 }
 
 /* Under view_lock: an open file's or a given back item's report for Python. */
-static void view_event(struct plane *p, uint32_t job, struct view_entry e, int returned,
-		       uint64_t ns)
+static void view_event(struct plane *p, uint32_t job, struct view_entry e,
+		       enum plane_view_kind kind, uint64_t ns)
 {
 	if (!p->events && !(p->events = malloc(VIEW_EVENTS * sizeof *p->events))) {
 		atomic_fetch_add_explicit(&p->view_events_dropped, 1, memory_order_relaxed);
@@ -251,7 +276,7 @@ static void view_event(struct plane *p, uint32_t job, struct view_entry e, int r
 	}
 	p->events[(p->event_start + p->event_count++) % VIEW_EVENTS] =
 		(struct plane_view_event){.job = job, .item = e.item,
-					  .returned = (uint32_t)returned, .pass = e.pass, .ns = ns};
+					  .kind = (uint32_t)kind, .pass = e.pass, .ns = ns};
 }
 
 static void view_wake(struct plane *p)
@@ -378,11 +403,57 @@ static struct view_open *open_reserve(struct plane *p, uint32_t uid)
  * later passes' items wait for Python to hand that one out again (plane_view_pass). */
 static void given_back(struct plane *p, uint32_t id, struct view_queue *q, struct view_entry e)
 {
-	view_event(p, id, e, 1, 0);
+	view_event(p, id, e, VIEW_RETURNED, 0);
 	view_wake(p);
 	atomic_fetch_add_explicit(&p->view_returned, 1, memory_order_relaxed);
 	if (q && e.pass == q->pass)
 		q->held = 1;
+}
+
+/* Under view_lock: an OPEN of job id's found its queue of pool empty, none of its
+ * OPENs under way: Python is asked to choose (a VIEW_NEEDED event), and the OPEN waits
+ * until an item is queued (1: take it), or Python declines, another OPEN takes what
+ * was queued (it asked for one), the job goes, the connection stops or VIEW_WAIT_S
+ * pass (0: the OPEN goes to Python). So a job's every
+ * open is answered here, a miss too once Python has it in the store, and none costs
+ * the round trips through the connection's process. At most half the connection's
+ * threads wait at once: the rest serve the other requests. */
+static int view_wait(struct plane *p, uint32_t id, uint32_t pool)
+{
+	struct view_queue *q = queue_of(p, id, pool);
+	if (!q || p->view_waiting >= (uint32_t)p->ctl_started / 2)
+		return 0;
+	view_event(p, id, (struct view_entry){.item = pool, .pass = q->pass}, VIEW_NEEDED, 0);
+	view_wake(p);
+	atomic_fetch_add_explicit(&p->view_waits, 1, memory_order_relaxed);
+	q->waiting++;
+	p->view_waiting++;
+	uint32_t pushes = q->pushes;
+	struct timespec deadline;
+	clock_gettime(CLOCK_REALTIME, &deadline);
+	deadline.tv_sec += VIEW_WAIT_S;
+	int item = 0, timed_out = 0;
+	while ((q = queue_of(p, id, pool)) && !atomic_load(&p->ctl_stopping)) {
+		if (q->n) {
+			item = 1;
+			break;
+		}
+		/* another OPEN took what was queued, or Python is slow: Python's */
+		if (q->pushes != pushes || timed_out)
+			break;
+		if (q->declined) {
+			q->declined--;
+			break;
+		}
+		timed_out = pthread_cond_timedwait(&p->view_settled, &p->view_lock, &deadline) ==
+			    ETIMEDOUT;
+	}
+	if (!item)
+		atomic_fetch_add_explicit(&p->view_declined, 1, memory_order_relaxed);
+	p->view_waiting--;
+	if (q && !--q->waiting)
+		q->declined = 0;
+	return item;
 }
 
 /* The OPEN of a view file by a process of a job with an item queued for the file's
@@ -401,6 +472,7 @@ static int view_open(struct plane *p, const struct fuse_in_header *in,
 	pid_t group = getpgid((pid_t)in->pid);
 	if (group < 0)
 		return 0; /* gone, or not in mountd's pid namespace: Python's "uid" job */
+	int asked = 0; /* Python was asked for an item once: the next empty queue is its */
 	for (;;) {
 		uint32_t node, slot_index = 0, job_id = 0, pool = 0;
 		struct view_entry e = {0};
@@ -408,7 +480,7 @@ static int view_open(struct plane *p, const struct fuse_in_header *in,
 		char name[PLANE_NAME], path[PATH_MAX];
 		struct view_open *o = NULL;
 		struct slot *s = NULL;
-		int settle = 0;
+		int settle = 0, wait = 0;
 		pthread_rwlock_rdlock(&p->lock);
 		struct dataset *ds = dataset_of(p, in->nodeid, &node);
 		if (!ds || !ds->pools || ds->suspended || node < ds->t->n_dirs) {
@@ -452,9 +524,23 @@ static int view_open(struct plane *p, const struct fuse_in_header *in,
 				s = NULL;
 			}
 		}
+		if (q && !q->n && !settle && !o) { /* none queued: Python is asked, once */
+			if (q->opening)     /* the OPENs under way first: their reports */
+				settle = 1; /* reach Python before the question */
+			else
+				wait = !asked;
+		}
 		if (job)
 			job_id = job->id;
 		pthread_rwlock_unlock(&p->lock);
+		if (wait) {
+			asked = 1;
+			int queued = view_wait(p, job_id, pool);
+			pthread_mutex_unlock(&p->view_lock);
+			if (!queued)
+				return 0; /* Python chooses */
+			continue;
+		}
 		if (settle) { /* the pass before's last OPENs under way: their answers first */
 			while ((q = queue_of(p, job_id, pool)) && q->opening)
 				pthread_cond_wait(&p->view_settled, &p->view_lock);
@@ -481,7 +567,7 @@ static int view_open(struct plane *p, const struct fuse_in_header *in,
 			given_back(p, job_id, q, e);
 		} else {
 			o->fd = fd;
-			view_event(p, job_id, e, 0, now_ns() - started);
+			view_event(p, job_id, e, VIEW_OPENED, now_ns() - started);
 		}
 		if (q && !--q->opening) /* the pass's OPENs answered: a later one may go */
 			pthread_cond_broadcast(&p->view_settled);
@@ -752,6 +838,9 @@ void plane_control_stop(struct plane *p)
 	if (p->ctl_fd < 0)
 		return;
 	atomic_store(&p->ctl_stopping, 1);
+	pthread_mutex_lock(&p->view_lock); /* OPENs waiting for Python go to it now */
+	pthread_cond_broadcast(&p->view_settled);
+	pthread_mutex_unlock(&p->view_lock);
 	join_threads(p->ctl_threads, p->ctl_started);
 	p->ctl_started = 0;
 	free(p->ctl_threads);

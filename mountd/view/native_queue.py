@@ -44,9 +44,11 @@ DRAIN_PAUSE = 0.001  # seconds between drains while a Python open waits for the 
 SETTLE_TIMEOUT = 1.0  # seconds after which the plane's opens not reported count as done
 MAX_PIDS = 4096  # processes named to the plane per job (past it, they open through Python)
 
-# (job's number, item, given back, seconds the open took in the plane, the number of
-# the job's pass over the item's pool it was queued in)
-Event = tuple[int, int, bool, float, int]
+# (job's number, item, kind, seconds the open took in the plane, the number of the
+# job's pass over the item's pool it was queued in); kind: OPENED, RETURNED (given
+# back), or NEEDED (an open waits on the job's empty queue of the pool ``item``)
+Event = tuple[int, int, int, float, int]
+OPENED, RETURNED, NEEDED = 0, 1, 2
 
 
 class ViewPlane(Protocol):
@@ -63,6 +65,14 @@ class ViewPlane(Protocol):
 
     def passed(self, job_id: int, pool: int, number: int) -> None:
         """The job's pass ``number`` over ``pool`` has begun: the plane may serve it."""
+
+    def decline(self, job_id: int, pool: int) -> None:
+        """An open waiting on the job's empty queue of ``pool`` is answered through
+        Python (no item is queued for it)."""
+
+    def waiting(self, job_id: int, pool: int) -> int:
+        """How many of the job's opens wait on its empty queue of ``pool`` (not
+        declined)."""
 
     def take(self, job_id: int, pool: int) -> tuple[int, int] | None:
         """The next item queued for the job and pool, taken back, with the number of the
@@ -81,15 +91,19 @@ class NativeQueues:
     def __init__(self, plane: ViewPlane, plan: Callable[[ViewJob, int, PoolPass, int, bool],
                                                         Awaitable[None]],
                  opened: Callable[[ViewJob, int, list[tuple[Choice, float]]], None],
-                 gone: Callable[[ViewJob, int], None]) -> None:
+                 gone: Callable[[ViewJob, int], None],
+                 load: Callable[[ViewJob, Choice], Awaitable[bool]]) -> None:
         self.plane = plane
         # chooses up to so many of a pass's next items (ViewJobs._plan), under its lock
         self._plan = plan
         self._opened = opened  # counts opens of queued hits (ViewJobs.opened_natively)
         self._gone = gone  # an item given back: not taken as held (ViewJobs.given_back)
+        self._load = load  # a miss fetched into the store: whether it is served there
         self._jobs: dict[int, ViewJob] = {}  # by number: the jobs the plane knows
         self._wanted: dict[tuple[int, int], None] = {}  # (job, pool) to top up, in order
         self._wake = trio.Event()
+        self._needed: list[tuple[int, int]] = []  # (job, pool) an open waits on, in order
+        self._need = trio.Event()
 
     def created(self, job: ViewJob) -> None:
         if self.plane.job(job.native_id, job.ds.inode_base, job.uid):
@@ -155,10 +169,12 @@ class NativeQueues:
             job.give_back(taken[0], item)
 
     async def run(self) -> None:
-        """Top up the queues asked for, one at a time, in the order asked; drain the
-        plane when it says a queue runs low (else the read counters do, every 0.1 s)."""
+        """Top up the queues asked for, one at a time, in the order asked; supply the
+        queues opens wait on, each at once; drain the plane when it says a queue runs
+        low or an open waits (else the read counters do, every 0.1 s)."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._drains)
+            nursery.start_soon(self._supplies, nursery)
             await self._fills()
 
     async def _drains(self) -> None:
@@ -176,6 +192,84 @@ class NativeQueues:
                 job = self._jobs.get(key[0])
                 if job is not None:
                     await self._fill(job, key[1])
+
+    async def _supplies(self, nursery: trio.Nursery) -> None:
+        while True:
+            await self._need.wait()
+            self._need = trio.Event()
+            needed, self._needed = self._needed, []
+            for job_id, pool in needed:
+                job = self._jobs.get(job_id)
+                if job is not None:  # else forgotten: the plane let its opens go
+                    nursery.start_soon(self._supply, job, pool)
+
+    async def _supply(self, job: ViewJob, pool: int) -> None:
+        """An open of ``job``'s waits in the plane on its empty queue of ``pool``: queue
+        the pass's next items there, or decline (the open comes to Python). A failure
+        here declines too: that open, not mountd, meets it."""
+        try:
+            supplied = await self._supplied(job, pool)
+        except Exception:
+            log.exception("view job %s: an open waiting in the native plane is answered "
+                          "through mountd", job.id)
+            supplied = False
+        if not supplied and job.native_id in self._jobs:
+            self.plane.decline(job.native_id, pool)
+
+    async def _supplied(self, job: ViewJob, pool: int) -> bool:
+        """Whether the waiting open's queue was given the items it now serves: the
+        pass's next hits, or where none is cached its next miss, once fetched into the
+        store (chosen as the open comes, as Python's open chooses one; not where the
+        dataset has no room in the store). Nothing where the plane still has items of
+        the pass queued or being opened, as far as mountd knows: Python's open sorts
+        those out. True where no open waits any more (a top-up served it): a pass is
+        begun, or a miss fetched, only for an open that wants it."""
+        if not self.plane.waiting(job.native_id, pool):
+            return True
+        current = job.pass_of(pool)
+        ahead = _depth(job)[0]
+        async with current.lock:
+            if current.native:
+                return False
+            if not current.queue and current.pending.any():
+                await self._plan(job, pool, current, ahead, True)
+            if self._push_hits(job, pool, current, ahead):
+                return True
+            if not current.queue or job.group.mode is CacheMode.NONE:
+                return False
+            miss = current.queue[0]
+        if not await self._load(job, miss):
+            return False  # Python's open takes it, and fetches it (or fails) itself
+        async with current.lock:
+            if not current.queue or current.queue[0] is not miss:
+                return False  # an open through Python took it meanwhile
+            current.queue.popleft()
+            if self._push(job, pool, current, [miss]):
+                return True
+            current.queue.appendleft(miss)
+            return False
+
+    def _push(self, job: ViewJob, pool: int, current: PoolPass, choices: list[Choice]
+              ) -> bool:
+        """Queue ``choices`` of the pass ``current`` in the plane; whether it took them."""
+        if (job.native_id not in self._jobs
+                or not self.plane.push(job.native_id, pool, [c.index for c in choices],
+                                       current.number)):
+            return False
+        current.native.update((c.index, c) for c in choices)
+        return True
+
+    def _push_hits(self, job: ViewJob, pool: int, current: PoolPass, ahead: int) -> bool:
+        """Queue the hits at the head of the pass's queue in the plane, up to ``ahead``
+        there; whether any went (else they stay for Python's opens)."""
+        hits: list[Choice] = []
+        while (current.queue and current.queue[0].hit
+               and len(current.native) + len(hits) < ahead):
+            hits.append(current.queue.popleft())
+        if hits and not self._push(job, pool, current, hits):
+            current.queue.extendleft(reversed(hits))
+            return False
+        return bool(hits)
 
     async def _fill(self, job: ViewJob, pool: int) -> None:
         """Up to ``_depth`` of the job's hits of ``pool`` queued in the plane: its current
@@ -211,18 +305,8 @@ class NativeQueues:
                     # hits only (misses=False)
                     await self._plan(job, pool, current, ahead - len(current.native),
                                      False)
-                hits: list[Choice] = []
-                while (current.queue and current.queue[0].hit
-                       and len(current.native) + len(hits) < ahead):
-                    hits.append(current.queue.popleft())
-                if not hits:
+                if not self._push_hits(job, pool, current, ahead):
                     return
-                if (job.native_id not in self._jobs
-                        or not self.plane.push(job.native_id, pool, [c.index for c in hits],
-                                               current.number)):
-                    current.queue.extendleft(reversed(hits))  # Python's opens take them
-                    return
-                current.native.update((c.index, c) for c in hits)
 
     def drained(self, events: list[Event]) -> None:
         """What the plane did with the queued items: those opened count as opens of
@@ -230,16 +314,20 @@ class NativeQueues:
         again in its pass (handed out at once as a miss, the bucket-bound view fetched
         what a chunk would load for all its jobs a little later)."""
         opened: dict[tuple[int, int], list[tuple[Choice, float]]] = {}
-        for job_id, item, returned, seconds, number in events:
+        for job_id, item, kind, seconds, number in events:
             job = self._jobs.get(job_id)
             if job is None:
                 continue  # forgotten since
+            if kind == NEEDED:  # after what came before it: supplied once that is counted
+                self._needed.append((job_id, item))
+                self._need.set()
+                continue
             pool = int(job.ds.pools.pool_of[item])
             taken = job.native_taken(pool, item, number)
             if taken is None:
                 continue
             current, choice = taken
-            if returned:  # chosen anew: a hit, where cached again by then
+            if kind == RETURNED:  # chosen anew: a hit, where cached again by then
                 job.give_back(current, item)
                 self._gone(job, item)
             else:

@@ -101,7 +101,9 @@ class ViewJob:
     def stats(self) -> dict[str, Any]:
         return {"job": self.id, "dataset": self.ds.name, "uid": self.uid,
                 "identity": self.identity, "counters": dict(self.counters),
-                "pools_in_pass": len(self.pools), "remaining": int(self.need.sum())}
+                "pools_in_pass": len(self.pools), "remaining": int(self.need.sum()),
+                "queued_natively": sum(len(p.native) for passes in (self.pools, self.upcoming)
+                                       for p in passes.values())}
 
     def pass_of(self, pool: int) -> PoolPass:
         """The job's current pass over ``pool``; where the last is used up, the next (the

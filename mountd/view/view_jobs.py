@@ -47,7 +47,7 @@ from mountd.jobs.registry import JobRegistry
 from mountd.view.native_queue import NativeQueues, ViewPlane
 from mountd.view.readahead import JobNeeds, ViewReadahead
 from mountd.view.view_job import Choice, PoolPass, ViewJob
-from quiverfs.counters import FetchCause, ReadCounter, ViewJobCounter
+from quiverfs.counters import FetchCause, ReadCounter, SamplerJobCounter, ViewJobCounter
 from quiverfs.heartbeat import CacheMode, to_wire
 from quiverfs.job_protocol import JOB_ENV
 
@@ -80,12 +80,16 @@ class ViewJobs:
             collections.OrderedDict())  # pid -> (its pgid then, job identity)
         self.readahead = ViewReadahead(services.bulk, services.recency, self._needs)
         self.native: NativeQueues | None = None  # where the native plane serves opens
+        # misses fetched for opens waiting in the native plane: failures, as BulkFetch
+        # counts a sampler job's
+        self._load_counters: collections.Counter[SamplerJobCounter] = collections.Counter()
         self._native_ids = itertools.count(1)
 
     def serve_natively(self, plane: ViewPlane) -> None:
         """From now on, queue jobs' hits in the native plane (mountd.view.native_queue),
         which answers their opens."""
-        self.native = NativeQueues(plane, self._plan, self.opened_natively, self.given_back)
+        self.native = NativeQueues(plane, self._plan, self.opened_natively, self.given_back,
+                                   self._load)
 
     # -- which job ----------------------------------------------------------------------
     async def _identity(self, pid: int) -> tuple[str, int | None]:
@@ -277,6 +281,13 @@ class ViewJobs:
                              for i in fetch)
         self.staging.planned([digest.hash(i) for i in hits])
         self.readahead.wake()
+
+    async def _load(self, job: ViewJob, choice: Choice) -> bool:
+        """Fetch the miss ``choice`` into the store, for an open waiting in the native
+        plane; whether it is there and verified (the plane serves it)."""
+        ds = job.ds
+        await self.bulk.load(ds, [choice.index], self._load_counters, choice.cause)
+        return ds.digest.hash(choice.index) in self.services.store.verified
 
     def given_back(self, job: ViewJob, item: int) -> None:
         """The native plane gave ``item`` back (its file gone, or not the verified one):
