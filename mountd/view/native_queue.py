@@ -12,7 +12,10 @@ is the job's to be served again in its pass, chosen anew like any other it has n
 next pass over a pool is begun once its current one has handed out every item, and its
 hits are queued behind the current one's: the plane serves a queue in order, and a
 later pass's hits only once every item of the pass before was served (one given back
-there is served by Python first).
+there is served by Python first). An open that finds its queue empty waits in the
+plane and asks here (a NEEDED event): the pass's next hits are queued for it, or its
+miss, chosen then and fetched into the store first; else it is declined, and goes
+through Python.
 """
 from __future__ import annotations
 
