@@ -557,21 +557,28 @@ def _opened(queued: tuple[int, int]) -> tuple[int, int, float, int]:
     return queued[0], OPENED, 0.001, queued[1]
 
 
-def _full_view_job() -> tuple:
-    """A view job whose dataset is allotted full, every item cached, its queues in a
-    _Plane: (ds, jobs, the job, the pool of item 0, its members, the plane)."""
+def _native_view_job() -> tuple:
+    """The first of two view jobs, its queues in a _Plane: (ds, group, store, jobs, the
+    job, the pool of item 0, the plane)."""
     ds, group, store, jobs, (first, _), pool = _two_view_jobs()
-    group.jobs = {first.id: first}
-    group.view = dataclasses.replace(group.view, mode=CacheMode.FULL)
     ds.inode_base, ds.counters = 0, collections.Counter()
     store.hit = lambda h: None
     jobs.staging, jobs.stats = Staging(), ReadStats()
-    members = [int(i) for i in ds.pools.members[pool]]
-    group.cached.hold(members)
-    store.held_items |= set(members)
     plane = _Plane()
     jobs.serve_natively(plane)
     jobs.native.created(first)
+    return ds, group, store, jobs, first, pool, plane
+
+
+def _full_view_job() -> tuple:
+    """A view job whose dataset is allotted full, every item cached, its queues in a
+    _Plane: (ds, jobs, the job, the pool of item 0, its members, the plane)."""
+    ds, group, store, jobs, first, pool, plane = _native_view_job()
+    group.jobs = {first.id: first}
+    group.view = dataclasses.replace(group.view, mode=CacheMode.FULL)
+    members = [int(i) for i in ds.pools.members[pool]]
+    group.cached.hold(members)
+    store.held_items |= set(members)
     first.pass_of(pool)  # as the job's first open, through Python, begins it
     return ds, jobs, first, pool, members, plane
 
@@ -646,13 +653,7 @@ def test_a_top_up_of_the_planes_queue_chooses_hits_only_a_miss_is_chosen_at_its_
     keeps a planned item from a chunk's eviction until it is read; one it gives back is
     chosen anew (handed out at once as a miss, the view fetched what a chunk would
     load for every job a little later)."""
-    ds, group, store, jobs, (first, _), pool = _two_view_jobs()
-    ds.inode_base, ds.counters = 0, collections.Counter()
-    store.hit = lambda h: None
-    jobs.staging, jobs.stats = Staging(), ReadStats()
-    plane = _Plane()
-    jobs.serve_natively(plane)
-    jobs.native.created(first)
+    ds, group, store, jobs, first, pool, plane = _native_view_job()
     current = first.pass_of(pool)
     trio.run(jobs.native._fill, first, pool)
     assert not plane.pushed and not current.queue and current.pending.all()
@@ -690,13 +691,7 @@ def test_an_open_waiting_on_an_empty_queue_is_given_a_hit_else_its_miss_once_loa
     one once opened). A fetch that fails is declined: the open comes to Python, which
     finds the miss at the head of the pass's queue and fetches it (or fails) itself.
     With no open waiting any more (a top-up served it), nothing is chosen."""
-    ds, group, store, jobs, (first, _), pool = _two_view_jobs()
-    ds.inode_base, ds.counters = 0, collections.Counter()
-    store.hit = lambda h: None
-    jobs.staging, jobs.stats = Staging(), ReadStats()
-    plane = _Plane()
-    jobs.serve_natively(plane)
-    jobs.native.created(first)
+    ds, group, store, jobs, first, pool, plane = _native_view_job()
     order = [int(i) for i in group.in_order(ds.pools.members[pool], 0)]
     loaded: list[int] = []
 
