@@ -23,10 +23,12 @@ import trio.testing
 from mountd.datasets.pools import ViewPools
 from mountd.fetch.read_stats import ReadStats
 from mountd.fetch.staging import Staging
+from mountd.datasets.mount_table import MountTable
+from mountd.jobs import registry
 from mountd.jobs.dataset_jobs import DatasetJobs
+from mountd.view.native_queue import NEEDED, OPENED, RETURNED
 from mountd.view.readahead import (EVICTION_PAUSE, IN_FLIGHT, MAX_AHEAD, ROUND_ITEMS,
                                    ViewReadahead, next_items)
-from mountd.view.native_queue import NEEDED, OPENED, RETURNED
 from mountd.view.view_job import Choice
 from mountd.view.view_jobs import ViewJob, ViewJobs, identity_from
 from quiverfs import digest as digest_format
@@ -418,6 +420,32 @@ def _two_view_jobs() -> tuple:
     first, second = (ViewJob(f"view:t:0:env:{n}", ds, 0, f"env:{n}", group) for n in "xy")
     group.jobs = {first.id: first, second.id: second}
     return ds, group, store, jobs, (first, second), int(ds.pools.pool_of[0])
+
+
+def test_jobs_that_open_a_dataset_together_wait_for_one_chunk_plan(monkeypatch):
+    """The first opens of several jobs of one dataset, together, make its DatasetJobs
+    (the chunk plan, a loop over every item) once, and all get that one."""
+    d = _classes_digest(8, 100)
+    ds = types.SimpleNamespace(digest=d, pools=ViewPools.of(d), name="t", mean_item_bytes=100)
+    made: list[DatasetJobs] = []
+
+    class Counted(DatasetJobs):
+        def __init__(self, *args: object) -> None:
+            time.sleep(0.05)  # long enough for every job's open to come meanwhile
+            super().__init__(*args)
+            made.append(self)
+    monkeypatch.setattr(registry, "DatasetJobs", Counted)
+    jobs = registry.JobRegistry(MountTable(), trio.CapacityLimiter(4), 400)
+    got: list[DatasetJobs] = []
+
+    async def main() -> None:
+        async def first_open() -> None:
+            got.append(await jobs.group_for(ds))
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(first_open)
+    trio.run(main)
+    assert len(made) == 1 and got == made * 4
 
 
 def test_jobs_take_a_pool_in_one_order_so_that_one_jobs_miss_is_the_others_hit():

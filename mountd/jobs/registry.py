@@ -304,6 +304,9 @@ class JobRegistry:
         self.max_chunk_bytes = max_chunk_bytes  # so that several chunks fit a lone node's cache
         self.jobs: dict[str, Job] = {}
         self.groups: dict[str, DatasetJobs] = {}
+        # per dataset name: held while its DatasetJobs is made, so that the jobs that
+        # open it together wait for one chunk plan, not each compute its own
+        self._making: dict[str, trio.Lock] = collections.defaultdict(trio.Lock)
 
     def create(self, job_id: str, uid: int, gid: int) -> Job:
         if job_id in self.jobs:
@@ -354,14 +357,12 @@ class JobRegistry:
 
     async def group_for(self, ds: MountedDataset) -> DatasetJobs:
         """The DatasetJobs of ``ds``, made (its chunk plan computed) at its first job."""
-        group = self.groups.get(ds.name)
-        if group is None or group.ds is not ds:
-            made = await trio.to_thread.run_sync(
-                DatasetJobs, ds, self.chunk_bytes, self.max_chunk_bytes,
-                limiter=self.limiter)
-            group = self.groups.get(ds.name)  # another job may have made it meanwhile
+        async with self._making[ds.name]:
+            group = self.groups.get(ds.name)
             if group is None or group.ds is not ds:
-                group = self.groups[ds.name] = made
+                group = self.groups[ds.name] = await trio.to_thread.run_sync(
+                    DatasetJobs, ds, self.chunk_bytes, self.max_chunk_bytes,
+                    limiter=self.limiter)
         return group
 
     def remove(self, job: Job) -> None:
@@ -375,6 +376,7 @@ class JobRegistry:
             group.discard(job.id)
 
     def dataset_removed(self, name: str) -> None:
+        self._making.pop(name, None)
         group = self.groups.pop(name, None)
         if group is not None:
             for job in list(group.jobs.values()):
