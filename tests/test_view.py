@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import types
 import wave
@@ -428,10 +429,11 @@ def test_jobs_that_open_a_dataset_together_wait_for_one_chunk_plan(monkeypatch):
     d = _classes_digest(8, 100)
     ds = types.SimpleNamespace(digest=d, pools=ViewPools.of(d), name="t", mean_item_bytes=100)
     made: list[DatasetJobs] = []
+    every_open_came = threading.Event()
 
     class Counted(DatasetJobs):
         def __init__(self, *args: object) -> None:
-            time.sleep(0.05)  # long enough for every job's open to come meanwhile
+            every_open_came.wait(30)  # a plan under way while the other opens come
             super().__init__(*args)
             made.append(self)
     monkeypatch.setattr(registry, "DatasetJobs", Counted)
@@ -444,6 +446,8 @@ def test_jobs_that_open_a_dataset_together_wait_for_one_chunk_plan(monkeypatch):
         async with trio.open_nursery() as nursery:
             for _ in range(4):
                 nursery.start_soon(first_open)
+            await trio.testing.wait_all_tasks_blocked()
+            every_open_came.set()
     trio.run(main)
     assert len(made) == 1 and got == made * 4
 
