@@ -226,13 +226,32 @@ def test_spent_entries_are_evicted_first_even_when_read_or_stored_after_the_mark
     assert store.recency.pending()
     store.recency.record()
     n = 100
-    while len(store) == 25 + n - 100:  # until the first eviction (of CULL_LIMIT)
+    while 25 + n - 100 - len(store) < 3:  # until the third eviction
         store.put(*item(n))
         n += 1
     assert spent[0] not in store and rewritten[0] not in store
     assert wanted_again[0] in store and revived[0] in store
-    # the rest of the eviction went to the least recently used
-    assert items[0][0] not in store and all(d in store for d, _ in items[10:20])
+    # the third went to the least recently used
+    assert items[0][0] not in store and all(d in store for d, _ in items[1:20])
+
+
+def test_an_insert_at_the_bound_evicts_only_the_room_it_needs(tmp_path):
+    """diskcache evicts CULL_LIMIT entries whenever an insert reaches the bound: a
+    store of ten items would lose eight for one. The store evicts the least recently
+    used one at a time, until the new item fits."""
+    small = [item(i) for i in range(11)]
+    store = ContentStore(str(tmp_path / "store"), 10 * len(small[0][1]))
+    try:
+        for digest, data in small:
+            store.put(digest, data)
+        assert len(store) == 10 and small[0][0] not in store  # one went for the 11th
+        large = item(100, 3 * len(small[0][1]))
+        store.put(*large)
+        assert store.volume() == store.size_limit  # three went for it, no more
+        assert [d in store for d, _ in small] == [False] * 4 + [True] * 7
+        assert store.get(large[0]) == large[1]
+    finally:
+        store.close()
 
 
 def test_a_store_as_large_as_its_items_holds_them_all(tmp_path):

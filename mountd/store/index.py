@@ -34,7 +34,7 @@ from mountd.store.value_files import VALUE_SUFFIX, ValueFiles, VerifiedDigests
 log = logging.getLogger(__name__)
 
 # diskcache settings (units in the comments).
-CULL_LIMIT = 8  # items evicted at once when an insert goes over the bound
+CULL_LIMIT = 8  # most items an insert evicts (one at a time, until it fits: _cull)
 # Bytes: values this large and larger are files, smaller ones rows of the index. Every
 # value is a file, even an empty one: the native data plane serves a hit by reading its
 # value file, and a row only Python can read, on the slow path. A store an older
@@ -84,6 +84,16 @@ class ContentBoundCache(diskcache.Cache):
 
     def volume(self) -> int:
         return int(self.reset("size"))
+
+    def _cull(self, now: float, sql: Any, cleanup: Any, limit: int | None = None) -> None:
+        """Evict one entry at a time (by the eviction policy) until the volume is under
+        the bound, at most ``cull_limit``. diskcache's own evicts ``cull_limit`` entries
+        whenever an insert reaches the bound: a small store lost a fifth of what it
+        held at a time (8 of the demo's 40 items), items its jobs still needed."""
+        for _ in range(self.cull_limit if limit is None else limit):
+            if self.volume() < self.size_limit:
+                return
+            super()._cull(now, sql, cleanup, limit=1)
 
 
 @dataclasses.dataclass
