@@ -112,18 +112,23 @@ class BulkFetch:
                 nursery.start_soon(one, i)
 
     async def load(self, ds: MountedDataset, items: list[int],
-                   counters: collections.Counter[SamplerJobCounter], cause: FetchCause) -> None:
+                   counters: collections.Counter[SamplerJobCounter], cause: FetchCause,
+                   waiting: bool = False) -> None:
         """Fetch those of a chunk load's items their owners do not hold into their
         stores, for ``cause``: those this node owns from a GCS bucket in the loader
         processes (while the store can write), the others as ``fetch_all`` does. Items a
         probed job is about to read are left to its read, a real miss (and the only
         fetch of it): when the load begins, and again as a loader process's fetch of it
-        starts (the planning of a probe batch may mark it in between)."""
+        starts (the planning of a probe batch may mark it in between). Where an open
+        waits on them (``waiting``: the view's misses the native plane serves), the
+        processes that fetch are those of the misses readers wait on, not the niced
+        ones of the loads ahead of need (AHEAD_NICENESS)."""
+        pool = self.reader.pool if waiting else self.pool
         pending = self.probed.pending
         items = [i for i in await self._not_held(ds, items)
                  if not pending(ds.digest.hash(i))]
-        source = None if self.pool is None else load_source(ds.backend)
-        if (self.pool is None or source is None or ds.cache_mode is CacheMode.NONE
+        source = None if pool is None else load_source(ds.backend)
+        if (pool is None or source is None or ds.cache_mode is CacheMode.NONE
                 or not self.store.writable()):
             await self._fetch_missing(ds, items, counters, cause)
             return
@@ -133,12 +138,12 @@ class BulkFetch:
             digest = ds.digest.hash(i)
             (mine if self.cluster.other_owner(digest) is None and not kept(digest)
              else theirs).append(i)
-        slots = trio.Semaphore(self.pool.capacity)
+        slots = trio.Semaphore(pool.capacity)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._fetch_missing, ds, theirs, counters, cause)
             for i in mine:
                 await slots.acquire()
-                nursery.start_soon(self._load_one, self.pool, source, ds, i, counters, cause,
+                nursery.start_soon(self._load_one, pool, source, ds, i, counters, cause,
                                    slots)
 
     async def _load_one(self, pool: LoaderPool, source: LoadSource, ds: MountedDataset,

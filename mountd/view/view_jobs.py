@@ -286,7 +286,8 @@ class ViewJobs:
         """Fetch the miss ``choice`` into the store, for an open waiting in the native
         plane; whether it is there and verified (the plane serves it)."""
         ds = job.ds
-        await self.bulk.load(ds, [choice.index], self._load_counters, choice.cause)
+        await self.bulk.load(ds, [choice.index], self._load_counters, choice.cause,
+                             waiting=True)
         return ds.digest.hash(choice.index) in self.services.store.verified
 
     def given_back(self, job: ViewJob, item: int) -> None:
