@@ -80,9 +80,6 @@ class ViewJobs:
             collections.OrderedDict())  # pid -> (its pgid then, job identity)
         self.readahead = ViewReadahead(services.bulk, services.recency, self._needs)
         self.native: NativeQueues | None = None  # where the native plane serves opens
-        # misses fetched for opens waiting in the native plane: failures, as BulkFetch
-        # counts a sampler job's
-        self._load_counters: collections.Counter[SamplerJobCounter] = collections.Counter()
         self._native_ids = itertools.count(1)
 
     def serve_natively(self, plane: ViewPlane) -> None:
@@ -284,10 +281,12 @@ class ViewJobs:
 
     async def _load(self, job: ViewJob, choice: Choice) -> bool:
         """Fetch the miss ``choice`` into the store, for an open waiting in the native
-        plane; whether it is there and verified (the plane serves it)."""
+        plane; whether it is there and verified (the plane serves it). A failed fetch is
+        not counted here: the open, declined, goes to Python, whose read fetches it
+        again and counts what fails."""
         ds = job.ds
-        await self.bulk.load(ds, [choice.index], self._load_counters, choice.cause,
-                             waiting=True)
+        failed: collections.Counter[SamplerJobCounter] = collections.Counter()
+        await self.bulk.load(ds, [choice.index], failed, choice.cause, waiting=True)
         return ds.digest.hash(choice.index) in self.services.store.verified
 
     def given_back(self, job: ViewJob, item: int) -> None:
