@@ -116,7 +116,10 @@ def test_requests_per_file_are_counted_and_each_item_is_one_read(mountd_factory,
         second = _counted_read(m, root, rels, expected, opens)
     # the kernel kept the pages, so no READ, and its attributes (a read-only mount's
     # reads leave them current), so no GETATTR at Python's fstat: without opens,
-    # nothing reaches mountd at all
+    # nothing reaches mountd at all. A few READs may come of a kernel that reclaims
+    # page cache on its own (DAMON's pageout, on this project's machines: 2 of the 40
+    # files once); pages the mount let go of would be every file's.
+    assert second.pop("read", 0) <= len(rels) // 10, second
     assert second == ({"open": opens, "release": opens} if opens else {})
 
 
