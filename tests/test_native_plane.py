@@ -368,7 +368,10 @@ def test_the_plane_drops_the_store_pages_it_brought_in_and_keeps_the_others(
     assert after["hits"] - before["hits"] == 2 * len(rels)
     # kept. Not exactly all: the kernel reclaims a few pages meanwhile (the whole suite
     # before this test saw 3 of 2,376 files' last ranges gone before their READs, which
-    # then brought them in and dropped them; CI saw a file's pages 33 of 37, then 37)
+    # then brought them in and dropped them). A drop of the plane's takes the range its
+    # READ read, here the whole file, so a file it dropped has no page left; one that
+    # lost some of its pages lost them to the kernel's reclaim (CI saw 4 files at 6 of
+    # 10 and 33 of 37 pages, with no drop; DAMON's pageout runs on these machines)
     dropped = after["store_drops"] - before["store_drops"] - len(rels)
-    fewer = [(k, w) for k, w in zip(cached(), whole) if k < w]
-    assert dropped <= len(rels) // 100 and len(fewer) <= dropped, (dropped, fewer)
+    emptied = [(k, w) for k, w in zip(cached(), whole) if k == 0]
+    assert dropped <= len(rels) // 100 and len(emptied) <= dropped, (dropped, emptied)
