@@ -254,6 +254,30 @@ def test_an_insert_at_the_bound_evicts_only_the_room_it_needs(tmp_path):
         store.close()
 
 
+def test_what_a_put_evicts_is_known_gone_without_a_look(tmp_path, sqlite_statements):
+    """Puts say what they evicted, mountd's and a loader process's (``StoreWriter``):
+    the store then knows which entries it holds without asking the index."""
+    directory = str(tmp_path / "store")
+    small = [item(i) for i in range(12)]
+    store = ContentStore(directory, 10 * len(small[0][1]))
+    writer = StoreWriter(directory, 10 * len(small[0][1]))
+    try:
+        for digest, data in small[:11]:
+            store.put(digest, data)  # the eleventh evicts the first
+        file = writer.put(*small[11])  # and a loader process's put, the second
+        culled = writer.take_culled()
+        writer.release()
+        assert culled == [small[1][0]] and writer.take_culled() == []
+        store.stored_elsewhere(small[11][0], file)
+        store.culled(culled)
+        before = len(sqlite_statements)
+        assert [store.files.holds(d) for d, _ in small] == [False] * 2 + [True] * 10
+        assert len(sqlite_statements) == before
+        assert [d in store for d, _ in small] == [False] * 2 + [True] * 10  # as the index says
+    finally:
+        store.close()
+
+
 def test_a_store_as_large_as_its_items_holds_them_all(tmp_path):
     """The bound counts the items' bytes (not the blocks of their files), and an item
     that fills it exactly is kept: a cache sized to a dataset holds the whole dataset."""
@@ -334,6 +358,7 @@ def test_a_store_an_older_version_wrote_serves_its_rows_and_stores_files(tmp_pat
         assert settings(directory)["disk_min_file_size"] == 0
         for digest, data in rows:
             assert store.files.locate(digest) is None  # a row: read through the index
+            assert store.files.holds(digest) is None  # nor can it tell without a look
             assert store.get(digest) == data
         assert store.get(large[0]) == large[1]
         assert store.put(*ours)
@@ -1026,6 +1051,8 @@ def test_the_index_of_value_files_is_bounded_and_keeps_the_most_recent(tmp_path,
 
     try:
         assert known() == [False, False, True, True, True, True]
+        # of those it let go, it cannot tell without a look
+        assert [store.files.holds(d) for d, _ in items] == [None, None] + [True] * 4
         for digest, data in items:  # the others are read through the index
             assert store.get(digest) == data
             assert sum(known()) <= 4

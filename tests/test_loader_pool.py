@@ -12,10 +12,12 @@ from collections.abc import Callable
 
 import diskcache
 import pytest
+import trio
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
-from mountd.fetch.loader_pool import AHEAD_NICENESS
+from mountd.fetch.loader_pool import AHEAD_NICENESS, LoaderPool
+from mountd.fetch.loader_process import LoadSource
 from mountd.store import health as store_health
 from mountd.store.content_store import ContentStore
 from mountd.store.errors import IntegrityError
@@ -163,6 +165,45 @@ def test_mountd_opens_the_index_only_while_no_loader_process_holds_it(tmp_path, 
     assert store.get(digest) == data and store.health().writable
     assert store.check() == []
     store.close()
+
+
+def test_what_loader_processes_evict_mountd_knows_gone_without_a_look(tmp_path, gcs_emulator,
+                                                                     gcs_bucket):
+    """A loader process's put that evicts entries to make room says which: mountd's
+    store then knows, without asking the index, which entries it holds (the view plans
+    its hits so, and a hit planned of an evicted item is an open given back)."""
+    directory = str(tmp_path / "store")
+    datas = [os.urandom(50_000) for _ in range(12)]
+    digests = [hashlib.sha256(d).digest() for d in datas]
+    blobs = bucket(gcs_emulator, gcs_bucket)
+    for n, data in enumerate(datas):
+        blobs.blob(f"o/{n}").upload_from_string(data)
+    store = ContentStore(directory, 5 * 50_000)  # room for five
+    source = LoadSource(f"gs://{gcs_bucket}/o", None, gcs_emulator.host, True, 30.0)
+
+    def agreed() -> bool:
+        with diskcache.Cache(directory) as index:
+            present = set(index.iterkeys())
+        return (len(present) == 5
+                and [store.files.holds(d) for d in digests] == [d in present for d in digests])
+
+    async def load_all() -> None:
+        pool = LoaderPool(1, store, trio.CapacityLimiter(4))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(pool.run)
+            for n, data in enumerate(datas):
+                assert await pool.load(0, source, str(n), 0, len(data), digests[n]) == len(data)
+            with trio.fail_after(SETTLE_TIMEOUT):  # the last put's news follows its reply
+                while not agreed():
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(load_all)
+        assert [store.files.holds(d) for d in digests] == [False] * 7 + [True] * 5
+        assert [store.get(d) for d in digests[7:]] == datas[7:]
+    finally:
+        store.close()
 
 
 @needs_fuse

@@ -388,19 +388,20 @@ class _Store:
 
 
 class _Files:
-    """The store's value files as the view sees them: which were found lately."""
+    """The store's value files as the view sees them: those whose file it knows (found
+    in the store); of the others it cannot tell without a look."""
 
     def __init__(self) -> None:
-        self.lately: set[bytes] = set()
+        self.known: set[bytes] = set()
 
     def seen(self, digest: bytes) -> None:
-        self.lately.add(digest)
+        self.known.add(digest)
 
-    def seen_lately(self, digest: bytes) -> bool:
-        return digest in self.lately
+    def holds(self, digest: bytes) -> bool | None:
+        return True if digest in self.known else None
 
     def forget(self, digest: bytes) -> None:
-        self.lately.discard(digest)
+        self.known.discard(digest)
 
 
 def _two_view_jobs() -> tuple:
@@ -414,7 +415,8 @@ def _two_view_jobs() -> tuple:
     store = _Store(d)
     files = _Files()
     services = types.SimpleNamespace(
-        bulk=store, recency=store, cluster=types.SimpleNamespace(live=lambda: ["node"]),
+        bulk=store, recency=store,
+        cluster=types.SimpleNamespace(live=lambda: ["node"], other_owner=lambda digest: None),
         limiter=None, stats=None, staging=types.SimpleNamespace(planned=lambda hashes: None),
         store=types.SimpleNamespace(files=files))
     jobs = ViewJobs(None, services)
@@ -710,7 +712,7 @@ def test_a_top_up_of_the_planes_queue_chooses_hits_only_a_miss_is_chosen_at_its_
     jobs.services.store.files.seen(ds.digest.hash(order[1]))  # found when planned
     jobs.native.drained([(first.native_id, order[1], RETURNED, 0.0, 0)])
     assert not current.native and not current.queue and first.need[order[1]]
-    assert not jobs.services.store.files.seen_lately(ds.digest.hash(order[1]))
+    assert jobs.services.store.files.holds(ds.digest.hash(order[1])) is None
     assert order[1] in current.pending_items() and order[0] not in current.pending_items()
     trio.run(jobs._plan, first, pool, current)
     assert [(c.index, c.hit) for c in current.queue] == [(order[1], True)]

@@ -13,7 +13,7 @@ started again after RESTART_DELAY; the requests it had in flight end with
 LoaderUnavailable, and their callers fetch those items in mountd instead. The processes
 write into this node's store directory; what they stored, and what they could not, is
 recorded in the store here (``ContentStore.stored_elsewhere``,
-``write_failed_elsewhere``).
+``write_failed_elsewhere``), as is what their puts evicted (``ContentStore.culled``).
 
 A pool's slots (requests in flight) are shared fairly by the uids whose datasets the
 items are of (``mountd.fetch.fair_share``): a uid whose fetches stall holds at most its
@@ -34,8 +34,8 @@ from collections.abc import Callable
 import trio
 
 from mountd.fetch.fair_share import FairSlots
-from mountd.fetch.loader_process import (FRAME_HEADER, Drop, LoadReply, LoadRequest, LoadSource,
-                                         Outcome, Ready)
+from mountd.fetch.loader_process import (FRAME_HEADER, Culled, Drop, LoadReply, LoadRequest,
+                                         LoadSource, Outcome, Ready)
 from mountd.store.content_store import ContentStore
 from quiverfs.backends import Backend
 
@@ -87,11 +87,14 @@ def load_source(backend: Backend) -> LoadSource | None:
 
 class _Process:
     """One running loader process and the requests it has not answered in full: each
-    one's channel of replies (up to two: the bytes, then the store's outcome)."""
+    one's channel of replies (up to two: the bytes, then the store's outcome) and the
+    digest it asked for. What the process stored, and what it evicted to make room, is
+    recorded in ``store`` in the order the process said it."""
 
-    def __init__(self, proc: trio.Process) -> None:
+    def __init__(self, proc: trio.Process, store: ContentStore) -> None:
         self.proc = proc
-        self.pending: dict[int, trio.MemorySendChannel[LoadReply]] = {}
+        self.store = store
+        self.pending: dict[int, tuple[trio.MemorySendChannel[LoadReply], bytes]] = {}
         self.send_lock = trio.Lock()
         self.ready = False  # it said Ready: its imports are done
 
@@ -107,18 +110,24 @@ class _Process:
                 if len(buffer) < end:
                     break
                 with memoryview(buffer) as view:
-                    reply: LoadReply | Ready = pickle.loads(view[start + FRAME_HEADER.size:end])
+                    reply: LoadReply | Culled | Ready = pickle.loads(
+                        view[start + FRAME_HEADER.size:end])
                 start = end
                 if isinstance(reply, Ready):
                     self.ready = True
+                elif isinstance(reply, Culled):
+                    self.store.culled(reply.digests)
                 else:
                     self._deliver(reply)
             del buffer[:start]
 
     def _deliver(self, reply: LoadReply) -> None:
-        replies = self.pending.get(reply.id)
-        if replies is None:
-            return  # its caller has gone (cancelled)
+        entry = self.pending.get(reply.id)
+        if entry is None:
+            return  # abandoned
+        replies, digest = entry
+        if reply.outcome is Outcome.STORED:  # before a later reply's Culled may drop it
+            self.store.stored_elsewhere(digest, reply.file)
         try:
             replies.send_nowait(reply)
         except trio.BrokenResourceError:
@@ -129,7 +138,7 @@ class _Process:
 
     def abandon(self) -> None:
         """End the requests still waiting (with no reply: LoaderUnavailable)."""
-        for replies in self.pending.values():
+        for replies, _ in self.pending.values():
             replies.close()
         self.pending.clear()
 
@@ -191,7 +200,7 @@ class LoaderPool:
                     [sys.executable, "-c", LOADER_MAIN, self.store.directory,
                      str(self.store.size_limit), str(self.threads),
                      str(logging.getLogger().getEffectiveLevel()), str(self.niceness)],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE), self.store)
                 _widen(process.proc.stdout)
             except OSError as exc:
                 log.error("cannot start a loader process: %s: its fetches run in mountd",
@@ -229,8 +238,7 @@ class LoaderPool:
                                                   length, digest))
             with replies:
                 reply = _checked(await _next(replies))
-        if reply.outcome is Outcome.STORED:
-            self.store.stored_elsewhere(digest, reply.file)
+        if reply.outcome is Outcome.STORED:  # recorded in the store as it came
             return reply.nbytes
         await self._write_failed(reply)
         assert reply.data is not None  # an unstored reply to a request not served
@@ -254,20 +262,18 @@ class LoaderPool:
             with replies:
                 reply = _checked(await _next(replies))
                 if not reply.final and self._nursery is not None:
-                    self._nursery.start_soon(self._outcome, replies.clone(), digest, stored)
+                    self._nursery.start_soon(self._outcome, replies.clone(), stored)
                     pending = True
         assert reply.data is not None  # FETCHED
         return reply.data, pending
 
     async def _outcome(self, replies: trio.MemoryReceiveChannel[LoadReply],
-                       digest: bytes, stored: Callable[[], None]) -> None:
+                       stored: Callable[[], None]) -> None:
         """Record what the store made of a served item; then ``stored()``."""
         try:
             with replies:
                 reply = await replies.receive()
-            if reply.outcome is Outcome.STORED:
-                self.store.stored_elsewhere(digest, reply.file)
-            elif reply.outcome in (Outcome.UNSTORED, Outcome.DAMAGED):
+            if reply.outcome in (Outcome.UNSTORED, Outcome.DAMAGED):
                 await self._write_failed(reply)
         except trio.EndOfChannel:
             pass  # the process exited: the item may not be stored, a read looks again
@@ -302,7 +308,7 @@ class LoaderPool:
             raise LoaderUnavailable("mountd is stopping")
         process = await self._a_process()
         send, receive = trio.open_memory_channel[LoadReply](2)
-        process.pending[request.id] = send
+        process.pending[request.id] = (send, request.digest)
         try:
             await self._send(process, request)
         except LoaderUnavailable:

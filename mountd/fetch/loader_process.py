@@ -123,6 +123,14 @@ class LoadReply:
 
 
 @dataclasses.dataclass(frozen=True)
+class Culled:
+    """Entries a put of this process's evicted to make room (its transaction committed),
+    sent after that put's replies."""
+
+    digests: tuple[bytes, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Ready:
     """The process's first message: the GCS client is imported and requests are taken."""
 
@@ -199,12 +207,12 @@ class Loader:
             for backend in self._backends.values():
                 backend.close()
 
-    def _reply(self, reply: LoadReply) -> None:
+    def _reply(self, reply: LoadReply | Culled) -> None:
         with self._out_lock:
             try:
                 write_frame(self.out, reply)
             except BrokenPipeError:
-                log.debug("mountd has gone: request %d stays unanswered", reply.id)
+                log.debug("mountd has gone: %s stays unsaid", reply)
 
     def _drop(self, source: LoadSource, last_id: int) -> None:
         """End the requests for ``source`` up to ``last_id``: those under way fail as
@@ -292,6 +300,9 @@ class Loader:
             self._queued_bytes -= sum(len(data) for _, data in batch)
         for (request, data), outcome in zip(batch, outcomes):
             self._reply(_stored_reply(request, data, outcome))
+        culled = self.writer.take_culled()
+        if culled:
+            self._reply(Culled(tuple(culled)))
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ import dataclasses
 import hashlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
 import google_crc32c
@@ -261,11 +261,13 @@ class ContentStore:
                 self.write_health.failures += 1
                 return False
             index.disk.last_file = None
+            index.cache.culled.clear()
             try:
                 index.cache.set(digest, data, tag=tag)
             except STORE_ERRORS as exc:
                 if index.disk.last_file is not None:
                     index.disk.remove(index.disk.last_file)  # written in part, or unnamed
+                index.cache.culled.clear()  # rolled back
                 self.write_health.failures += 1
                 self.index.write_failed(index, exc, "write")
                 return False
@@ -274,6 +276,7 @@ class ContentStore:
                 self.files.forget(digest)
             else:
                 self.files.learn(digest, index.disk.last_file, tag)
+            self.culled(index.cache.take_culled())  # after: it may be the put's own
         self.verified.add(digest)
         self.recency.stored(digest)
         return True
@@ -293,6 +296,14 @@ class ContentStore:
                     self.write_health.recovered()
             finally:
                 lock.release()
+
+    def culled(self, digests: Iterable[bytes]) -> None:
+        """Entries a put evicted to make room (a loader process's, or one here): their
+        files' places forgotten (``ValueFiles.holds`` then says they are gone). Where
+        the news came late (another process stored one again since), its next read
+        finds it through the index."""
+        for digest in digests:
+            self.files.forget(digest)
 
     def write_failed_elsewhere(self, reason: str, damaged: bool) -> None:
         """Record a put a loader process could not make, as if it were this store's own:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import diskcache
-from diskcache.core import DBNAME, MODE_BINARY, UNKNOWN
+from diskcache.core import DBNAME, EVICTION_POLICY, MODE_BINARY, UNKNOWN
 
 from mountd.store.errors import (STORE_ERRORS, IndexDamaged, StoreBusy, damage_raised,
                                  describe, is_damage)
@@ -85,15 +85,34 @@ class ContentBoundCache(diskcache.Cache):
     def volume(self) -> int:
         return int(self.reset("size"))
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # the keys evicted (``_cull``), for the writer to report once its transaction
+        # commits (``take_culled``)
+        self.culled: list[bytes] = []
+
     def _cull(self, now: float, sql: Any, cleanup: Any, limit: int | None = None) -> None:
         """Evict one entry at a time (by the eviction policy) until the volume is under
-        the bound, at most ``cull_limit``. diskcache's own evicts ``cull_limit`` entries
-        whenever an insert reaches the bound: a small store lost a fifth of what it
-        held at a time (8 of the demo's 40 items), items its jobs still needed."""
+        the bound, at most ``cull_limit``, noting each one's key. diskcache's own evicts
+        ``cull_limit`` entries whenever an insert reaches the bound: a small store lost
+        a fifth of what it held at a time (8 of the demo's 40 items), items its jobs
+        still needed. The victim's key is selected by the very statement diskcache
+        selects its file and deletes its row by, in the same transaction."""
+        victim = EVICTION_POLICY[self.eviction_policy]["cull"]
         for _ in range(self.cull_limit if limit is None else limit):
             if self.volume() < self.size_limit:
                 return
+            row = (sql(victim.format(fields="key, raw", now=now), (1,)).fetchone()
+                   if victim is not None else None)
             super()._cull(now, sql, cleanup, limit=1)
+            if row is not None and row[1] and isinstance(row[0], bytes):
+                self.culled.append(row[0])
+
+    def take_culled(self) -> list[bytes]:
+        """The keys evicted since the last call (call it once their transaction has
+        committed; ``culled.clear()`` where it rolled back)."""
+        culled, self.culled = self.culled, []
+        return culled
 
 
 @dataclasses.dataclass
@@ -169,6 +188,9 @@ class StoreIndex:
                 with con:  # items kept in SQLite by a version that counted them as 0
                     con.execute("UPDATE Cache SET size = length(value) "
                                 "WHERE filename IS NULL AND size = 0 AND value IS NOT NULL")
+                (rows,) = con.execute("SELECT EXISTS (SELECT 1 FROM Cache "
+                                      "WHERE filename IS NULL)").fetchone()
+                files.complete = files.complete and not rows  # a row's entry has no file
         except BaseException:
             index.close()
             raise
@@ -372,7 +394,7 @@ class StoreIndex:
             index.close()
 
 
-def open_cache(directory: str, size_limit: int) -> diskcache.Cache:
+def open_cache(directory: str, size_limit: int) -> ContentBoundCache:
     """The index's writing handle, with the store's settings (IndexDamaged if SQLite
     finds it damaged)."""
     with damage_raised():

@@ -58,6 +58,11 @@ class ValueFiles:
     older, and the older is forgotten; an entry of the older that is read moves to the
     newer.
 
+    It is ``complete`` while it has never let go of an entry it was told of but for an
+    eviction or a drop: puts here and in loader processes tell it what they store and
+    what they evict (``ContentStore.culled``), so it then knows every value file of
+    the store (``holds``).
+
     It also knows which entries were found in the store lately (``seen``,
     ``seen_lately``), in two generations of SEEN_LATELY_S seconds each."""
 
@@ -65,6 +70,7 @@ class ValueFiles:
         self._prefix = os.fsencode(directory) + b"/"
         self._new: dict[bytes, int] = {}
         self._old: dict[bytes, int] = {}
+        self.complete = True
         self._seen_new: set[bytes] = set()
         self._seen_old: set[bytes] = set()
         self._seen_since = self._seen_old_since = time.monotonic()  # when each began
@@ -99,8 +105,17 @@ class ValueFiles:
 
     def _add(self, digest: bytes, entry: int) -> None:
         if len(self._new) >= MAX_KNOWN_FILES // 2:
+            self.complete = self.complete and not self._old
             self._old, self._new = self._new, {}
         self._new[digest] = entry
+
+    def holds(self, digest: bytes) -> bool | None:
+        """Whether the store holds ``digest``'s entry, as far as known without asking
+        the index (a hint: a file may go or come meanwhile): True where its value file
+        is known, False where every one is (``complete``) and it is not; else None."""
+        if digest in self._new or digest in self._old:
+            return True
+        return False if self.complete else None
 
     def seen(self, digest: bytes) -> None:
         """``digest``'s entry was just found in the store (read, or its file opened)."""
@@ -134,13 +149,16 @@ class ValueFiles:
         self._seen_old.discard(digest)
 
     def clear(self) -> None:
+        """Forget every entry: the store is emptied, or closed until it is opened again."""
         self._new, self._old = {}, {}
         self._seen_new, self._seen_old = set(), set()
+        self.complete = True
 
     def adopt(self, listed: ValueFiles) -> None:
         """Know what ``listed`` (read from a newly opened index) knows, and nothing else."""
         self._new, self._old = listed._new, listed._old
         self._seen_new, self._seen_old = set(), set()
+        self.complete = listed.complete
 
 
 class VerifiedWatcher(Protocol):

@@ -6,12 +6,11 @@ import fcntl
 import hashlib
 from collections.abc import Sequence
 
-import diskcache
 import google_crc32c
 
 from mountd.store.errors import (STORE_ERRORS, IndexDamaged, IntegrityError, StoreError,
                                  damage_raised, describe)
-from mountd.store.index import TrackedDisk, directory_lock, open_cache
+from mountd.store.index import ContentBoundCache, TrackedDisk, directory_lock, open_cache
 from mountd.store.value_files import ValueFile
 
 
@@ -27,7 +26,7 @@ class StoreWriter:
         self.directory = directory
         self.size_limit = size_limit
         self._lock: contextlib.ExitStack | None = None
-        self._cache: diskcache.Cache | None = None
+        self._cache: ContentBoundCache | None = None
 
     def put(self, digest: bytes, data: bytes) -> ValueFile | None:
         """Store ``data`` under ``digest`` after checking that it hashes to it; its value
@@ -53,6 +52,7 @@ class StoreWriter:
         disk: TrackedDisk = cache.disk
         files: list[ValueFile | None] = []
         disk.last_file = None
+        cache.culled.clear()
         try:
             with damage_raised(), cache.transact():
                 for digest, data in items:
@@ -68,12 +68,17 @@ class StoreWriter:
                 names.add(disk.last_file)
             for name in names:
                 disk.remove(name)
+            cache.culled.clear()  # rolled back with the rest
             self.release()
             error = exc if isinstance(exc, StoreError) else StoreError(describe(exc))
             return [error] * len(items)
         return files
 
-    def _acquire(self) -> diskcache.Cache:
+    def take_culled(self) -> list[bytes]:
+        """The digests the last ``put_many`` evicted to make room (committed with it)."""
+        return self._cache.take_culled() if self._cache is not None else []
+
+    def _acquire(self) -> ContentBoundCache:
         if self._cache is not None:
             return self._cache
         lock = contextlib.ExitStack()

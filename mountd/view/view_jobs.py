@@ -291,22 +291,27 @@ class ViewJobs:
 
     def given_back(self, job: ViewJob, item: int) -> None:
         """The native plane gave ``item`` back (its file gone, or not the verified one):
-        it is no longer taken as held for having been found lately (``_held``)."""
+        its file is forgotten, so that it is no longer taken as held (``_held``)."""
         self.services.store.files.forget(job.ds.digest.hash(item))
 
     async def _held(self, hashes: list[bytes]) -> list[bool]:
-        """Which of ``hashes`` are held: those found in the store here in the last
-        seconds (``ValueFiles.seen_lately``, as the sampler's planner takes them) without
-        a look; the rest looked up (a worker thread's, or a peer's). One evicted since is
-        fetched where Python opens it (as one evicted after its look is), and given back
-        by the native plane, which opens its file first."""
-        files = self.services.store.files
-        known = [files.seen_lately(h) for h in hashes]
-        if all(known):
-            return known
-        asked = [h for h, k in zip(hashes, known) if not k]
+        """Which of ``hashes`` are held: those whose value file the store here knows,
+        and where it knows every one (``ValueFiles.holds``: each put's and each
+        eviction's news reach it), those of this node's that it does not, without a
+        look; the rest looked up (a worker thread's, or a peer's). One evicted since
+        is fetched where Python opens it (as one evicted after its look is), and given
+        back by the native plane, which opens its file first."""
+        files, other_owner = self.services.store.files, self.cluster.other_owner
+        known: list[bool | None] = []
+        for h in hashes:
+            held = files.holds(h)
+            # a peer's item not here: its owner is asked
+            known.append(None if held is False and other_owner(h) is not None else held)
+        asked = [h for h, k in zip(hashes, known) if k is None]
+        if not asked:
+            return [bool(k) for k in known]
         found = iter(await self.bulk.held(asked))
-        return [k or next(found) for k in known]
+        return [next(found) if k is None else k for k in known]
 
     def _taken(self, job: ViewJob, pool: int, choice: Choice) -> Choice:
         """``choice``, as an open of ``job``'s takes it from its queue: a hit that no
