@@ -21,7 +21,7 @@ import pytest
 from mountd.control.metrics import MountdCollector
 from mountd.datasets.mount_table import MountTable
 from mountd.jobs.registry import JobRegistry
-from mountd.store import background_writes, content_store, index
+from mountd.store import background_writes, content_store, disk_cache, index
 from mountd.store import health as store_health
 from mountd.store import value_files as known_files
 from mountd.store.content_store import VERIFY_ON_LOOP_MAX, ContentStore
@@ -65,8 +65,8 @@ def old_store(directory: str, items: list[tuple[bytes, bytes]]) -> None:
     for DISK_MIN_FILE_SIZE, so items under OLD_MIN_FILE_SIZE are rows of the index (and
     its Settings table says so), larger ones value files."""
     with pytest.MonkeyPatch.context() as older:
-        older.setattr(index, "DISK_MIN_FILE_SIZE", OLD_MIN_FILE_SIZE)
-        cache = index.open_cache(directory, 64 << 20)
+        older.setattr(disk_cache, "DISK_MIN_FILE_SIZE", OLD_MIN_FILE_SIZE)
+        cache = disk_cache.open_cache(directory, 64 << 20)
     with cache:
         for digest, data in items:
             cache.set(digest, data, tag=google_crc32c.value(data))
@@ -545,7 +545,7 @@ def test_an_index_that_cannot_be_read_fails_the_read(tmp_path, monkeypatch):
 
         for name in ("get", "__contains__", "__len__"):
             monkeypatch.setattr(diskcache.Cache, name, failing_get)
-        monkeypatch.setattr(index.ContentBoundCache, "volume", failing_get)
+        monkeypatch.setattr(disk_cache.ContentBoundCache, "volume", failing_get)
         with pytest.raises(StoreError, match="disk I/O error"):
             store.get(digest)
         assert store.get(in_file[0]) == in_file[1]  # its file is known: no query
@@ -1092,16 +1092,16 @@ def test_a_loader_process_stores_a_batch_in_one_transaction_or_none_of_it(
 
     failing = [item(60 + i) for i in range(3)]
     written = 0
-    store_value = index.TrackedDisk.store
+    store_value = disk_cache.TrackedDisk.store
 
-    def full_on_the_third(self, value, read, key=index.UNKNOWN):
+    def full_on_the_third(self, value, read, key=disk_cache.UNKNOWN):
         nonlocal written
         written += 1
         if written == 3:
             raise OSError(errno.ENOSPC, "No space left on device")
         return store_value(self, value, read, key=key)
 
-    monkeypatch.setattr(index.TrackedDisk, "store", full_on_the_third)
+    monkeypatch.setattr(disk_cache.TrackedDisk, "store", full_on_the_third)
     outcomes = writer.put_many(failing)
     assert written == 3
     assert all(isinstance(o, StoreError) for o in outcomes)

@@ -9,15 +9,16 @@ that fails without waiting for a read to find it (``scrub``: what it counted).
 
 A hit costs no SQLite query: the store keeps in memory where each value file is and
 its tag (``mountd.store.value_files``), read from the index once at open and kept by
-its own writes and by the loader processes' replies. A hit whose pages are in the page
+its own writes and by the loader processes' replies, evictions included: so it also
+knows which entries it holds (``ValueFiles.holds``). A hit whose pages are in the page
 cache is served on mountd's loop (``get_nowait``) without a worker thread.
 
 The parts: ``StoreIndex`` opens, checks and rebuilds the index (``mountd.store.index``);
 ``WriteHealth`` knows whether it can write (``mountd.store.health``); ``Recency``
 writes the hits' recency and the spent marks (``mountd.store.recency``). A bad disk
 costs reads, never the daemon. Loader processes write into the same directory through
-a ``StoreWriter`` (``mountd.store.writer``); mountd records what they stored and could
-not store (``stored_elsewhere``, ``write_failed_elsewhere``).
+a ``StoreWriter`` (``mountd.store.writer``); mountd records what they stored, evicted
+and could not store (``stored_elsewhere``, ``culled``, ``write_failed_elsewhere``).
 """
 from __future__ import annotations
 

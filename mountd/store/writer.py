@@ -10,7 +10,7 @@ import google_crc32c
 
 from mountd.store.errors import (STORE_ERRORS, IndexDamaged, IntegrityError, StoreError,
                                  damage_raised, describe)
-from mountd.store.index import ContentBoundCache, TrackedDisk, directory_lock, open_cache
+from mountd.store.disk_cache import ContentBoundCache, TrackedDisk, directory_lock, open_cache
 from mountd.store.value_files import ValueFile
 
 
