@@ -64,7 +64,7 @@ class ValueFiles:
     the store (``holds``).
 
     It also knows which entries were found in the store lately (``seen``,
-    ``seen_lately``), in two generations of SEEN_LATELY_S seconds each."""
+    ``leading_seen``), in two generations of SEEN_LATELY_S seconds each."""
 
     def __init__(self, directory: str) -> None:
         self._prefix = os.fsencode(directory) + b"/"
@@ -126,14 +126,11 @@ class ValueFiles:
             self._seen_new, self._seen_since = set(), now
         self._seen_new.add(digest)
 
-    def seen_lately(self, digest: bytes) -> bool:
-        """Whether ``digest``'s entry was found at most 2 × SEEN_LATELY_S seconds ago (and
-        not forgotten since): a generation vouches while it began less than that ago."""
-        return self.leading_seen((digest,)) == 1
-
     def leading_seen(self, digests: Sequence[bytes], start: int = 0) -> int:
-        """How many of ``digests`` from ``start`` on were ``seen_lately``, up to the first
-        that was not (a segment's thousands, with the clock read once)."""
+        """How many of ``digests`` from ``start`` on were found at most 2 × SEEN_LATELY_S
+        seconds ago (and not forgotten since), up to the first that was not (a segment's
+        thousands, with the clock read once): a generation vouches while it began less
+        than that ago."""
         now = time.monotonic()
         new = self._seen_new if now - self._seen_since < 2 * SEEN_LATELY_S else set()
         old = self._seen_old if now - self._seen_old_since < 2 * SEEN_LATELY_S else set()
