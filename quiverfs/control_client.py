@@ -45,8 +45,7 @@ def call(socket_path: str, request: dict[str, Any], root: str = "",
                          ExitCode.DAEMON) from None
     try:
         with sock:
-            sock.sendall(wire.pack(request))
-            reply = wire.sock_recv_msg(sock)
+            reply = exchange(sock, request)
     except (OSError, EOFError, wire.FrameError) as exc:
         raise QuietError(f"mountd for {where} did not answer: {exc}", ExitCode.DAEMON) from None
     op = request.get("op")
@@ -55,6 +54,17 @@ def call(socket_path: str, request: dict[str, Any], root: str = "",
     if not reply["ok"]:
         raise _refusal(reply, op)
     return reply
+
+
+def exchange(sock: socket.socket, request: dict[str, Any]) -> Any:
+    """Send ``request`` on a connected control socket and read the reply. mountd answers
+    a connection it refuses (too many from one uid) and closes it without reading: a
+    send that finds it closed may have the refusal waiting, so read it all the same."""
+    try:
+        sock.sendall(wire.pack(request))
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the refusal, if it came, is read next; else the read finds the close
+    return wire.sock_recv_msg(sock)
 
 
 def typed(reply: dict[str, Any], kind: type[T], op: str) -> T:

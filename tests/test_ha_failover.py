@@ -122,10 +122,12 @@ def test_sigkill_of_the_leader_mid_epoch_the_standby_leads_and_jobs_read_on(
     assert time.monotonic() - kill <= 2 * TTL
     after = status(standby)
     # no chunk cycle goes back: the new leader resumes at the generation it was killed in
-    # (or later), with the chunks it had resident, and counts no node dead
+    # (or later), with the chunks it had resident, and counts no node dead. The cycle may
+    # move on between the status and the kill: a mark bumps the generation, an eviction
+    # of a marked chunk does not (one CI run saw [2] marked before and none after).
     assert cycle(after)["generation"] >= cycle(before)["generation"]
     if cycle(after)["generation"] == cycle(before)["generation"]:
-        assert cycle(after)["marked"] == cycle(before)["marked"]
+        assert set(cycle(after)["marked"]) <= set(cycle(before)["marked"])
         if cycle(after)["mode"] == cycle(before)["mode"]:  # no allocation change
             kept = set(cycle(before)["resident"]) - set(cycle(before)["marked"])
             assert kept <= set(cycle(after)["resident"])

@@ -115,8 +115,7 @@ async def test_a_reply_that_cannot_be_sent_is_an_error_and_the_server_goes_on(tm
 
 
 def echo_on(s: socket.socket) -> dict[str, Any]:
-    s.sendall(wire.pack({"op": "echo"}))
-    return wire.sock_recv_msg(s)
+    return control_client.exchange(s, {"op": "echo"})
 
 
 def hold_connections_as(uid: int, path: str, n: int) -> dict[str, Any]:
@@ -153,6 +152,20 @@ async def test_one_uid_cannot_take_all_control_connections(shared_workdir):
         reply = await trio.to_thread.run_sync(control_client.call, path, {"op": "echo"})
         assert reply["uid"] == 0
         nursery.cancel_scope.cancel()
+
+
+
+def test_a_refusal_sent_before_the_request_is_read_reaches_the_client():
+    """mountd answers a connection over its uid's limit and closes it unread: a client
+    whose send comes after the close (EPIPE) still reads the refusal (it failed as
+    'Broken pipe' in one CI run, from a test that holds connections)."""
+    client, server = socket.socketpair(socket.AF_UNIX)
+    with client, server:
+        refusal = {"ok": False, "error": "too many control connections open",
+                   "code": int(ExitCode.DAEMON)}
+        server.sendall(wire.pack(refusal))
+        server.close()
+        assert control_client.exchange(client, {"op": "echo"}) == refusal
 
 
 MiB = 1 << 20
