@@ -154,7 +154,6 @@ async def test_one_uid_cannot_take_all_control_connections(shared_workdir):
         nursery.cancel_scope.cancel()
 
 
-
 def test_a_refusal_sent_before_the_request_is_read_reaches_the_client():
     """mountd answers a connection over its uid's limit and closes it unread: a client
     whose send comes after the close (EPIPE) still reads the refusal (it failed as
