@@ -262,13 +262,12 @@ class ContentStore:
                 self.write_health.failures += 1
                 return False
             index.disk.last_file = None
-            index.cache.culled.clear()
             try:
-                index.cache.set(digest, data, tag=tag)
+                with index.cache.noting_culls() as evicted:
+                    index.cache.set(digest, data, tag=tag)
             except STORE_ERRORS as exc:
                 if index.disk.last_file is not None:
                     index.disk.remove(index.disk.last_file)  # written in part, or unnamed
-                index.cache.culled.clear()  # rolled back
                 self.write_health.failures += 1
                 self.index.write_failed(index, exc, "write")
                 return False
@@ -277,7 +276,7 @@ class ContentStore:
                 self.files.forget(digest)
             else:
                 self.files.learn(digest, index.disk.last_file, tag)
-            self.culled(index.cache.take_culled())  # after: it may be the put's own
+            self.culled(evicted)  # after: it may be the put's own
         self.verified.add(digest)
         self.recency.stored(digest)
         return True

@@ -64,9 +64,7 @@ class ContentBoundCache(diskcache.Cache):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # the keys evicted (``_cull``), for the writer to report once its transaction
-        # commits (``take_culled``)
-        self.culled: list[bytes] = []
+        self._culled: list[bytes] = []  # the keys ``_cull`` evicted (``noting_culls``)
 
     def volume(self) -> int:
         return int(self.reset("size"))
@@ -86,13 +84,20 @@ class ContentBoundCache(diskcache.Cache):
                    if victim is not None else None)
             super()._cull(now, sql, cleanup, limit=1)
             if row is not None and row[1] and isinstance(row[0], bytes):
-                self.culled.append(row[0])
+                self._culled.append(row[0])
 
-    def take_culled(self) -> list[bytes]:
-        """The keys evicted since the last call (call it once their transaction has
-        committed; ``culled.clear()`` where it rolled back)."""
-        culled, self.culled = self.culled, []
-        return culled
+    @contextlib.contextmanager
+    def noting_culls(self) -> Iterator[list[bytes]]:
+        """Note the keys the puts inside evict to make room: the list it gives gets them
+        once the block ends and their transaction has committed; where the block raises
+        (rolled back), it stays empty."""
+        self._culled = []
+        evicted: list[bytes] = []
+        try:
+            yield evicted
+            evicted.extend(self._culled)
+        finally:
+            self._culled = []
 
 
 def open_cache(directory: str, size_limit: int) -> ContentBoundCache:

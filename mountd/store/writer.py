@@ -27,6 +27,7 @@ class StoreWriter:
         self.size_limit = size_limit
         self._lock: contextlib.ExitStack | None = None
         self._cache: ContentBoundCache | None = None
+        self._evicted: list[bytes] = []  # by the last put_many, committed with it
 
     def put(self, digest: bytes, data: bytes) -> ValueFile | None:
         """Store ``data`` under ``digest`` after checking that it hashes to it; its value
@@ -52,9 +53,8 @@ class StoreWriter:
         disk: TrackedDisk = cache.disk
         files: list[ValueFile | None] = []
         disk.last_file = None
-        cache.culled.clear()
         try:
-            with damage_raised(), cache.transact():
+            with cache.noting_culls() as self._evicted, damage_raised(), cache.transact():
                 for digest, data in items:
                     tag = google_crc32c.value(data)
                     disk.last_file = None
@@ -68,7 +68,6 @@ class StoreWriter:
                 names.add(disk.last_file)
             for name in names:
                 disk.remove(name)
-            cache.culled.clear()  # rolled back with the rest
             self.release()
             error = exc if isinstance(exc, StoreError) else StoreError(describe(exc))
             return [error] * len(items)
@@ -76,7 +75,8 @@ class StoreWriter:
 
     def take_culled(self) -> list[bytes]:
         """The digests the last ``put_many`` evicted to make room (committed with it)."""
-        return self._cache.take_culled() if self._cache is not None else []
+        evicted, self._evicted = self._evicted, []
+        return evicted
 
     def _acquire(self) -> ContentBoundCache:
         if self._cache is not None:
