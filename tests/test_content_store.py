@@ -256,7 +256,8 @@ def test_an_insert_at_the_bound_evicts_only_the_room_it_needs(tmp_path):
 
 def test_what_a_put_evicts_is_known_gone_without_a_look(tmp_path, sqlite_statements):
     """Puts say what they evicted, mountd's and a loader process's (``StoreWriter``):
-    the store then knows which entries it holds without asking the index."""
+    the store then knows which entries it holds without asking the index, and keeps the
+    news, in order, for the view."""
     directory = str(tmp_path / "store")
     small = [item(i) for i in range(12)]
     store = ContentStore(directory, 10 * len(small[0][1]))
@@ -274,6 +275,7 @@ def test_what_a_put_evicts_is_known_gone_without_a_look(tmp_path, sqlite_stateme
         assert [store.files.holds(d) for d, _ in small] == [False] * 2 + [True] * 10
         assert len(sqlite_statements) == before
         assert [d in store for d, _ in small] == [False] * 2 + [True] * 10  # as the index says
+        assert list(store.evictions) == [small[0][0], small[1][0]]  # the view's news
     finally:
         store.close()
 

@@ -328,6 +328,19 @@ def test_pools_are_a_folder_and_an_extension_and_unlabelled_items_stand_alone():
                       ["b/sub/1.jpg", "b/sub/2.jpg"], ["top.jpg"]]
 
 
+def test_the_items_of_an_evicted_hash_are_found_by_it_every_copy():
+    """Which items the store's news of an evicted hash is: each copy of a content the
+    digest lists twice, none for a hash it does not list (its first 8 bytes included)."""
+    paths = [f"c/{k}.jpg" for k in range(6)]
+    contents = [hashlib.sha256(bytes([k % 5])).digest() for k in range(6)]  # 0 and 5 alike
+    d = digest_format.decode(digest_format.encode(
+        "t", "file:///x", [digest_format.NewItem(p, h, 10) for p, h in zip(paths, contents)]))
+    pools = ViewPools.of(d)
+    near = contents[3][:8] + bytes(24)  # another content, the same first 8 bytes
+    assert sorted(pools.items_with(d, [contents[0], contents[3], near, b"short"])) == [0, 3, 5]
+    assert len(pools.items_with(d, [])) == 0 and len(pools.items_with(d, [near])) == 0
+
+
 def _classes_digest(per_class: int, size: int, classes: str = "ab") -> digest_format.Digest:
     items = [digest_format.NewItem(f"{c}/{k}.jpg", hashlib.sha256(f"{c}{k}".encode()).digest(),
                                    size)
@@ -418,7 +431,7 @@ def _two_view_jobs() -> tuple:
         bulk=store, recency=store,
         cluster=types.SimpleNamespace(live=lambda: ["node"], other_owner=lambda digest: None),
         limiter=None, stats=None, staging=types.SimpleNamespace(planned=lambda hashes: None),
-        store=types.SimpleNamespace(files=files))
+        store=types.SimpleNamespace(files=files, evictions=collections.deque()))
     jobs = ViewJobs(None, services)
     first, second = (ViewJob(f"view:t:0:env:{n}", ds, 0, f"env:{n}", group) for n in "xy")
     group.jobs = {first.id: first, second.id: second}
@@ -486,6 +499,28 @@ def test_jobs_take_a_pool_in_one_order_so_that_one_jobs_miss_is_the_others_hit()
     assert (own.index, own.keep) == (order[1], True)
     (last,) = trio.run(plan, first)
     assert (last.index, last.hit, last.keep) == (order[1], False, False)
+
+
+def test_the_stores_evictions_reach_what_the_view_takes_to_be_cached():
+    """What a put evicted reaches the view as news: its items are forgotten without a
+    look in the store (its readahead's room is then true), as a needed item's eviction;
+    a spent item's eviction, or another dataset's, changes nothing else."""
+    ds, group, store, jobs, (first, second), pool = _two_view_jobs()
+    jobs.jobs = {("t", 0, job.identity): job for job in (first, second)}
+    order = [int(i) for i in group.in_order(ds.pools.members[pool], 0)]
+    group.cached.hold(order[:3])
+    group.cached.spend(order[2:3])  # both jobs have had it
+    evicted_at = group.cached.evicted_at
+    news = jobs.services.store.evictions
+    news.extend([ds.digest.hash(order[2]), hashlib.sha256(b"elsewhere").digest()])
+    jobs._needs()
+    assert not news and group.cached.bytes == 200 and group.cached.evicted_at == evicted_at
+    assert not group.cached.findable(np.asarray(order[2:3])).any()  # not looked for again
+    news.append(ds.digest.hash(order[0]))
+    jobs._needs()
+    assert not group.cached.cached[order[0]] and group.cached.bytes == 100
+    assert group.cached.evicted_at > evicted_at  # a needed item: the readahead pauses
+    assert group.cached.cached[order[1]]
 
 
 def test_a_planned_hit_is_spent_when_the_last_job_opens_it_not_when_planned():

@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from quiverfs.digest import Digest
+from quiverfs.digest_checks import HASH_LEN
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -38,6 +39,10 @@ class ViewPools:
     pool_of: np.ndarray  # int32 per item
     members: PoolMembers  # item indices per pool
     shared: np.ndarray  # bool per item: its pool has others (it may be substituted)
+    # the items by their hash's first 8 bytes (as uint64), and those keys in that order:
+    # which items a digest the store evicted is (``items_with``)
+    by_hash: np.ndarray
+    hash_keys: np.ndarray
 
     @classmethod
     def of(cls, digest: Digest) -> ViewPools:
@@ -56,9 +61,32 @@ class ViewPools:
         order = np.argsort(pool_of, kind="stable").astype(np.int64, copy=False)
         bounds = np.searchsorted(pool_of[order], np.arange(len(keys) + 1))
         shared = np.diff(bounds)[pool_of] > 1
-        for array in (pool_of, order, bounds, shared):
+        keys = _hash_words(digest.hashes)[:, 0]
+        by_hash = np.argsort(keys, kind="stable")
+        hash_keys = keys[by_hash]
+        for array in (pool_of, order, bounds, shared, by_hash, hash_keys):
             array.flags.writeable = False
-        return cls(pool_of, PoolMembers(order, bounds), shared)
+        return cls(pool_of, PoolMembers(order, bounds), shared, by_hash, hash_keys)
+
+    def items_with(self, digest: Digest, hashes: Sequence[bytes]) -> np.ndarray:
+        """The items of ``digest`` (these pools') whose content hashes to one of
+        ``hashes``: every copy where the digest lists one content twice."""
+        hashes = [h for h in hashes if len(h) == HASH_LEN]
+        wanted = _hash_words(b"".join(hashes))
+        low = np.searchsorted(self.hash_keys, wanted[:, 0], "left")
+        counts = np.searchsorted(self.hash_keys, wanted[:, 0], "right") - low
+        # each wanted hash against every item whose first 8 bytes match it (one, nearly
+        # always), all 32 bytes compared
+        which = np.repeat(np.arange(len(wanted)), counts)
+        starts = np.repeat(low - (np.cumsum(counts) - counts), counts)
+        items = self.by_hash[starts + np.arange(len(which))]
+        same = (_hash_words(digest.hashes)[items] == wanted[which]).all(axis=1)
+        return items[same].astype(np.int64, copy=False)
+
+
+def _hash_words(hashes: bytes | memoryview) -> np.ndarray:
+    """The 32-byte hashes laid end to end, as rows of four uint64 (no copy)."""
+    return np.frombuffer(hashes, dtype=np.uint64).reshape(-1, HASH_LEN // 8)
 
 
 def has_labels(digest: Digest) -> bool:

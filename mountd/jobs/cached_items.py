@@ -3,8 +3,9 @@ store: the view looks for hits among these items only, and its readahead keeps t
 bytes within the dataset's allotment.
 
 Taken to be cached: the loading and loaded chunks' items (less those evicted), and what
-the view fetched that its jobs still need. The store's LRU evicts without telling, so a
-look in the store that does not find an item forgets it. Items the view's jobs have all
+the view fetched that its jobs still need. The store's LRU evictions reach it as news
+(``evicted``, from ``ContentStore.evictions``), and a look in the store that does not
+find an item forgets it too (news beyond the store's bound is lost). Items the view's jobs have all
 had (*spent*) are the store's first to evict, yet may be found until then: a job that
 starts its next pass over their pool looks for them too.
 """
@@ -51,6 +52,13 @@ class CachedItems:
         gone = items_[~found & ~self.coming[items_]]
         self.spent[items_] = False
         if len(self._set(gone, False)):
+            self.evicted_at, self.evicted_bytes = time.monotonic(), self.bytes
+
+    def evicted(self, items: np.ndarray) -> None:
+        """Items the store evicted: neither cached nor on their way (the view takes the
+        news just before it holds items, so that none is older than a fetch begun)."""
+        self.coming[items] = self.spent[items] = False
+        if len(self._set(items, False)):
             self.evicted_at, self.evicted_bytes = time.monotonic(), self.bytes
 
     def spend(self, items: list[int]) -> None:

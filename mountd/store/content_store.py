@@ -22,6 +22,7 @@ and could not store (``stored_elsewhere``, ``culled``, ``write_failed_elsewhere`
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import logging
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 # is hashed on mountd's loop, which costs the loop less than handing it to a worker
 # thread; a larger one is hashed in a worker.
 VERIFY_ON_LOOP_MAX = 32 << 10
+EVICTION_NEWS = 1 << 16  # the latest evictions kept for ``ContentStore.evictions``
 
 
 @dataclasses.dataclass
@@ -71,6 +73,9 @@ class ContentStore:
                                 self.verified)
         self.recency = Recency(self.index)
         self.writes = BackgroundWrites(directory)  # what no read waits for
+        # what puts evicted, oldest first, for those who track what is cached (the view,
+        # mountd.view.view_jobs) to take; appended from any thread
+        self.evictions: collections.deque[bytes] = collections.deque(maxlen=EVICTION_NEWS)
 
     @property
     def size_limit(self) -> int:
@@ -299,11 +304,13 @@ class ContentStore:
 
     def culled(self, digests: Iterable[bytes]) -> None:
         """Entries a put evicted to make room (a loader process's, or one here): their
-        files' places forgotten (``ValueFiles.holds`` then says they are gone). Where
-        the news came late (another process stored one again since), its next read
-        finds it through the index."""
+        files' places forgotten (``ValueFiles.holds`` then says they are gone), and
+        the news put in ``evictions``. Where the news came late (another process stored
+        one again since), its next read finds it through the index."""
+        digests = list(digests)
         for digest in digests:
             self.files.forget(digest)
+        self.evictions.extend(digests)
 
     def write_failed_elsewhere(self, reason: str, damaged: bool) -> None:
         """Record a put a loader process could not make, as if it were this store's own:

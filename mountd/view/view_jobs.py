@@ -172,12 +172,28 @@ class ViewJobs:
 
     def _needs(self) -> list[tuple[DatasetJobs, list[JobNeeds]]]:
         """Each dataset with view jobs here, and what each of them is yet to be served
-        (and in which pass of each pool)."""
+        (and in which pass of each pool); what the store evicted since taken first."""
+        self._take_evictions()
         by_group: dict[int, tuple[DatasetJobs, list[JobNeeds]]] = {}
         for job in self.jobs.values():
             by_group.setdefault(id(job.group), (job.group, []))[1].append(
                 (job.unopened(), job.pass_number))
         return list(by_group.values())
+
+    def _take_evictions(self) -> None:
+        """The store's news of what it evicted since the last call, told to each dataset
+        with view jobs here: the items it takes to be cached (``CachedItems``) are then
+        those the store holds, and its readahead's room is true. Taken before each look
+        in the store and each hold (news older than either would undo it), and at least
+        every IDLE_LOOK (the readahead's), so that a node without view jobs drops it."""
+        news = self.services.store.evictions
+        evicted = [news.popleft() for _ in range(len(news))]
+        if not evicted:
+            return
+        for group in {id(job.group): job.group for job in self.jobs.values()}.values():
+            items = group.ds.pools.items_with(group.ds.digest, evicted)
+            if len(items):
+                group.cached.evicted(items)
 
     def status(self, uid: int) -> list[dict[str, Any]]:
         return [{**job.stats(),
@@ -250,6 +266,7 @@ class ViewJobs:
         (with ``misses``; without, nothing: a miss is chosen as it is opened, when what
         is cached then is known)."""
         group, digest = job.group, job.ds.digest
+        self._take_evictions()  # before the looks: older news would undo what they find
         pending = current.pending_items()
         order = group.in_order(pending, current.number)
         candidates = order[group.cached.findable(order)]
@@ -264,6 +281,7 @@ class ViewJobs:
         hits = hits[:batch]
         if not hits and not misses:
             return
+        self._take_evictions()  # news of what was evicted during the looks, before the hold
         fetch = [] if hits else [int(order[0])]
         job.place(current, hits + fetch)
         # a miss no other job needs is read and not kept; hits are spent when opened
