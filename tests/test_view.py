@@ -497,8 +497,35 @@ def test_jobs_take_a_pool_in_one_order_so_that_one_jobs_miss_is_the_others_hit()
     store.held_items.clear()
     (own,) = trio.run(plan, second)
     assert (own.index, own.keep) == (order[1], True)
+    group.cached.evicted(np.asarray([own.index]))  # its read stored it; evicted since
     (last,) = trio.run(plan, first)
     assert (last.index, last.hit, last.keep) == (order[1], False, False)
+
+
+def test_a_miss_is_of_the_first_item_not_on_its_way_already():
+    """Jobs at the front of a pool's common order each miss a different item: one on
+    its way (another job's miss) is waited for by no second job, which fetches the
+    next; with every item it needs on its way, the first."""
+    ds, group, store, jobs, (first, second), pool = _two_view_jobs()
+    order = [int(i) for i in group.in_order(ds.pools.members[pool], 0)]
+
+    async def miss(job: ViewJob) -> int:
+        current = job.pass_of(pool)
+        await jobs._plan(job, pool, current)
+        (choice,) = current.queue
+        current.queue.clear()
+        assert not choice.hit
+        return choice.index
+
+    assert trio.run(miss, first) == order[0]
+    assert trio.run(miss, second) == order[1]  # the first's is on its way
+    assert trio.run(miss, first) == order[2]  # the second's is on its way too
+    store.held_items.add(order[0])  # it came: the second's next open is its hit
+    trio.run(jobs._plan, second, pool, second.pass_of(pool))
+    assert [(c.index, c.hit) for c in second.pass_of(pool).queue] == [(order[0], True)]
+    second.pass_of(pool).queue.clear()
+    group.cached.hold(order)  # all on their way: the first it needs
+    assert trio.run(miss, second) == order[2]
 
 
 def test_the_stores_evictions_reach_what_the_view_takes_to_be_cached():

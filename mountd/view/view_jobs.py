@@ -10,7 +10,8 @@ per pool, and the job gets every item exactly once per epoch.
 
 Every job takes a pool's items in one common order (the chunk cycle's: resident chunks
 first, then as the ring brings them; shuffled anew each pass): cached ones first, else a
-miss of the first. So what one job fetches is what the others want next; it stays cached
+miss of the first not on its way already (the jobs at the front each fetch another). So
+what one job fetches is what the others want next; it stays cached
 until every view job here has opened it, and is then the store's first to evict
 (``spent``). The readahead
 (mountd.view.readahead) fetches the next items in that order, within the dataset's
@@ -263,7 +264,7 @@ class ViewJobs:
                     batch: int = POOL_BATCH, misses: bool = True) -> None:
         """Choose the next items of a pool pass, in the common order: up to ``batch``
         cached ones, or where none is, a miss of the first item the job still needs
-        (with ``misses``; without, nothing: a miss is chosen as it is opened, when what
+        that is not on its way (with ``misses``; without, nothing: a miss is chosen as it is opened, when what
         is cached then is known)."""
         group, digest = job.group, job.ds.digest
         self._take_evictions()  # before the looks: older news would undo what they find
@@ -282,7 +283,13 @@ class ViewJobs:
         if not hits and not misses:
             return
         self._take_evictions()  # news of what was evicted during the looks, before the hold
-        fetch = [] if hits else [int(order[0])]
+        if hits:
+            fetch = []
+        else:
+            # the first not on its way already: another job's miss of it would be waited
+            # for, and the jobs at the front would take the bucket one item at a time
+            free = order[~group.cached.coming[order]]
+            fetch = [int(free[0] if len(free) else order[0])]
         job.place(current, hits + fetch)
         # a miss no other job needs is read and not kept; hits are spent when opened
         spent = [i for i in fetch if self._spent(job, pool, i)]
