@@ -5,9 +5,9 @@ bytes within the dataset's allotment.
 Taken to be cached: the loading and loaded chunks' items (less those evicted), and what
 the view fetched that its jobs still need. The store's LRU evictions reach it as news
 (``evicted``, from ``ContentStore.evictions``), and a look in the store that does not
-find an item forgets it too (news beyond the store's bound is lost). Items the view's jobs have all
-had (*spent*) are the store's first to evict, yet may be found until then: a job that
-starts its next pass over their pool looks for them too.
+find an item forgets it too (news past the store's bound between two takes is lost).
+Items the view's jobs have all had (*spent*) are the store's first to evict, yet may be
+found until then: a job that starts its next pass over their pool looks for them too.
 """
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ class CachedItems:
     def evicted(self, items: np.ndarray) -> None:
         """Items the store evicted: neither cached nor on their way (the view takes the
         news just before it holds items, so that none is older than a fetch begun)."""
+        items = np.unique(items)  # an item evicted twice in one take counts once
         self.coming[items] = self.spent[items] = False
         if len(self._set(items, False)):
             self.evicted_at, self.evicted_bytes = time.monotonic(), self.bytes

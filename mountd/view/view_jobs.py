@@ -264,8 +264,8 @@ class ViewJobs:
                     batch: int = POOL_BATCH, misses: bool = True) -> None:
         """Choose the next items of a pool pass, in the common order: up to ``batch``
         cached ones, or where none is, a miss of the first item the job still needs
-        that is not on its way (with ``misses``; without, nothing: a miss is chosen as it is opened, when what
-        is cached then is known)."""
+        that is not on its way (with ``misses``; without, nothing: a miss is chosen as
+        it is opened, when what is cached then is known)."""
         group, digest = job.group, job.ds.digest
         self._take_evictions()  # before the looks: older news would undo what they find
         pending = current.pending_items()
