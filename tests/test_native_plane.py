@@ -372,7 +372,10 @@ def test_the_plane_drops_the_store_pages_it_brought_in_and_keeps_the_others(
     # READ read, here the whole file, so a file it dropped has no page left; one that
     # lost some of its pages lost them to the kernel's reclaim (.ci/run on a fresh clone
     # saw 4 files at 6 of 10 and 33 of 37 pages, with no drop; DAMON's pageout runs on
-    # these machines). ``emptied``: the pages each file had before it was emptied.
+    # these machines). A file of a page or two the reclaim may empty whole (.ci/run at
+    # 997a4ac: 6 files emptied of 1-2 pages, 5 drops). ``emptied``: the pages each file
+    # had before it was emptied. Dropped always, every file would be.
     dropped = after["store_drops"] - before["store_drops"] - len(rels)
     emptied = [w for k, w in zip(cached(), whole) if k == 0]
-    assert dropped <= len(rels) // 100 and len(emptied) <= dropped, (dropped, emptied)
+    assert dropped <= len(rels) // 100, (dropped, emptied)
+    assert len(emptied) <= dropped + len(rels) // 100, (dropped, emptied)
