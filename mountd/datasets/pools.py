@@ -40,7 +40,7 @@ class ViewPools:
     members: PoolMembers  # item indices per pool
     shared: np.ndarray  # bool per item: its pool has others (it may be substituted)
     # the items by their hash's first 8 bytes (as uint64), and those keys in that order:
-    # which items a digest the store evicted is (``items_with``)
+    # which items a hash the store evicted stands for (``items_with``)
     by_hash: np.ndarray
     hash_keys: np.ndarray
 

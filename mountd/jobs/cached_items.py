@@ -51,15 +51,16 @@ class CachedItems:
         self._set(items_[found], True)
         gone = items_[~found & ~self.coming[items_]]
         self.spent[items_] = False
-        if len(self._set(gone, False)):
-            self.evicted_at, self.evicted_bytes = time.monotonic(), self.bytes
+        self._lost(self._set(gone, False))
 
     def evicted(self, items: np.ndarray) -> None:
-        """Items the store evicted: neither cached nor on their way (the view takes the
-        news just before it holds items, so that none is older than a fetch begun)."""
-        items = np.unique(items)  # an item evicted twice in one take counts once
-        self.coming[items] = self.spent[items] = False
-        if len(self._set(items, False)):
+        """Items the store evicted: forgotten (the view takes the news just before it
+        holds items, so that none is older than a fetch begun)."""
+        self._lost(self.forget(items))
+
+    def _lost(self, gone: np.ndarray) -> None:
+        """Items taken to be cached found gone: the store evicts items still needed."""
+        if len(gone):
             self.evicted_at, self.evicted_bytes = time.monotonic(), self.bytes
 
     def spend(self, items: list[int]) -> None:
@@ -68,11 +69,12 @@ class CachedItems:
         self._set(items_, False)
         self.spent[items_] = True
 
-    def forget(self, items: np.ndarray) -> None:
-        """Items dropped from the store (an evicted chunk's)."""
+    def forget(self, items: np.ndarray) -> np.ndarray:
+        """Items dropped from the store (an evicted chunk's): neither cached nor on their
+        way; those taken to be cached before (each once, whatever ``items`` repeats)."""
         items = np.unique(np.asarray(items, dtype=np.int64))
         self.coming[items] = self.spent[items] = False
-        self._set(items, False)
+        return self._set(items, False)
 
     def findable(self, items: np.ndarray) -> np.ndarray:
         """Which of ``items`` a look in the store may find."""
